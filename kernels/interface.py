@@ -1,0 +1,74 @@
+"""The contract every attention backend implements.
+
+The KV cache of an engine is one block-major tensor
+``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``; a layer sees
+its slice ``kv_cache[:, layer]`` of shape ``[num_blocks, 2, block_size, num_kv_heads, head_dim]``
+(index 0 along dim 1 is K, 1 is V). A *slot* is ``block_id * block_size + offset``.
+
+A forward pass runs over a flat batch of ``T`` new tokens belonging to ``B`` sequences,
+sequence ``i`` owning query rows ``query_start_loc[i]:query_start_loc[i + 1]``. Each
+sequence's new tokens are the last ``query_len`` of its ``seq_len`` context tokens:
+they attend causally among themselves and fully over the cached context before them.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Where each new token's K/V goes and what each sequence attends over.
+
+    Tensors live on the model's device; the ``*_host`` lists are the same numbers on the
+    host, so CPU-side backends never synchronise with the device to read them.
+    """
+
+    slot_mapping: torch.Tensor  # [T] int64: slot of each new token
+    query_start_loc: torch.Tensor  # [B + 1] int32: cumulative query lengths
+    seq_lens: torch.Tensor  # [B] int32: context length including the new tokens
+    block_tables: torch.Tensor  # [B, max_blocks] int32, rows padded with 0
+    query_lens_host: list[int]
+    seq_lens_host: list[int]
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_host)
+
+    @property
+    def is_pure_decode(self) -> bool:
+        return self.max_query_len == 1
+
+
+class AttentionBackend(ABC):
+    """Writes new K/V into the paged cache, then attends each query over its context."""
+
+    name: str
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,  # [T, num_heads, head_dim]
+        key: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        kv_layer: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        """Store ``key``/``value`` at ``meta.slot_mapping`` in ``kv_layer``, return attention output."""
+
+
+def write_kv(
+    key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Scatter new K/V rows into their slots (pure torch; used by the reference backend)."""
+    block_size = kv_layer.shape[2]
+    blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
+    offsets = slot_mapping % block_size
+    kv_layer[blocks, 0, offsets] = key.to(kv_layer.dtype)
+    kv_layer[blocks, 1, offsets] = value.to(kv_layer.dtype)

@@ -1,0 +1,129 @@
+"""The GPU attention backend: Triton KV write, then one Triton paged-attention launch.
+
+Long prefill chunks go to PyTorch's fused attention (SDPA). A chunk qualifies when it
+belongs to the batch's *suffix* of long chunks (the scheduler puts decodes first and
+prefill chunks last, so the Triton launch keeps one contiguous prefix of rows and
+sequences) and has at least
+
+- ``sdpa_min_tokens`` new tokens when it is a whole prompt (no cached context): causal
+  SDPA on its own new q/k/v, exact as it stands; flash there is about twice as fast as
+  the Triton kernel;
+- ``sdpa_min_chunk_tokens`` when it follows cached context: its whole context is
+  gathered from the paged cache into contiguous K/V and attended with bottom-right
+  causal alignment; only about 10% faster than Triton, and only on long chunks.
+
+Measurements on an NVIDIA H200 are in /work/notes/kernels.md.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+from kernels.interface import AttentionBackend, AttentionMetadata
+from kernels.triton_attention import paged_attention
+from kernels.triton_kv_write import write_kv_triton
+
+# NOTE: measured on an NVIDIA H200, bf16, 32/8 heads, head_dim 128 (notes/kernels.md):
+# SDPA wins from 512-token prompts up; over cached context it lost at a 512-token
+# chunk and won by 7-12% at 2k-8k chunks.
+DEFAULT_SDPA_MIN_TOKENS = 512
+DEFAULT_SDPA_MIN_CHUNK_TOKENS = 2048
+
+
+class TritonBackend(AttentionBackend):
+    """Mixed prefill + decode batches in one Triton launch; long chunks through SDPA."""
+
+    name = "triton"
+
+    def __init__(
+        self,
+        sdpa_min_tokens: int | None = DEFAULT_SDPA_MIN_TOKENS,
+        sdpa_min_chunk_tokens: int | None = DEFAULT_SDPA_MIN_CHUNK_TOKENS,
+    ) -> None:
+        """Shortest whole prompt / chunk over cached context sent to SDPA; None: never."""
+        self.sdpa_min_tokens = sdpa_min_tokens
+        self.sdpa_min_chunk_tokens = sdpa_min_chunk_tokens
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_layer: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        write_kv_triton(key, value, kv_layer, meta.slot_mapping)
+        first_long = self._first_long_chunk(meta)
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        starts = [0]
+        for query_len in meta.query_lens_host:
+            starts.append(starts[-1] + query_len)
+        if first_long > 0:
+            rows = starts[first_long]
+            paged_attention(
+                query[:rows],
+                kv_layer,
+                meta.block_tables[:first_long],
+                meta.seq_lens[:first_long],
+                meta.query_start_loc[: first_long + 1],
+                scale=scale,
+                max_query_len=max(meta.query_lens_host[:first_long]),
+                max_seq_len=max(meta.seq_lens_host[:first_long]),
+                out=out[:rows],
+            )
+        for seq in range(first_long, meta.num_seqs):
+            begin, end = starts[seq], starts[seq + 1]
+            seq_len = meta.seq_lens_host[seq]
+            if end - begin == seq_len:
+                seq_key, seq_value = key[begin:end], value[begin:end]
+            else:
+                seq_key, seq_value = _gather_context(kv_layer, meta.block_tables[seq], seq_len)
+            out[begin:end] = _causal_sdpa(query[begin:end], seq_key, seq_value, scale)
+        return out
+
+    def _first_long_chunk(self, meta: AttentionMetadata) -> int:
+        """Index of the first sequence of the trailing run of chunks that go to SDPA."""
+        first = meta.num_seqs
+        while first > 0 and self._use_sdpa(
+            meta.query_lens_host[first - 1], meta.seq_lens_host[first - 1]
+        ):
+            first -= 1
+        return first
+
+    def _use_sdpa(self, query_len: int, seq_len: int) -> bool:
+        limit = self.sdpa_min_tokens if query_len == seq_len else self.sdpa_min_chunk_tokens
+        return limit is not None and query_len >= limit
+
+
+def _gather_context(
+    kv_layer: torch.Tensor, block_table: torch.Tensor, seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of a sequence's first ``seq_len`` tokens, each ``[seq_len, kv_heads, head_dim]``."""
+    _, _, block_size, num_kv_heads, head_dim = kv_layer.shape
+    num_blocks = -(-seq_len // block_size)
+    blocks = block_table[:num_blocks].long()
+    # NOTE: K and V gathered apart, so each result is contiguous and flattens to tokens.
+    key = kv_layer[:, 0][blocks].view(num_blocks * block_size, num_kv_heads, head_dim)
+    value = kv_layer[:, 1][blocks].view(num_blocks * block_size, num_kv_heads, head_dim)
+    return key[:seq_len], value[:seq_len]
+
+
+def _causal_sdpa(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """One sequence's ``[q_len, heads, D]`` queries over its last-aligned ``[kv_len, kv_heads, D]``."""
+    q_len, kv_len = query.shape[0], key.shape[0]
+    mask = None if q_len == kv_len else causal_lower_right(q_len, kv_len)
+    out = F.scaled_dot_product_attention(
+        query.transpose(0, 1).unsqueeze(0),
+        key.to(query.dtype).transpose(0, 1).unsqueeze(0),
+        value.to(query.dtype).transpose(0, 1).unsqueeze(0),
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out[0].transpose(0, 1)

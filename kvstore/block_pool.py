@@ -1,0 +1,157 @@
+"""The device block pool: ref counts, the LRU free list, and the prefix-cache index.
+
+Invariants (checked by ``check_invariants`` in tests):
+- a block is on the free list exactly when its ref count is 0;
+- a block's ref count equals the number of live block tables holding it;
+- the index maps a hash to a block whose stored identity (salt, parent, tokens) is that hash's;
+- a free block may stay in the index (a cached block) until its room is needed: the free
+  list is also the evictor, least recently released first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from kvstore.hashing import BlockHash
+
+
+@dataclass(frozen=True)
+class BlockIdentity:
+    """What a cached block holds: enough to verify a hash hit and to persist the block."""
+
+    block_hash: BlockHash
+    parent_hash: BlockHash
+    salt: bytes
+    token_ids: tuple[int, ...]
+
+
+EvictionHook = Callable[[int, BlockIdentity], None]
+
+
+class NoFreeBlocksError(RuntimeError):
+    """Raised internally when an allocation asks for more blocks than are free."""
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.ref_counts = [0] * num_blocks
+        self.identities: list[BlockIdentity | None] = [None] * num_blocks
+        # NOTE: insertion order is eviction order; re-appending moves a block to the MRU end.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._index: dict[BlockHash, int] = {}
+        self._eviction_hooks: list[EvictionHook] = []
+        self.num_evictions = 0
+
+    # -- queries ---------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        """Blocks that can be allocated now (cached-but-unused ones included)."""
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._index)
+
+    @property
+    def num_cached_free(self) -> int:
+        return sum(1 for block in self._free if self.identities[block] is not None)
+
+    def lookup(self, identity: BlockIdentity) -> int | None:
+        """The cached block holding exactly ``identity``, or None.
+
+        A hit is trusted only when the stored salt, parent and token ids match too, so a
+        hash collision is a miss, never someone else's KV.
+        """
+        block = self._index.get(identity.block_hash)
+        if block is None or self.identities[block] != identity:
+            return None
+        return block
+
+    def cached_identity(self, block_hash: BlockHash) -> BlockIdentity | None:
+        block = self._index.get(block_hash)
+        return None if block is None else self.identities[block]
+
+    # -- changes ---------------------------------------------------------------------------
+    def add_eviction_hook(self, hook: EvictionHook) -> None:
+        """``hook(block_id, identity)`` runs before a cached block's room is reused."""
+        self._eviction_hooks.append(hook)
+
+    def allocate(self, count: int) -> list[int]:
+        """Take ``count`` blocks (ref count 1 each), evicting the least recently used."""
+        if count > len(self._free):
+            raise NoFreeBlocksError(f"asked for {count} blocks, {len(self._free)} free")
+        blocks = []
+        for _ in range(count):
+            block, _ = self._free.popitem(last=False)
+            self._evict(block)
+            self.ref_counts[block] = 1
+            blocks.append(block)
+        return blocks
+
+    def share(self, block: int) -> None:
+        """Add a reference to a (cached) block, taking it off the free list if it was free."""
+        if self.ref_counts[block] == 0:
+            del self._free[block]
+        self.ref_counts[block] += 1
+
+    def release(self, blocks: Iterable[int]) -> None:
+        """Drop one reference from each block; blocks reaching 0 become free (MRU end)."""
+        for block in blocks:
+            assert self.ref_counts[block] > 0, f"block {block} released more often than held"
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self._free[block] = None
+
+    def register(self, block: int, identity: BlockIdentity) -> bool:
+        """Index a full, computed block under its hash. False if another block holds it."""
+        assert self.ref_counts[block] > 0, "only live blocks are registered"
+        existing = self._index.get(identity.block_hash)
+        if existing is not None:
+            return existing == block
+        if self.identities[block] is not None:
+            return False  # already indexed under another hash (a collision elsewhere)
+        self.identities[block] = identity
+        self._index[identity.block_hash] = block
+        return True
+
+    def evict_all_free(self) -> int:
+        """Drop every free block from the index (reset_prefix_cache). Returns how many."""
+        dropped = 0
+        for block in self._free:
+            if self.identities[block] is not None:
+                self._evict(block)
+                dropped += 1
+        return dropped
+
+    def _evict(self, block: int) -> None:
+        identity = self.identities[block]
+        if identity is None:
+            return
+        for hook in self._eviction_hooks:
+            hook(block, identity)
+        del self._index[identity.block_hash]
+        self.identities[block] = None
+        self.num_evictions += 1
+
+    def check_invariants(self, live_tables: Iterable[list[int]] = ()) -> None:
+        """Assert the pool's invariants; ``live_tables`` are the block tables of live sequences."""
+        expected = [0] * self.num_blocks
+        for table in live_tables:
+            for block in table:
+                expected[block] += 1
+        assert expected == self.ref_counts, "ref counts differ from live references"
+        for block in range(self.num_blocks):
+            assert (block in self._free) == (self.ref_counts[block] == 0), f"block {block}"
+        for block_hash, block in self._index.items():
+            identity = self.identities[block]
+            assert identity is not None and identity.block_hash == block_hash
+        assert sum(identity is not None for identity in self.identities) == len(self._index)

@@ -1,0 +1,40 @@
+"""The engine's block-major KV tensor and how many blocks a memory budget buys."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    @property
+    def block_shape(self) -> tuple[int, int, int, int, int]:
+        """One block: all layers' K and V for ``block_size`` tokens, contiguous."""
+        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def bytes_per_block(self) -> int:
+        count = 1
+        for dim in self.block_shape:
+            count *= dim
+        return count * self.dtype.itemsize
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.bytes_per_block // self.block_size
+
+    def num_blocks_for(self, budget_bytes: float) -> int:
+        return int(budget_bytes // self.bytes_per_block)
+
+    def allocate(self, num_blocks: int, device: torch.device) -> torch.Tensor:
+        # NOTE: zeros, not empty: on the CPU untouched pages stay unmapped, so the resident
+        # size grows with the blocks actually used rather than the whole budget.
+        return torch.zeros((num_blocks, *self.block_shape), dtype=self.dtype, device=device)

@@ -1,0 +1,205 @@
+"""Shared vocabulary of the KV tiers below the device: block identity, metrics, interface.
+
+A tier stores whole KV blocks, each of shape ``block_shape`` =
+``[num_layers, 2, block_size, num_kv_heads, head_dim]`` and one dtype, named by the block's
+chained content hash. Every tier answers the same small interface (contains / load_into /
+put / flush / close). A load is trusted only after the stored salt and token ids equal the
+expected ones, so a hash collision can never hand out another prompt's (or tenant's) KV.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
+import torch
+import xxhash
+
+HASH_BYTES = 16
+TierT = TypeVar("TierT", bound="KVTier")
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRecordKey:
+    """Index key of a stored block: the salt's fingerprint plus the block hash.
+
+    The fingerprint (not the salt itself) is what a restarted disk tier can recover from
+    file names alone; the full salt is verified on every read.
+    """
+
+    fingerprint: str
+    block_hash: bytes
+
+
+def salt_fingerprint(salt: bytes) -> str:
+    """Short, file-name-safe digest of a salt (model fingerprint + tenant namespace)."""
+    return xxhash.xxh3_64_hexdigest(salt)
+
+
+class BlockLike(Protocol):
+    """Anything naming a full block: ``BlockMeta`` or the block pool's identity records."""
+
+    @property
+    def block_hash(self) -> bytes: ...
+    @property
+    def parent_hash(self) -> bytes | None: ...
+    @property
+    def token_ids(self) -> Sequence[int]: ...
+    @property
+    def salt(self) -> bytes: ...
+
+
+def record_key(meta: BlockLike) -> BlockRecordKey:
+    return BlockRecordKey(salt_fingerprint(meta.salt), meta.block_hash)
+
+
+def same_block(first: BlockLike, second: BlockLike) -> bool:
+    """Equal identity: hash, parent, salt and token ids (the full hash preimage)."""
+    return (
+        first.block_hash == second.block_hash
+        and first.parent_hash == second.parent_hash
+        and first.salt == second.salt
+        and tuple(first.token_ids) == tuple(second.token_ids)
+    )
+
+
+@dataclass(frozen=True)
+class BlockMeta:
+    """What the engine knows about one full block, and what a tier verifies on load.
+
+    ``block_hash`` is ``xxh3_128(salt, parent_hash, token_ids)``; ``parent_hash`` is None for
+    the first block of a sequence. ``salt`` binds model, block size, KV dtype and tenant.
+    """
+
+    block_hash: bytes
+    parent_hash: bytes | None
+    token_ids: tuple[int, ...]
+    salt: bytes
+
+    def __post_init__(self) -> None:
+        if len(self.block_hash) != HASH_BYTES:
+            raise ValueError(f"block_hash must be {HASH_BYTES} bytes, got {len(self.block_hash)}")
+        if self.parent_hash is not None and len(self.parent_hash) != HASH_BYTES:
+            raise ValueError(
+                f"parent_hash must be {HASH_BYTES} bytes or None, got {len(self.parent_hash)}"
+            )
+        if not isinstance(self.token_ids, tuple):
+            # NOTE: a list would make the frozen meta unhashable and mutable behind our back.
+            object.__setattr__(self, "token_ids", tuple(self.token_ids))
+
+
+@dataclass
+class TierMetrics:
+    """Counters of one tier. ``metrics()`` returns a copy (a snapshot), never the live object.
+
+    corrupt_records: damaged bytes (magic, truncation, checksums, lengths, undecodable header).
+    foreign_records: a valid record that is not ours (other format version or salt).
+    mismatched_records: ours, but another block (hash, token ids, dtype or shape differ).
+    """
+
+    capacity_bytes: int = 0
+    used_bytes: int = 0
+    num_blocks: int = 0
+    hits: int = 0
+    misses: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    load_seconds_total: float = 0.0
+    load_count: int = 0
+    store_seconds_total: float = 0.0
+    store_count: int = 0
+    evictions: int = 0
+    dropped_demotions: int = 0
+    corrupt_records: int = 0
+    foreign_records: int = 0
+    mismatched_records: int = 0
+    write_errors: int = 0
+    disk_full_events: int = 0
+    disk_full: bool = False
+    disabled: bool = False
+
+
+def block_nbytes(block_shape: Sequence[int], dtype: torch.dtype) -> int:
+    numel = 1
+    for dim in block_shape:
+        numel *= int(dim)
+    return numel * dtype.itemsize
+
+
+def check_block_shape(block_shape: Sequence[int]) -> tuple[int, ...]:
+    shape = tuple(int(dim) for dim in block_shape)
+    if not shape or any(dim < 1 for dim in shape):
+        raise ValueError(f"block_shape must be non-empty with positive dims, got {shape}")
+    return shape
+
+
+class KVTier(abc.ABC):
+    """A store of KV blocks below the device.
+
+    Contract: ``load_into`` writes a block into ``dest`` and returns True only after the
+    record is verified against ``meta``; on False the contents of ``dest`` are unspecified
+    and must not be used. ``put`` never raises for capacity reasons: a tier that cannot
+    take a block drops it (and counts it).
+    """
+
+    block_shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @abc.abstractmethod
+    def contains(self, meta: BlockLike) -> bool:
+        """Cheap index check (no payload read); a later load may still miss."""
+
+    @abc.abstractmethod
+    def load_into(self, meta: BlockLike, dest: torch.Tensor) -> bool:
+        """Copy the verified block named by ``meta`` into ``dest`` (shape ``block_shape``)."""
+
+    @abc.abstractmethod
+    def put(self, meta: BlockLike, block: torch.Tensor) -> bool:
+        """Store a copy of ``block``; True if stored or queued, False if dropped."""
+
+    @abc.abstractmethod
+    def discard(self, meta: BlockLike) -> bool:
+        """Forget the block; True if it was present."""
+
+    @abc.abstractmethod
+    def metrics(self) -> TierMetrics:
+        """A snapshot of this tier's counters."""
+
+    def flush(self) -> None:  # noqa: B027 (synchronous tiers have nothing to flush)
+        """Wait until every accepted ``put`` is durable in this tier."""
+
+    def close(self) -> None:  # noqa: B027
+        """Flush and release resources; later calls behave as misses/drops."""
+
+    def get(self, meta: BlockLike) -> torch.Tensor | None:
+        """The verified block in a new CPU tensor, or None on a miss."""
+        dest = torch.empty(self.block_shape, dtype=self.dtype)
+        return dest if self.load_into(meta, dest) else None
+
+    def load_many_into(
+        self, metas: Sequence[BlockLike], dests: torch.Tensor | Sequence[torch.Tensor]
+    ) -> list[bool]:
+        """Load ``metas[i]`` into ``dests[i]`` (one batch tensor, or a list of blocks)."""
+        self.check_batch(metas, dests)
+        return [self.load_into(meta, dests[i]) for i, meta in enumerate(metas)]
+
+    def check_block(self, tensor: torch.Tensor, role: str) -> None:
+        if tuple(tensor.shape) != self.block_shape or tensor.dtype != self.dtype:
+            raise ValueError(
+                f"{role} must have shape {self.block_shape} and dtype {self.dtype}, "
+                f"got {tuple(tensor.shape)} {tensor.dtype}"
+            )
+
+    def check_batch(
+        self, metas: Sequence[BlockLike], dests: torch.Tensor | Sequence[torch.Tensor]
+    ) -> None:
+        if len(dests) != len(metas):
+            raise ValueError(f"{len(metas)} blocks to load but {len(dests)} destinations")
+
+    def __enter__(self: TierT) -> TierT:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

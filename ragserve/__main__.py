@@ -1,0 +1,3 @@
+from ragserve.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,34 @@
+"""``ragserve bench <name>``: benchmarks that print a table and write JSON."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from typing import Any
+
+BENCHMARKS = {
+    "throughput": "ragserve.bench.throughput",
+    "prefix": "ragserve.bench.prefix",
+}
+
+
+def add_parser(subparsers: Any) -> None:
+    from ragserve.cli import add_engine_args
+
+    parser = subparsers.add_parser("bench", help="run a benchmark (table + JSON)")
+    bench_parsers = parser.add_subparsers(dest="benchmark", required=True)
+    for name, module_name in BENCHMARKS.items():
+        module = importlib.import_module(module_name)
+        sub = bench_parsers.add_parser(name, help=module.__doc__)
+        module.add_arguments(sub)
+        add_engine_args(sub)
+        sub.set_defaults(func=_runner(module))
+
+
+def _runner(module: Any) -> Any:
+    def run(args: argparse.Namespace) -> int:
+        from ragserve.cli import engine_config_from_args
+
+        return int(module.run(args, engine_config_from_args(args)))
+
+    return run

@@ -1,0 +1,100 @@
+"""``ragserve`` command line: serve, generate, bench, and the batch pipelines."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Callable, Sequence
+
+from ragserve.config import EngineConfig
+
+# Each subcommand lives in its own module exposing ``add_parser(subparsers)``; the parser
+# it adds carries ``func=run`` taking the parsed arguments and returning an exit code.
+SUBCOMMAND_MODULES = (
+    "ragserve.commands.generate",
+    "ragserve.server.cli",
+    "ragserve.bench.cli",
+    "pipelines.cli",
+)
+
+
+class CliError(Exception):
+    """A user error: printed as one line, exit code 2."""
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Engine flags shared by every command that builds an engine."""
+    group = parser.add_argument_group("engine")
+    group.add_argument("--model", default=None, help="HF directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    group.add_argument("--tokenizer", default=None)
+    group.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    group.add_argument("--device", default="auto")
+    group.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"])
+    group.add_argument("--block-size", type=int, default=16)
+    group.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    group.add_argument("--max-num-seqs", type=int, default=64)
+    group.add_argument("--max-model-len", type=int, default=None)
+    group.add_argument("--kv-cache-gib", type=float, default=None)
+    group.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    group.add_argument("--no-prefix-caching", action="store_true")
+    group.add_argument("--attention-backend", default=None)
+    group.add_argument("--kv-cpu-gib", type=float, default=0.0)
+    group.add_argument("--kv-disk-dir", default=None)
+    group.add_argument("--kv-disk-gib", type=float, default=0.0)
+    group.add_argument("--seed", type=int, default=0)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model,
+        tokenizer=args.tokenizer,
+        dtype=args.dtype,
+        device=args.device,
+        load_format=args.load_format,
+        block_size=args.block_size,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        kv_cache_gib=args.kv_cache_gib,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enable_prefix_caching=not args.no_prefix_caching,
+        attention_backend=args.attention_backend,
+        kv_cpu_gib=args.kv_cpu_gib,
+        kv_disk_dir=args.kv_disk_dir,
+        kv_disk_gib=args.kv_disk_gib,
+        seed=args.seed,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ragserve", description=__doc__)
+    parser.add_argument("--log-level", default="INFO")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for name in SUBCOMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name == name:
+                continue  # a subcommand not shipped in this build
+            raise
+        module.add_parser(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except (CliError, ValueError, FileNotFoundError) as exc:
+        print(f"ragserve {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"ragserve {args.command}: interrupted", file=sys.stderr)
+        return 130

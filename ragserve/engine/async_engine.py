@@ -1,0 +1,189 @@
+"""An asyncio front for the engine: one engine thread owns the step loop; callers stream.
+
+Requests reach the engine thread through a thread-safe queue; each request's outputs
+come back on its own asyncio queue. Cancelling the consumer (a client that went away)
+aborts the request and frees its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from ragserve.config import EngineConfig
+from ragserve.engine.llm_engine import LLMEngine
+from ragserve.outputs import RequestOutput
+from ragserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has stopped; no request can be served."""
+
+
+@dataclass
+class _Sink:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput | BaseException]
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig | None = None, engine: LLMEngine | None = None) -> None:
+        self.engine = engine if engine is not None else LLMEngine(config or EngineConfig())
+        self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
+        self._sinks: dict[str, _Sink] = {}
+        self._ids = itertools.count()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="ragserve-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def num_active_requests(self) -> int:
+        return len(self._sinks)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopping.is_set()
+
+    # -- calls from the event loop ----------------------------------------------------------
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        namespace: str = "",
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream cumulative outputs; the last one has ``finished=True``.
+
+        Raises ValueError (before any output) when the engine rejects the request.
+        """
+        if not self.is_alive:
+            raise EngineDeadError("the engine is not running")
+        request_id = request_id or f"req-{next(self._ids)}"
+        sink = _Sink(asyncio.get_running_loop(), asyncio.Queue())
+        if request_id in self._sinks:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self._sinks[request_id] = sink
+
+        def add() -> None:
+            try:
+                self.engine.add_request(request_id, prompt, params, namespace=namespace)
+            except ValueError as exc:
+                self._sinks.pop(request_id, None)
+                sink.put(exc)
+
+        self._commands.put(add)
+        finished = False
+        try:
+            while True:
+                item = await sink.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request from any thread; its blocks are freed on the engine thread."""
+        self._sinks.pop(request_id, None)
+
+        def abort() -> None:
+            self.engine.abort_request(request_id)
+
+        self._commands.put(abort)
+
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run ``fn(engine)`` on the engine thread between steps and return its result."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+
+        def run() -> None:
+            try:
+                result = fn(self.engine)
+            except BaseException as exc:  # handed to the caller
+                loop.call_soon_threadsafe(_set_exception, future, exc)
+            else:
+                loop.call_soon_threadsafe(_set_result, future, result)
+
+        self._commands.put(run)
+        return await future
+
+    async def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the engine thread; unfinished requests are aborted."""
+        self._stopping.set()
+        self._commands.put(lambda: None)
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, timeout)
+
+    # -- the engine thread -----------------------------------------------------------------
+    def _loop(self) -> None:
+        engine = self.engine
+        while not self._stopping.is_set():
+            idle = not engine.has_unfinished_requests()
+            try:
+                command = self._commands.get(timeout=0.5) if idle else self._commands.get_nowait()
+            except queue.Empty:
+                command = None
+            while command is not None:
+                command()
+                try:
+                    command = self._commands.get_nowait()
+                except queue.Empty:
+                    command = None
+            if not engine.has_unfinished_requests() or self._stopping.is_set():
+                continue
+            try:
+                outputs = engine.step()
+            except Exception as exc:
+                logger.exception("engine step failed; aborting its requests")
+                self._fail_all(exc)
+                continue
+            for output in outputs:
+                sink = self._sinks.get(output.request_id)
+                if sink is not None:
+                    sink.put(output)
+                if output.finished:
+                    self._sinks.pop(output.request_id, None)
+        self._fail_all(EngineDeadError("the engine shut down"))
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for request_id, sink in list(self._sinks.items()):
+            self.engine.abort_request(request_id)
+            sink.put(exc)
+        self._sinks.clear()
+
+
+def _set_result(future: asyncio.Future[Any], result: Any) -> None:
+    if not future.done():
+        future.set_result(result)
+
+
+def _set_exception(future: asyncio.Future[Any], exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)

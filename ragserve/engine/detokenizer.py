@@ -1,0 +1,59 @@
+"""Incremental detokenization with stop-string handling.
+
+Decoding only a short window of recent tokens keeps each step O(1) in the output length;
+text is released only once it can no longer change (no trailing partial UTF-8 character)
+and can no longer be the start of a stop string.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Tokens decoded before the new ones, so merges and leading spaces come out right.
+_CONTEXT_TOKENS = 6
+
+
+class IncrementalDetokenizer:
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_token_ids: list[int],
+        stop_strings: tuple[str, ...],
+        skip_special_tokens: bool,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens
+        self._stop_strings = stop_strings
+        self._hold_back = max((len(s) for s in stop_strings), default=1) - 1
+        self._ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self.text = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return str(self._tokenizer.decode(ids, skip_special_tokens=self._skip_special))
+
+    def append(self, token_id: int) -> str | None:
+        """Add one token; returns the stop string it completed, if any."""
+        self._ids.append(token_id)
+        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self._ids[self._prefix_offset :])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return None  # an incomplete character: wait for more bytes
+        new_text = full[len(prefix) :]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        search_from = max(0, len(self.text) - self._hold_back)
+        self.text += new_text
+        for stop in self._stop_strings:
+            position = self.text.find(stop, search_from)
+            if position >= 0:
+                self.text = self.text[:position]
+                return stop
+        return None
+
+    def stream_text(self, finished: bool) -> str:
+        """The text safe to show now: it can no longer turn into a stop string."""
+        if finished or not self._hold_back:
+            return self.text
+        return self.text[: max(0, len(self.text) - self._hold_back)]

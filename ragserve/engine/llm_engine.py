@@ -1,0 +1,357 @@
+"""The engine: requests in, one schedule → run → postprocess step at a time, outputs out."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kernels.registry import get_backend
+from kvstore.block_pool import BlockPool
+from kvstore.device_cache import KVCacheSpec
+from kvstore.hashing import make_salt
+from kvstore.kv_cache_manager import KVAllocation, KVCacheManager
+from ragserve.config import EngineConfig
+from ragserve.engine.detokenizer import IncrementalDetokenizer
+from ragserve.engine.model_runner import ModelRunner
+from ragserve.engine.sampler import SampleRequest, sample
+from ragserve.engine.scheduler import Scheduler
+from ragserve.engine.sequence import Sequence
+from ragserve.models.loader import LoadedModel, load_model_from_config
+from ragserve.outputs import CompletionOutput, RequestOutput
+from ragserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    prompt_tokens_computed: int = 0  # prompt tokens run through the model (cache misses)
+    generated_tokens: int = 0
+    num_finished: int = 0
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    arrival_time: float
+    first_token_time: float | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        return all(seq.is_finished for seq in self.seqs)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        started = time.perf_counter()
+        self.loaded: LoadedModel = load_model_from_config(config)
+        self.device = self.loaded.device
+        self.dtype = self.loaded.dtype
+        self.tokenizer: Any = self.loaded.tokenizer
+        self.model_name = self.loaded.name
+        self.max_model_len = self.loaded.max_model_len
+        self.eos_token_ids = list(self.loaded.eos_token_ids)
+
+        shape = self.loaded.model.shape
+        self.kv_spec = KVCacheSpec(
+            num_layers=shape.num_layers,
+            num_kv_heads=shape.num_kv_heads,
+            head_dim=shape.head_dim,
+            block_size=config.block_size,
+            dtype=self.dtype,
+        )
+        num_blocks = self.kv_spec.num_blocks_for(self._kv_budget_bytes())
+        if num_blocks < 1:
+            raise ValueError(
+                f"the KV budget holds no block of {self.kv_spec.bytes_per_block} bytes; "
+                "raise kv_cache_gib"
+            )
+        self.kv_cache = self.kv_spec.allocate(num_blocks, self.device)
+        self.block_pool = BlockPool(num_blocks)
+        self.kv_manager = KVCacheManager(
+            self.block_pool, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(self.kv_manager, config.max_num_batched_tokens, config.max_num_seqs)
+        backend = get_backend(config.attention_backend, self.device)
+        self.runner = ModelRunner(
+            self.loaded.model, self.kv_cache, backend, config.block_size, self.device
+        )
+        self.stats = EngineStats()
+        self._requests: dict[str, _Request] = {}
+        self._salts: dict[str, bytes] = {}
+        self._pins: dict[str, KVAllocation] = {}
+        self._next_seq_id = 0
+        logger.info(
+            "engine ready in %.1fs: %s on %s (%s), %d KV blocks of %d tokens (%.2f GiB), attention %s",
+            time.perf_counter() - started,
+            self.model_name,
+            self.device,
+            str(self.dtype).removeprefix("torch."),
+            num_blocks,
+            config.block_size,
+            num_blocks * self.kv_spec.bytes_per_block / 2**30,
+            backend.name,
+        )
+
+    def _kv_budget_bytes(self) -> float:
+        if self.config.kv_cache_gib is not None:
+            return self.config.kv_cache_gib * 2**30
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            # Leave room for activations of the largest step and the allocator's slack.
+            reserve = 2**30 + self.config.max_num_batched_tokens * 64 * 1024
+            return max(0.0, free - (1 - self.config.gpu_memory_utilization) * total - reserve)
+        # On the CPU: enough for every sequence at full length, at most 4 GiB.
+        wanted = self.config.max_num_seqs * self.max_model_len * self.kv_spec.bytes_per_token
+        return float(min(wanted, 4 * 2**30))
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.block_pool.num_blocks
+
+    # -- requests ----------------------------------------------------------------------------
+    def salt_for(self, namespace: str) -> bytes:
+        salt = self._salts.get(namespace)
+        if salt is None:
+            kv_dtype = str(self.dtype).removeprefix("torch.")
+            salt = make_salt(self.loaded.fingerprint, self.config.block_size, kv_dtype, namespace)
+            self._salts[namespace] = salt
+        return salt
+
+    def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompts as token id lists")
+            return prompt, list(self.tokenizer.encode(prompt))
+        return None, [int(t) for t in prompt]
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        namespace: str = "",
+    ) -> None:
+        """Validate and queue one request; raises ValueError with the numbers when it cannot run."""
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, token_ids = self.tokenize(prompt)
+        self._validate(token_ids, params)
+        now = time.monotonic()
+        seqs = []
+        for index in range(params.n):
+            generator = None
+            if not params.greedy:
+                seed = params.seed + index if params.seed is not None else self._fresh_seed()
+                generator = torch.Generator(device=self.device).manual_seed(seed)
+            detok = None
+            if self.tokenizer is not None:
+                detok = IncrementalDetokenizer(
+                    self.tokenizer, token_ids, params.stop_strings, params.skip_special_tokens
+                )
+            seq = Sequence(
+                seq_id=self._next_seq_id,
+                request_id=request_id,
+                index=index,
+                token_ids=list(token_ids),
+                num_prompt_tokens=len(token_ids),
+                params=params,
+                kv=KVAllocation(salt=self.salt_for(namespace)),
+                detokenizer=detok,
+                generator=generator,
+                arrival_time=now,
+            )
+            self._next_seq_id += 1
+            self.kv_manager.update_hashes(seq.kv, seq.token_ids)
+            seqs.append(seq)
+        self._requests[request_id] = _Request(request_id, text, token_ids, params, seqs, now)
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def _fresh_seed(self) -> int:
+        return (self.config.seed * 1_000_003 + self._next_seq_id) & 0x7FFF_FFFF_FFFF_FFFF
+
+    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        if not token_ids:
+            raise ValueError("the prompt is empty: it needs at least one token")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens but max_model_len is "
+                f"{self.max_model_len} (which must leave room for at least one new token)"
+            )
+        vocab = self.loaded.model.shape.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        if params.stop_strings and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer, and this model has none")
+        total = len(token_ids) + self._max_new_tokens(len(token_ids), params)
+        needed = self.kv_manager.blocks_needed(total)
+        if needed > self.num_kv_blocks:
+            raise ValueError(
+                f"the request needs {needed} KV blocks ({total} tokens) but the cache holds "
+                f"{self.num_kv_blocks} blocks of {self.config.block_size} tokens; "
+                "lower max_tokens or raise kv_cache_gib"
+            )
+
+    def _max_new_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
+        room = self.max_model_len - num_prompt_tokens
+        return room if params.max_tokens is None else min(room, params.max_tokens)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request and free its blocks. False if it is unknown or already done."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return False
+        for seq in request.seqs:
+            if not seq.is_finished:
+                seq.finish_reason = "abort"
+                self.scheduler.finish(seq)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    def reset_prefix_cache(self) -> int:
+        return self.kv_manager.reset_prefix_cache()
+
+    def pin_prefix(self, pin_id: str, token_ids: list[int], namespace: str = "") -> int:
+        """Hold references on the cached full blocks of ``token_ids`` so they are never evicted.
+
+        Returns how many leading tokens are pinned (the cached full blocks found now).
+        """
+        self.unpin_prefix(pin_id)
+        alloc = KVAllocation(salt=self.salt_for(namespace))
+        self.kv_manager.update_hashes(alloc, token_ids)
+        pinned = self.kv_manager.match_prefix(alloc, token_ids, 0, leave_one=False)
+        self._pins[pin_id] = alloc
+        return pinned
+
+    def unpin_prefix(self, pin_id: str) -> bool:
+        alloc = self._pins.pop(pin_id, None)
+        if alloc is None:
+            return False
+        self.kv_manager.free(alloc)
+        return True
+
+    def kv_usage(self) -> dict[str, int]:
+        """Device blocks: total, in use by requests, pinned, cached (indexed), free."""
+        pool = self.block_pool
+        pinned = len({b for alloc in self._pins.values() for b in alloc.block_table})
+        return {
+            "total": pool.num_blocks,
+            "used": pool.num_used - pinned,
+            "pinned": pinned,
+            "cached": pool.num_cached,
+            "free": pool.num_free,
+        }
+
+    # -- the step --------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        """Run one batch; return the outputs of every request that advanced."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            if self.scheduler.has_unfinished and not self.scheduler.running:
+                raise RuntimeError("the scheduler cannot admit any waiting sequence")
+            return []
+        logits = self.runner.execute(batch.seqs, batch.num_new_tokens)
+        self.stats.steps += 1
+
+        sampling: list[Sequence] = []
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            start = seq.num_computed_tokens
+            seq.num_computed_tokens += num_new
+            self.stats.prompt_tokens_computed += max(0, min(seq.num_computed_tokens, seq.num_prompt_tokens) - start)
+            seq.prompt_tokens_computed += max(0, min(seq.num_computed_tokens, seq.num_prompt_tokens) - start)
+            self.kv_manager.commit(seq.kv, seq.token_ids, seq.num_computed_tokens)
+            if seq.num_computed_tokens == seq.num_tokens:
+                sampling.append(seq)
+        results = sample(logits, [self._sample_request(seq) for seq in sampling])
+
+        now = time.monotonic()
+        touched: dict[str, _Request] = {}
+        for seq, result in zip(sampling, results, strict=True):
+            request = self._requests[seq.request_id]
+            touched[seq.request_id] = request
+            if seq.num_cached_tokens < 0:
+                seq.num_cached_tokens = max(0, seq.num_prompt_tokens - seq.prompt_tokens_computed)
+                self.kv_manager.record_admission(seq.num_prompt_tokens, seq.num_cached_tokens)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            self._append_token(seq, result.token_id, result.logprob, result.top_logprobs)
+            if seq.finish_reason is not None:
+                self.scheduler.finish(seq)
+        outputs = []
+        for request in touched.values():
+            outputs.append(self._make_output(request))
+            if request.finished:
+                del self._requests[request.request_id]
+                self.stats.num_finished += 1
+        return outputs
+
+    def _sample_request(self, seq: Sequence) -> SampleRequest:
+        params = seq.params
+        banned: list[int] = []
+        if seq.num_output_tokens < params.min_tokens:
+            banned = list(params.stop_token_ids or ()) + ([] if params.ignore_eos else self.eos_token_ids)
+        return SampleRequest(params, seq.generator, banned)
+
+    def _append_token(self, seq: Sequence, token: int, logprob: float | None, top: Any) -> None:
+        params = seq.params
+        seq.token_ids.append(token)
+        self.stats.generated_tokens += 1
+        if top is not None:
+            seq.logprobs.append(top)
+            seq.cumulative_logprob += logprob or 0.0
+        self.kv_manager.update_hashes(seq.kv, seq.token_ids)
+        stop_string = seq.detokenizer.append(token) if seq.detokenizer else None
+        past_min = seq.num_output_tokens >= params.min_tokens
+        if past_min and token in (params.stop_token_ids or ()):
+            seq.finish_reason, seq.stop_reason = "stop", token
+        elif past_min and not params.ignore_eos and token in self.eos_token_ids:
+            seq.finish_reason = "stop"
+        elif past_min and stop_string is not None:
+            seq.finish_reason, seq.stop_reason = "stop", stop_string
+        elif seq.num_output_tokens >= self._max_new_tokens(seq.num_prompt_tokens, params):
+            seq.finish_reason = "length"
+
+    def _make_output(self, request: _Request) -> RequestOutput:
+        completions = [
+            CompletionOutput(
+                index=seq.index,
+                text=seq.detokenizer.stream_text(seq.is_finished) if seq.detokenizer else "",
+                token_ids=list(seq.output_token_ids),
+                finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason,
+                logprobs=list(seq.logprobs) if request.params.logprobs is not None else None,
+                cumulative_logprob=seq.cumulative_logprob if request.params.logprobs is not None else None,
+            )
+            for seq in request.seqs
+        ]
+        metrics = {"arrival_time": request.arrival_time}
+        if request.first_token_time is not None:
+            metrics["first_token_time"] = request.first_token_time
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=completions,
+            finished=request.finished,
+            num_cached_tokens=max(0, min(seq.num_cached_tokens for seq in request.seqs)),
+            metrics=metrics,
+        )

@@ -1,0 +1,89 @@
+"""Flattens a scheduled batch into model inputs, runs the model once, returns last-token logits."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+import numpy as np
+import torch
+
+from kernels.interface import AttentionBackend, AttentionMetadata
+from ragserve.engine.sequence import Sequence
+from ragserve.models.forward_context import ForwardContext, forward_context
+from ragserve.models.llama import LlamaForCausalLM
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_cache: torch.Tensor,
+        backend: AttentionBackend,
+        block_size: int,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.backend = backend
+        self.block_size = block_size
+        self.device = device
+
+    def prepare(
+        self, seqs: Seq[Sequence], num_new_tokens: Seq[int]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """Input ids, positions, attention metadata, and the rows whose logits are needed."""
+        input_ids: list[int] = []
+        positions: list[np.ndarray] = []
+        slots: list[np.ndarray] = []
+        query_start = [0]
+        seq_lens: list[int] = []
+        logit_rows: list[int] = []
+        for seq, num_new in zip(seqs, num_new_tokens, strict=True):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
+            input_ids += seq.token_ids[start:end]
+            pos = np.arange(start, end, dtype=np.int64)
+            table = np.asarray(seq.kv.block_table, dtype=np.int64)
+            positions.append(pos)
+            slots.append(table[pos // self.block_size] * self.block_size + pos % self.block_size)
+            query_start.append(query_start[-1] + num_new)
+            seq_lens.append(end)
+            if end == seq.num_tokens:  # all known tokens computed: the next one is sampled
+                logit_rows.append(query_start[-1] - 1)
+
+        max_blocks = max(len(seq.kv.block_table) for seq in seqs)
+        tables = np.zeros((len(seqs), max_blocks), dtype=np.int32)
+        for row, seq in enumerate(seqs):
+            tables[row, : len(seq.kv.block_table)] = seq.kv.block_table
+
+        def to_device(array: np.ndarray | list[int], dtype: torch.dtype) -> torch.Tensor:
+            return torch.as_tensor(np.asarray(array), dtype=dtype).to(self.device, non_blocking=True)
+
+        query_lens = list(num_new_tokens)
+        meta = AttentionMetadata(
+            slot_mapping=to_device(np.concatenate(slots), torch.int64),
+            query_start_loc=to_device(query_start, torch.int32),
+            seq_lens=to_device(seq_lens, torch.int32),
+            block_tables=to_device(tables, torch.int32),
+            query_lens_host=query_lens,
+            seq_lens_host=seq_lens,
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+        )
+        return (
+            to_device(input_ids, torch.int64),
+            to_device(np.concatenate(positions), torch.int64),
+            meta,
+            logit_rows,
+        )
+
+    @torch.inference_mode()
+    def execute(self, seqs: Seq[Sequence], num_new_tokens: Seq[int]) -> torch.Tensor:
+        """Logits ([rows, vocab], float32) of the sequences whose known tokens are all computed."""
+        input_ids, positions, meta, logit_rows = self.prepare(seqs, num_new_tokens)
+        context = ForwardContext(meta=meta, kv_cache=self.kv_cache, backend=self.backend)
+        with forward_context(context):
+            hidden = self.model(input_ids, positions)
+        if not logit_rows:
+            return hidden.new_empty((0, 0), dtype=torch.float32)
+        rows = torch.tensor(logit_rows, device=hidden.device)
+        return self.model.compute_logits(hidden[rows])

@@ -1,0 +1,153 @@
+"""The synchronous offline API, compatible with vLLM's ``LLM`` for the common subset."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from ragserve.config import EngineConfig
+from ragserve.engine.llm_engine import LLMEngine
+from ragserve.outputs import RequestOutput
+from ragserve.sampling_params import SamplingParams
+
+Prompt = str | list[int] | dict[str, Any]
+Message = dict[str, str]
+
+
+def _prompt_value(prompt: Prompt) -> str | list[int]:
+    if isinstance(prompt, dict):  # vLLM's TextPrompt / TokensPrompt
+        if "prompt_token_ids" in prompt:
+            return [int(t) for t in prompt["prompt_token_ids"]]
+        if "prompt" in prompt:
+            return str(prompt["prompt"])
+        raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        return [int(t) for t in prompt]
+    raise ValueError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """One prompt (a string, a token-id list or a prompt dict) or a list of them."""
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    items = list(prompts)
+    if items and all(isinstance(t, int) for t in items):
+        return [[int(t) for t in items]]  # type: ignore[arg-type]
+    return items  # type: ignore[return-value]
+
+
+class LLM:
+    """``LLM(model=None)`` serves the embedded default model (SmolLM2-135M-Instruct).
+
+    Every keyword of :class:`ragserve.config.EngineConfig` is accepted.
+    """
+
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        try:
+            config = EngineConfig(model=model, **engine_args)
+        except TypeError as exc:
+            raise ValueError(f"unknown engine argument: {exc}") from None
+        self.engine = LLMEngine(config)
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLM:
+        llm = cls.__new__(cls)
+        llm.engine = LLMEngine(config)
+        llm._ids = itertools.count()
+        return llm
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached block not in use. Returns how many were dropped."""
+        return self.engine.reset_prefix_cache()
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        namespace: str = "",
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion, batched continuously; results in prompt order."""
+        prompt_list = [_prompt_value(p) for p in _as_prompt_list(prompts)]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(
+                    f"got {len(params_list)} sampling params for {len(prompt_list)} prompts"
+                )
+        return self._run(prompt_list, params_list, use_tqdm, namespace)
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise ValueError("this model has no tokenizer, so it cannot chat")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts: list[Prompt] = []
+        for conversation in conversations:
+            ids = tokenizer.apply_chat_template(
+                conversation,
+                add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template,
+                tokenize=True,
+                return_dict=False,
+            )
+            prompts.append(list(ids))
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(
+        self,
+        prompts: list[str | list[int]],
+        params_list: list[SamplingParams],
+        use_tqdm: bool,
+        namespace: str,
+    ) -> list[RequestOutput]:
+        engine = self.engine
+        request_ids: list[str] = []
+        try:
+            for prompt, params in zip(prompts, params_list, strict=True):
+                request_id = f"offline-{next(self._ids)}"
+                engine.add_request(request_id, prompt, params, namespace=namespace)
+                request_ids.append(request_id)
+        except ValueError:
+            for request_id in request_ids:
+                engine.abort_request(request_id)
+            raise
+        finished: dict[str, RequestOutput] = {}
+        progress = tqdm(total=len(request_ids), desc="generating", unit="req", disable=not use_tqdm)
+        generated = 0
+        try:
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        generated += sum(len(c.token_ids) for c in output.outputs)
+                        progress.update(1)
+                        progress.set_postfix(tokens=generated, refresh=False)
+        except BaseException:
+            for request_id in request_ids:
+                engine.abort_request(request_id)
+            raise
+        finally:
+            progress.close()
+        return [finished[request_id] for request_id in request_ids]

@@ -1,0 +1,395 @@
+"""The Llama family for serving: Llama, Mistral, Qwen2, Qwen3 (and SmolLM2, a Llama).
+
+One implementation, configured by ``ArchFlags``: GQA, fused qkv and gate/up projections,
+optional qkv bias (Qwen2), per-head q/k RMSNorm (Qwen3), tied or untied embeddings, rotary
+scaling (see ``rotary.py``). Sliding-window attention is refused.
+
+The model runs a flat batch of tokens from many sequences: ``forward(input_ids [T],
+positions [T]) -> hidden [T, hidden_size]``; attention reads the paged KV cache and metadata
+from ``get_forward_context()``. Op order follows transformers so float32 logits match it
+closely and greedy outputs are token-identical.
+
+Parameter names mirror HF checkpoints except for the fused ``qkv_proj`` and ``gate_up_proj``;
+``load_weights`` takes HF names and writes each shard into its slice of the fused weight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ragserve.models.forward_context import get_forward_context
+from ragserve.models.layers import Embedding, Linear, RMSNorm
+from ragserve.models.rotary import RotaryEmbedding, apply_rotary, compute_inv_freq, rope_parameters
+
+# HF projection name -> (our fused projection, shard index within it)
+_FUSED_SHARDS = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes the engine needs to lay out the KV cache and sample."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """Bytes of K and V one token occupies across all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype.itemsize
+
+
+@dataclass(frozen=True)
+class ArchFlags:
+    """What distinguishes the members of the family."""
+
+    qkv_bias: bool = False
+    o_proj_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+
+
+def shape_from_config(config: Any) -> ModelShape:
+    num_heads = int(config.num_attention_heads)
+    num_kv_heads = int(getattr(config, "num_key_value_heads", None) or num_heads)
+    if num_heads % num_kv_heads:
+        raise ValueError(
+            f"num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads ({num_kv_heads})"
+        )
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+    return ModelShape(
+        num_layers=int(config.num_hidden_layers),
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=int(head_dim),
+        hidden_size=int(config.hidden_size),
+        intermediate_size=int(config.intermediate_size),
+        vocab_size=int(config.vocab_size),
+    )
+
+
+def check_no_sliding_window(config: Any, max_model_len: int) -> None:
+    """Refuse configs whose attention is windowed within ``max_model_len`` tokens.
+
+    A window at least as long as the longest sequence is plain causal attention. Mistral
+    windows every layer; Qwen2/Qwen3 list windowed layers in ``layer_types``.
+    """
+    window = getattr(config, "sliding_window", None)
+    if window is None:
+        return
+    layer_types = getattr(config, "layer_types", None)
+    windowed = layer_types is None or "sliding_attention" in layer_types
+    if windowed and window < max_model_len:
+        raise ValueError(
+            f"{type(config).__name__} uses sliding-window attention (window {window} < "
+            f"max_model_len {max_model_len}); sliding windows are not supported: "
+            f"pass max_model_len <= {window} or use a model without one"
+        )
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self,
+        config: Any,
+        shape: ModelShape,
+        flags: ArchFlags,
+        layer_idx: int,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = shape.num_heads
+        self.num_kv_heads = shape.num_kv_heads
+        self.head_dim = shape.head_dim
+        self.q_size = shape.num_heads * shape.head_dim
+        self.kv_size = shape.num_kv_heads * shape.head_dim
+        self.scale = shape.head_dim**-0.5
+        self.qkv_proj = Linear(
+            shape.hidden_size,
+            self.q_size + 2 * self.kv_size,
+            bias=flags.qkv_bias,
+            device=device,
+            dtype=dtype,
+        )
+        self.o_proj = Linear(
+            self.q_size, shape.hidden_size, bias=flags.o_proj_bias, device=device, dtype=dtype
+        )
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if flags.qk_norm:
+            eps = config.rms_norm_eps
+            self.q_norm = RMSNorm(shape.head_dim, eps, device=device, dtype=dtype)
+            self.k_norm = RMSNorm(shape.head_dim, eps, device=device, dtype=dtype)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        ctx = get_forward_context()
+        out = ctx.backend.forward(q, k, v, ctx.kv_cache[:, self.layer_idx], ctx.meta, self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(
+        self, shape: ModelShape, flags: ArchFlags, *, device: torch.device, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.intermediate_size = shape.intermediate_size
+        self.gate_up_proj = Linear(
+            shape.hidden_size,
+            2 * shape.intermediate_size,
+            bias=flags.mlp_bias,
+            device=device,
+            dtype=dtype,
+        )
+        self.down_proj = Linear(
+            shape.intermediate_size, shape.hidden_size, bias=flags.mlp_bias, device=device, dtype=dtype
+        )
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(hidden).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self,
+        config: Any,
+        shape: ModelShape,
+        flags: ArchFlags,
+        layer_idx: int,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(shape.hidden_size, eps, device=device, dtype=dtype)
+        self.self_attn = LlamaAttention(config, shape, flags, layer_idx, device=device, dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(shape.hidden_size, eps, device=device, dtype=dtype)
+        self.mlp = LlamaMLP(shape, flags, device=device, dtype=dtype)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # NOTE: unfused residual adds in the model dtype, in HF's order, to keep numerics equal.
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(
+        self,
+        config: Any,
+        shape: ModelShape,
+        flags: ArchFlags,
+        max_positions: int,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(shape.vocab_size, shape.hidden_size, device=device, dtype=dtype)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, shape, flags, i, device=device, dtype=dtype)
+            for i in range(shape.num_layers)
+        )
+        self.norm = RMSNorm(shape.hidden_size, config.rms_norm_eps, device=device, dtype=dtype)
+        inv_freq, attention_scaling = compute_inv_freq(
+            rope_parameters(config), shape.head_dim, int(config.max_position_embeddings)
+        )
+        self.rotary_emb = RotaryEmbedding(
+            inv_freq, attention_scaling, max_positions, device=device, dtype=dtype
+        )
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(positions)
+        for layer in self.layers:
+            hidden = layer(hidden, cos, sin)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder-only LM over a flat, paged batch. Weights are uninitialised until loaded.
+
+    ``max_model_len`` bounds the positions served (rotary tables are built up to it) and
+    defaults to the config's ``max_position_embeddings``.
+    """
+
+    @classmethod
+    def arch_flags(cls, config: Any) -> ArchFlags:
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        return ArchFlags(
+            qkv_bias=attention_bias,
+            o_proj_bias=attention_bias,
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+        )
+
+    def __init__(
+        self,
+        config: Any,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_model_len: int | None = None,
+    ) -> None:
+        super().__init__()
+        act = getattr(config, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
+        self.max_model_len = int(max_model_len or config.max_position_embeddings)
+        check_no_sliding_window(config, self.max_model_len)
+        self.config = config
+        self.shape = shape_from_config(config)
+        self.flags = self.arch_flags(config)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.model = LlamaModel(
+            config, self.shape, self.flags, self.max_model_len, device=device, dtype=dtype
+        )
+        self.lm_head: Linear | None = None
+        if not self.tie_word_embeddings:
+            self.lm_head = Linear(
+                self.shape.hidden_size, self.shape.vocab_size, bias=False, device=device, dtype=dtype
+            )
+
+    @property
+    def num_layers(self) -> int:
+        return self.shape.num_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.shape.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.shape.head_dim
+
+    @property
+    def vocab_size(self) -> int:
+        return self.shape.vocab_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Final-norm hidden states ``[T, hidden_size]`` of the flat batch ``input_ids [T]``."""
+        return self.model(input_ids, positions)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits ``[N, vocab_size]`` of hidden rows ``[N, hidden_size]``."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def set_rope_frequency_factors(self, factors: torch.Tensor) -> None:
+        """Divide the rotary inverse frequencies by ``factors`` (GGUF ``rope_freqs``)."""
+        self.model.rotary_emb.divide_frequencies(factors)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into the parameters (casting dtype, moving device).
+
+        Raises ValueError on an unknown name, a shape mismatch, or when any parameter (or
+        shard of a fused one) was not provided. ``lm_head.weight`` is ignored when tied.
+        """
+        params = dict(self.named_parameters())
+        loaded: set[tuple[str, int | None]] = set()
+        for name, tensor in weights:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            if self.tie_word_embeddings and name == "lm_head.weight":
+                continue
+            target, shard = self._resolve(name)
+            param = params.get(target)
+            if param is None:
+                raise ValueError(f"checkpoint weight {name!r} has no place in {type(self).__name__}")
+            dest = param.data if shard is None else self._shard_view(param.data, target, shard)
+            if dest.shape != tensor.shape:
+                raise ValueError(
+                    f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
+                )
+            dest.copy_(tensor)
+            loaded.add((target, shard))
+        missing = sorted(
+            f"{n}[shard {s}]" if s is not None else n
+            for n, s in self._expected_slots(params)
+            if (n, s) not in loaded
+        )
+        if missing:
+            raise ValueError(f"{len(missing)} weights missing from the checkpoint, e.g. {missing[:5]}")
+
+    @staticmethod
+    def _resolve(name: str) -> tuple[str, int | None]:
+        for hf_proj, (fused, shard) in _FUSED_SHARDS.items():
+            marker = f".{hf_proj}."
+            if marker in name:
+                return name.replace(marker, f".{fused}."), shard
+        return name, None
+
+    def _shard_view(self, data: torch.Tensor, target: str, shard: int) -> torch.Tensor:
+        if ".qkv_proj." in target:
+            q_size = self.shape.num_heads * self.shape.head_dim
+            kv_size = self.shape.num_kv_heads * self.shape.head_dim
+            start, size = [(0, q_size), (q_size, kv_size), (q_size + kv_size, kv_size)][shard]
+        else:
+            size = self.shape.intermediate_size
+            start = shard * size
+        return data.narrow(0, start, size)
+
+    @staticmethod
+    def _expected_slots(params: dict[str, nn.Parameter]) -> list[tuple[str, int | None]]:
+        slots: list[tuple[str, int | None]] = []
+        for name in params:
+            if ".qkv_proj." in name:
+                slots.extend((name, s) for s in range(3))
+            elif ".gate_up_proj." in name:
+                slots.extend((name, s) for s in range(2))
+            else:
+                slots.append((name, None))
+        return slots
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    @classmethod
+    def arch_flags(cls, config: Any) -> ArchFlags:
+        return ArchFlags()
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    @classmethod
+    def arch_flags(cls, config: Any) -> ArchFlags:
+        return ArchFlags(qkv_bias=True)
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    @classmethod
+    def arch_flags(cls, config: Any) -> ArchFlags:
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        return ArchFlags(qkv_bias=attention_bias, o_proj_bias=attention_bias, qk_norm=True)

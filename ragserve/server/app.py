@@ -1,0 +1,143 @@
+"""The application factory and the serving loop.
+
+Middlewares, outermost first: request id → metrics → errors → auth. So every response,
+errors included, carries ``X-Request-Id`` and is counted with its final status, and an
+authentication failure is an ordinary OpenAI-style error.
+
+The application owns the engine it is given: its cleanup stops ingestion and shuts the
+engine down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import signal
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from aiohttp import web
+
+from ragserve.engine.async_engine import AsyncEngine
+from ragserve.server import document_routes, openai_routes, ops_routes
+from ragserve.server.auth import make_auth_middleware
+from ragserve.server.config import ServerConfig
+from ragserve.server.documents import DocumentService
+from ragserve.server.errors import error_middleware
+from ragserve.server.metrics import ServerMetrics, make_metrics_middleware
+from ragserve.server.prompts import PromptBuilder
+from ragserve.server.state import (
+    CONFIG,
+    DOCUMENTS,
+    DRAINING,
+    ENGINE,
+    METRICS,
+    MODEL_NAME,
+    PROMPTS,
+    REQUEST_ID,
+    STARTED_AT,
+)
+
+logger = logging.getLogger(__name__)
+
+ACCESS_LOG_FORMAT = '%a "%r" %s %b %Tfs request_id=%{X-Request-Id}o'
+_CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+@web.middleware
+async def request_id_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Use the client's ``X-Request-Id`` when it is sane, else a fresh one; echo it back."""
+    given = request.headers.get("X-Request-Id", "")
+    rid = given if _CLIENT_REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
+    request[REQUEST_ID] = rid
+    response: web.StreamResponse = await handler(request)
+    if not response.prepared:
+        response.headers["X-Request-Id"] = rid
+    return response
+
+
+def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> web.Application:
+    config = config or ServerConfig()
+    metrics = ServerMetrics()
+    app = web.Application(
+        client_max_size=config.max_request_bytes,
+        middlewares=[
+            request_id_middleware,
+            make_metrics_middleware(metrics),
+            error_middleware,
+            make_auth_middleware(config.api_keys),
+        ],
+    )
+    prompts = PromptBuilder(engine.tokenizer)
+    app[ENGINE] = engine
+    app[CONFIG] = config
+    app[METRICS] = metrics
+    app[PROMPTS] = prompts
+    app[DOCUMENTS] = DocumentService(engine, prompts)
+    app[MODEL_NAME] = config.served_model_name or engine.model_name
+    app[STARTED_AT] = int(time.time())
+    app[DRAINING] = asyncio.Event()
+    openai_routes.add_routes(app)
+    document_routes.add_routes(app)
+    ops_routes.add_routes(app)
+    app.on_shutdown.append(_start_draining)
+    app.cleanup_ctx.append(_engine_lifecycle)
+    return app
+
+
+async def _start_draining(app: web.Application) -> None:
+    # Runs after the listening sockets close, before running handlers are waited for.
+    app[DRAINING].set()
+    logger.info(
+        "shutting down: %d engine requests in flight get %.0f s to finish",
+        app[ENGINE].num_active_requests,
+        app[CONFIG].shutdown_timeout,
+    )
+
+
+async def _engine_lifecycle(app: web.Application) -> AsyncIterator[None]:
+    yield
+    await app[DOCUMENTS].close()
+    app[PROMPTS].close()
+    await app[ENGINE].shutdown()
+    logger.info("engine stopped")
+
+
+def _url(address: Any) -> str:
+    host, port = address[0], address[1]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+async def serve(app: web.Application, config: ServerConfig) -> None:
+    """Serve until SIGINT or SIGTERM, then shut down gracefully.
+
+    Shutdown: stop listening, refuse new work (503), give running requests
+    ``config.shutdown_timeout`` seconds, cancel the rest (aborting their engine requests),
+    then stop the engine.
+    """
+    runner = web.AppRunner(
+        app,
+        handler_cancellation=True,  # a client that disconnects cancels its handler
+        shutdown_timeout=config.shutdown_timeout,
+        access_log_format=ACCESS_LOG_FORMAT,
+    )
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, config.host, config.port)
+        await site.start()
+        for address in runner.addresses:
+            logger.info("ragserve serving %s at %s/v1", app[MODEL_NAME], _url(address))
+        if not config.api_keys and config.host not in ("127.0.0.1", "localhost", "::1"):
+            logger.warning("listening on %s without --api-key: anyone who can reach it may use it", config.host)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+    finally:
+        await runner.cleanup()

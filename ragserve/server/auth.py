@@ -1,0 +1,67 @@
+"""Bearer-key authentication for ``/v1``; each key is a tenant with its own cache namespace."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from ragserve.server.errors import APIError
+from ragserve.server.state import TENANT
+
+PROTECTED_PREFIX = "/v1"
+
+
+def tenant_name(api_key: str) -> str:
+    """A stable, non-reversible name for a key: the namespace its blocks and documents live in."""
+    return "tenant-" + hashlib.sha256(api_key.encode()).hexdigest()[:24]
+
+
+def read_api_key_file(path: str) -> list[str]:
+    """One key per line; blank lines and lines starting with ``#`` are skipped."""
+    lines = Path(path).read_text(encoding="utf-8").splitlines()
+    keys = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    if not keys:
+        raise ValueError(f"the API key file {path} holds no key")
+    return keys
+
+
+def make_auth_middleware(api_keys: Iterable[str]) -> Any:
+    """Without keys every caller is the anonymous tenant ""; with keys, ``/v1`` needs one."""
+    tenants = [(key.encode(), tenant_name(key)) for key in api_keys]
+
+    @web.middleware
+    async def auth_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+        request[TENANT] = ""
+        if tenants and request.path.startswith(PROTECTED_PREFIX):
+            request[TENANT] = _authenticate(request.headers.get("Authorization", ""), tenants)
+        response: web.StreamResponse = await handler(request)
+        return response
+
+    return auth_middleware
+
+
+def _authenticate(header: str, tenants: list[tuple[bytes, str]]) -> str:
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise APIError(
+            401,
+            "missing API key: send 'Authorization: Bearer <key>'",
+            code="invalid_api_key",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+    given = token.strip().encode()
+    found = None
+    for key, name in tenants:
+        # NOTE: compare against every key, so the time taken does not tell which one matched.
+        if hmac.compare_digest(given, key):
+            found = name
+    if found is None:
+        raise APIError(
+            401, "invalid API key", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}
+        )
+    return found

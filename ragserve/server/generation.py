@@ -1,0 +1,182 @@
+"""Running engine requests for one HTTP request: admission, streams, timing, SSE.
+
+Every engine stream is closed (``aclosing``) however the handler ends, so a client that
+goes away, or a handler cancelled on disconnect, aborts its engine requests at once and
+frees their blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from ragserve.engine.async_engine import AsyncEngine
+from ragserve.outputs import RequestOutput
+from ragserve.sampling_params import SamplingParams
+from ragserve.server.config import ServerConfig
+from ragserve.server.errors import APIError, bad_request
+from ragserve.server.metrics import ServerMetrics
+
+_Item = tuple[int, RequestOutput | BaseException | None]
+
+
+@dataclass
+class GenerationJob:
+    """Prompts (already token ids) that share one set of sampling settings."""
+
+    request_id: str
+    prompts: list[list[int]]
+    params: SamplingParams
+    namespace: str
+
+
+def make_sampling_params(**kwargs: Any) -> SamplingParams:
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as exc:
+        raise bad_request(str(exc)) from None
+
+
+def check_admission(engine: AsyncEngine, config: ServerConfig, num_requests: int, draining: bool) -> None:
+    """503 with Retry-After when shutting down or when too many requests are in flight."""
+    retry = {"Retry-After": str(config.retry_after_seconds)}
+    if draining:
+        raise APIError(503, "the server is shutting down", code="shutting_down", headers=retry)
+    active = engine.num_active_requests
+    if active + num_requests > config.max_waiting_requests:
+        raise APIError(
+            503,
+            f"the server is at capacity ({active} requests in flight, limit "
+            f"{config.max_waiting_requests}); retry later",
+            code="overloaded",
+            headers=retry,
+        )
+
+
+def check_context(
+    prompt_lengths: list[int], max_tokens: int | None, max_model_len: int, what: str
+) -> None:
+    """Reject, with the numbers, prompts that leave no room for what was asked."""
+    for length in prompt_lengths:
+        if length == 0:
+            raise bad_request("the prompt is empty: it needs at least one token", what)
+        if length >= max_model_len:
+            raise bad_request(
+                f"this model's maximum context length is {max_model_len} tokens, but the "
+                f"{what} have {length} tokens (at least one new token must fit)",
+                what,
+                "context_length_exceeded",
+            )
+        if max_tokens is not None and length + max_tokens > max_model_len:
+            raise bad_request(
+                f"this model's maximum context length is {max_model_len} tokens, but "
+                f"{length + max_tokens} were requested ({length} in the {what}, {max_tokens} "
+                "in the completion); lower max_tokens or shorten the prompt",
+                "max_tokens",
+                "context_length_exceeded",
+            )
+
+
+async def run_job(
+    engine: AsyncEngine, job: GenerationJob, metrics: ServerMetrics, endpoint: str
+) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+    """Cumulative outputs of every prompt, tagged with the prompt's index.
+
+    Engine rejections (ValueError) come out as 400s. The caller must close this iterator
+    (``contextlib.aclosing``); closing it aborts every unfinished engine request.
+    """
+    started = time.perf_counter()
+    last_seen: dict[int, tuple[float, int]] = {}
+    streams = [
+        engine.generate(prompt, job.params, f"{job.request_id}-{index}", job.namespace)
+        for index, prompt in enumerate(job.prompts)
+    ]
+    try:
+        async for index, output in _merge(streams):
+            now = time.perf_counter()
+            num_tokens = sum(len(c.token_ids) for c in output.outputs)
+            previous_time, previous_tokens = last_seen.get(index, (started, 0))
+            if num_tokens > previous_tokens:
+                if index not in last_seen:
+                    metrics.time_to_first_token.labels(endpoint).observe(now - started)
+                else:
+                    per_token = (now - previous_time) / (num_tokens - previous_tokens) * len(output.outputs)
+                    metrics.inter_token_latency.labels(endpoint).observe(per_token)
+                last_seen[index] = (now, num_tokens)
+            if output.finished:
+                metrics.record_finished(endpoint, output)
+            yield index, output
+    except ValueError as exc:
+        raise bad_request(str(exc)) from None
+
+
+async def _merge(
+    streams: list[AsyncIterator[RequestOutput]],
+) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+    if len(streams) == 1:
+        async with contextlib.aclosing(streams[0]) as stream:  # type: ignore[type-var]
+            async for output in stream:
+                yield 0, output
+        return
+    queue: asyncio.Queue[_Item] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async with contextlib.aclosing(stream):  # type: ignore[type-var]
+                async for output in stream:
+                    queue.put_nowait((index, output))
+        except Exception as exc:
+            queue.put_nowait((index, exc))
+        else:
+            queue.put_nowait((index, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class SSEWriter:
+    """Server-sent events: ``data: {json}\\n\\n`` per chunk, then ``data: [DONE]``."""
+
+    def __init__(self, request: web.Request, request_id: str) -> None:
+        self.request = request
+        self.response = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                "X-Request-Id": request_id,
+            }
+        )
+
+    async def start(self) -> None:
+        await self.response.prepare(self.request)
+
+    async def send(self, payload: dict[str, Any]) -> None:
+        await self.response.write(b"data: " + dumps(payload) + b"\n\n")
+
+    async def done(self) -> None:
+        await self.response.write(b"data: [DONE]\n\n")
+        await self.response.write_eof()
+
+
+def dumps(payload: Any) -> bytes:
+    return json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()

@@ -1,0 +1,182 @@
+"""Prometheus metrics: one registry per application, no process-wide state.
+
+HTTP-side metrics are updated as requests run; engine-side values (KV blocks, cache hit
+rate, prompt tokens computed) are read from the engine thread at scrape time and exposed
+by a collector holding that snapshot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from ragserve.engine.llm_engine import LLMEngine
+from ragserve.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+@dataclass
+class EngineSnapshot:
+    """Engine counters read on the engine thread in one go."""
+
+    alive: bool = False
+    running: int = 0
+    waiting: int = 0
+    active_requests: int = 0
+    kv_blocks: dict[str, int] = field(default_factory=dict)
+    hit_rate: float = 0.0
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+    prompt_tokens_computed: int = 0
+    generated_tokens: int = 0
+    steps: int = 0
+    preemptions: int = 0
+    documents: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def read(cls, engine: LLMEngine) -> EngineSnapshot:
+        """Runs on the engine thread (``engine.call``)."""
+        counters = engine.kv_manager.counters
+        return cls(
+            alive=True,
+            running=len(engine.scheduler.running),
+            waiting=len(engine.scheduler.waiting),
+            kv_blocks=engine.kv_usage(),
+            hit_rate=counters.hit_rate,
+            queried_tokens=counters.queried_tokens,
+            hit_tokens=counters.hit_tokens,
+            prompt_tokens_computed=engine.stats.prompt_tokens_computed,
+            generated_tokens=engine.stats.generated_tokens,
+            steps=engine.stats.steps,
+            preemptions=engine.scheduler.num_preemptions,
+        )
+
+
+class _EngineCollector(Collector):
+    def __init__(self) -> None:
+        self.snapshot = EngineSnapshot()
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self.snapshot
+        yield _gauge("ragserve_engine_alive", "1 while the engine thread runs", snap.alive)
+        yield _gauge("ragserve_num_requests_running", "Sequences in the running batch", snap.running)
+        yield _gauge("ragserve_num_requests_waiting", "Sequences waiting to be scheduled", snap.waiting)
+        yield _gauge(
+            "ragserve_num_requests_active", "Engine requests in flight (admission limit)", snap.active_requests
+        )
+        blocks = GaugeMetricFamily(
+            "ragserve_kv_blocks", "Device KV blocks by state", labels=["state"]
+        )
+        for state, count in sorted(snap.kv_blocks.items()):
+            blocks.add_metric([state], count)
+        yield blocks
+        yield _gauge("ragserve_prefix_cache_hit_rate", "Prompt tokens served from cache / queried", snap.hit_rate)
+        yield _counter("ragserve_prefix_cache_queried_tokens", "Prompt tokens looked up", snap.queried_tokens)
+        yield _counter("ragserve_prefix_cache_hit_tokens", "Prompt tokens found cached", snap.hit_tokens)
+        yield _counter(
+            "ragserve_prompt_tokens_computed",
+            "Prompt tokens run through the model (cache misses)",
+            snap.prompt_tokens_computed,
+        )
+        yield _counter("ragserve_generation_tokens", "Tokens generated", snap.generated_tokens)
+        yield _counter("ragserve_engine_steps", "Engine steps run", snap.steps)
+        yield _counter("ragserve_preemptions", "Sequences preempted for lack of blocks", snap.preemptions)
+        docs = GaugeMetricFamily("ragserve_documents", "Documents by status", labels=["status"])
+        for status, count in sorted(snap.documents.items()):
+            docs.add_metric([status], count)
+        yield docs
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=float(value))
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=float(value))
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            "ragserve_http_requests",
+            "HTTP requests by route and status (499: the client went away)",
+            ["endpoint", "status"],
+            registry=self.registry,
+        )
+        self.time_to_first_token = Histogram(
+            "ragserve_time_to_first_token_seconds",
+            "From request arrival to the first generated token",
+            ["endpoint"],
+            buckets=_TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self.inter_token_latency = Histogram(
+            "ragserve_inter_token_latency_seconds",
+            "Between consecutive generated tokens of one sequence",
+            ["endpoint"],
+            buckets=_ITL_BUCKETS,
+            registry=self.registry,
+        )
+        self.prompt_tokens = Counter(
+            "ragserve_request_prompt_tokens", "Prompt tokens of finished requests", ["endpoint"], registry=self.registry
+        )
+        self.cached_tokens = Counter(
+            "ragserve_request_cached_tokens",
+            "Prompt tokens of finished requests served from the cache",
+            ["endpoint"],
+            registry=self.registry,
+        )
+        self.completion_tokens = Counter(
+            "ragserve_request_completion_tokens",
+            "Generated tokens of finished requests",
+            ["endpoint"],
+            registry=self.registry,
+        )
+        self._engine = _EngineCollector()
+        self.registry.register(self._engine)
+
+    def record_finished(self, endpoint: str, output: RequestOutput) -> None:
+        self.prompt_tokens.labels(endpoint).inc(len(output.prompt_token_ids))
+        self.cached_tokens.labels(endpoint).inc(output.num_cached_tokens)
+        self.completion_tokens.labels(endpoint).inc(sum(len(c.token_ids) for c in output.outputs))
+
+    def render(self, snapshot: EngineSnapshot) -> bytes:
+        self._engine.snapshot = snapshot
+        return generate_latest(self.registry)
+
+
+def endpoint_label(request: web.Request) -> str:
+    """The route's template (never the raw path, which would explode label cardinality)."""
+    resource = request.match_info.route.resource
+    return resource.canonical if resource is not None else "unmatched"
+
+
+def make_metrics_middleware(metrics: ServerMetrics) -> Any:
+    @web.middleware
+    async def metrics_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+        status = 500
+        try:
+            response: web.StreamResponse = await handler(request)
+            status = response.status
+            return response
+        except asyncio.CancelledError:
+            status = 499
+            raise
+        finally:
+            metrics.requests.labels(endpoint_label(request), str(status)).inc()
+
+    return metrics_middleware

@@ -1,0 +1,356 @@
+"""OpenAI-compatible routes: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``.
+
+Defaults: chat generates up to the end of the context unless ``max_tokens`` /
+``max_completion_tokens`` is given (as OpenAI does); completions default to
+``ServerConfig.completion_default_max_tokens`` (16, OpenAI's default), clamped to the room
+left in the context. ``documents`` (an extension) puts uploaded documents first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from ragserve.engine.async_engine import EngineDeadError
+from ragserve.outputs import RequestOutput
+from ragserve.sampling_params import SamplingParams
+from ragserve.server.body import parse_request
+from ragserve.server.errors import APIError, bad_request, error_body
+from ragserve.server.generation import (
+    GenerationJob,
+    SSEWriter,
+    check_admission,
+    check_context,
+    make_sampling_params,
+    run_job,
+)
+from ragserve.server.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest
+from ragserve.server.responses import (
+    StreamState,
+    TokenText,
+    chat_logprobs,
+    completion_logprobs,
+    finish_reason,
+    usage,
+)
+from ragserve.server.state import (
+    CONFIG,
+    DOCUMENTS,
+    DRAINING,
+    ENGINE,
+    METRICS,
+    MODEL_NAME,
+    PROMPTS,
+    STARTED_AT,
+    request_id,
+    tenant,
+)
+
+logger = logging.getLogger(__name__)
+
+MAX_BATCH_PROMPTS = 64
+CHAT_ENDPOINT = "/v1/chat/completions"
+COMPLETIONS_ENDPOINT = "/v1/completions"
+Emit = Callable[[int, RequestOutput, StreamState], Awaitable[None]]
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{model}", get_model)
+    app.router.add_post(COMPLETIONS_ENDPOINT, completions)
+    app.router.add_post(CHAT_ENDPOINT, chat_completions)
+
+
+def _model_card(app: web.Application) -> dict[str, Any]:
+    return {
+        "id": app[MODEL_NAME],
+        "object": "model",
+        "created": app[STARTED_AT],
+        "owned_by": "ragserve",
+        "max_model_len": app[ENGINE].max_model_len,
+    }
+
+
+async def list_models(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": [_model_card(request.app)]})
+
+
+async def get_model(request: web.Request) -> web.Response:
+    _resolve_model(request.app, request.match_info["model"])
+    return web.json_response(_model_card(request.app))
+
+
+def _resolve_model(app: web.Application, requested: str | None) -> str:
+    name = app[MODEL_NAME]
+    if requested is not None and requested != name:
+        raise APIError(
+            404,
+            f"the model {requested[:200]!r} does not exist; this server serves {name!r}",
+            param="model",
+            code="model_not_found",
+        )
+    return name
+
+
+def _seed(seed: int | None) -> int | None:
+    # NOTE: OpenAI takes any 64-bit seed; torch generators want a non-negative one.
+    return None if seed is None else seed % 2**63
+
+
+def _sampling_params(body: GenerationRequest, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    return make_sampling_params(
+        n=body.n,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        seed=_seed(body.seed),
+        max_tokens=max_tokens,
+        min_tokens=body.min_tokens,
+        stop=body.stop,
+        ignore_eos=body.ignore_eos,
+        logprobs=logprobs,
+    )
+
+
+async def _prepare(request: web.Request, body: GenerationRequest) -> tuple[str, list[list[int]]]:
+    """Common checks; returns the model name and the documents' token lists."""
+    app = request.app
+    model = _resolve_model(app, body.model)
+    config = app[CONFIG]
+    if body.n > config.max_n:
+        raise bad_request(f"n must be at most {config.max_n}, got {body.n}", "n")
+    doc_ids = body.documents or []
+    if len(doc_ids) > config.max_documents_per_request:
+        raise bad_request(
+            f"at most {config.max_documents_per_request} documents per request, got {len(doc_ids)}",
+            "documents",
+        )
+    return model, app[DOCUMENTS].token_lists(tenant(request), doc_ids)
+
+
+def _job(request: web.Request, prefix: str, prompts: list[list[int]], params: SamplingParams) -> GenerationJob:
+    app = request.app
+    check_admission(app[ENGINE], app[CONFIG], len(prompts), app[DRAINING].is_set())
+    # NOTE: a client may reuse an X-Request-Id; engine ids must still be unique.
+    engine_id = f"{prefix}-{request_id(request)}-{uuid.uuid4().hex[:8]}"
+    return GenerationJob(engine_id, prompts, params, tenant(request))
+
+
+# -- /v1/chat/completions ------------------------------------------------------------------
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    app = request.app
+    body = await parse_request(request, ChatCompletionRequest)
+    model, documents = await _prepare(request, body)
+    prompts = app[PROMPTS]
+    ids = await prompts.run(prompts.chat_ids, body.template_messages(), documents)
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    check_context([len(ids)], max_tokens, app[ENGINE].max_model_len, "messages")
+    top_n = body.top_logprobs or 0
+    params = _sampling_params(body, max_tokens, top_n if body.logprobs else None)
+    job = _job(request, "chatcmpl", [ids], params)
+    public_id = f"chatcmpl-{request_id(request)}"
+    created = int(time.time())
+    text_of = TokenText(prompts.tokenizer)
+    base = {"id": public_id, "object": "chat.completion.chunk", "created": created, "model": model}
+
+    if not body.stream:
+        outputs = await _collect(request, job, CHAT_ENDPOINT)
+        choices = [
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": chat_logprobs(c, 0, len(c.token_ids), top_n, text_of),
+                "finish_reason": finish_reason(c),
+            }
+            for c in outputs[0].outputs
+        ]
+        response = {**base, "object": "chat.completion", "choices": choices, "usage": usage(outputs)}
+        return web.json_response(response)
+
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
+    extra = {"usage": None} if include_usage else {}
+
+    async def emit(prompt_index: int, output: RequestOutput, state: StreamState) -> None:
+        for c in output.outputs:
+            cursor = state.cursor(c.index)
+            if cursor.finished:
+                continue
+            delta: dict[str, Any] = {}
+            if not cursor.started:
+                delta["role"] = "assistant"
+            new_text = c.text[cursor.text_len :]
+            reason = finish_reason(c)
+            new_tokens = len(c.token_ids) > cursor.num_tokens and body.logprobs
+            if not (new_text or reason or new_tokens or not cursor.started):
+                continue
+            delta["content"] = new_text
+            choice = {
+                "index": c.index,
+                "delta": delta,
+                "logprobs": chat_logprobs(c, cursor.num_tokens, len(c.token_ids), top_n, text_of),
+                "finish_reason": reason,
+            }
+            cursor.started, cursor.finished = True, reason is not None
+            cursor.text_len, cursor.num_tokens = len(c.text), len(c.token_ids)
+            await sse.send({**base, "choices": [choice], **extra})
+
+    sse = SSEWriter(request, request_id(request))
+    usage_chunk = {**base, "choices": []} if include_usage else None
+    return await _stream(request, job, CHAT_ENDPOINT, sse, emit, usage_chunk)
+
+
+# -- /v1/completions -----------------------------------------------------------------------
+async def completions(request: web.Request) -> web.StreamResponse:
+    app = request.app
+    body = await parse_request(request, CompletionRequest)
+    model, documents = await _prepare(request, body)
+    raw_prompts = body.prompt_list()
+    if not raw_prompts:
+        raise bad_request("prompt must not be an empty list", "prompt")
+    if len(raw_prompts) > MAX_BATCH_PROMPTS:
+        raise bad_request(f"at most {MAX_BATCH_PROMPTS} prompts per request, got {len(raw_prompts)}", "prompt")
+    prompts = app[PROMPTS]
+    ids_list = [await prompts.run(prompts.completion_ids, p, documents) for p in raw_prompts]
+    max_model_len = app[ENGINE].max_model_len
+    check_context([len(ids) for ids in ids_list], body.max_tokens, max_model_len, "prompt")
+    max_tokens = body.max_tokens
+    if max_tokens is None:
+        room = max_model_len - max(len(ids) for ids in ids_list)
+        max_tokens = min(app[CONFIG].completion_default_max_tokens, room)
+    top_n = body.logprobs or 0
+    params = _sampling_params(body, max_tokens, body.logprobs)
+    job = _job(request, "cmpl", ids_list, params)
+    public_id = f"cmpl-{request_id(request)}"
+    text_of = TokenText(prompts.tokenizer)
+    base = {"id": public_id, "object": "text_completion", "created": int(time.time()), "model": model}
+    n = body.n
+
+    if not body.stream:
+        outputs = await _collect(request, job, COMPLETIONS_ENDPOINT)
+        choices = []
+        for prompt_index, output in enumerate(outputs):
+            for c in output.outputs:
+                logprobs, _ = completion_logprobs(c, 0, len(c.token_ids), top_n, text_of, 0)
+                choices.append(
+                    {
+                        "index": prompt_index * n + c.index,
+                        "text": c.text,
+                        "logprobs": logprobs,
+                        "finish_reason": finish_reason(c),
+                    }
+                )
+        return web.json_response({**base, "choices": choices, "usage": usage(outputs)})
+
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
+    extra = {"usage": None} if include_usage else {}
+
+    async def emit(prompt_index: int, output: RequestOutput, state: StreamState) -> None:
+        for c in output.outputs:
+            index = prompt_index * n + c.index
+            cursor = state.cursor(index)
+            if cursor.finished:
+                continue
+            new_text = c.text[cursor.text_len :]
+            reason = finish_reason(c)
+            new_tokens = len(c.token_ids) > cursor.num_tokens and body.logprobs is not None
+            if not (new_text or reason or new_tokens):
+                continue
+            logprobs, cursor.text_offset = completion_logprobs(
+                c, cursor.num_tokens, len(c.token_ids), top_n, text_of, cursor.text_offset
+            )
+            choice = {"index": index, "text": new_text, "logprobs": logprobs, "finish_reason": reason}
+            cursor.finished = reason is not None
+            cursor.text_len, cursor.num_tokens = len(c.text), len(c.token_ids)
+            await sse.send({**base, "choices": [choice], **extra})
+
+    sse = SSEWriter(request, request_id(request))
+    usage_chunk = {**base, "choices": []} if include_usage else None
+    return await _stream(request, job, COMPLETIONS_ENDPOINT, sse, emit, usage_chunk)
+
+
+# -- running -------------------------------------------------------------------------------
+async def _collect(request: web.Request, job: GenerationJob, endpoint: str) -> list[RequestOutput]:
+    app = request.app
+    started = time.perf_counter()
+    finals: dict[int, RequestOutput] = {}
+    stream = run_job(app[ENGINE], job, app[METRICS], endpoint)
+    async with contextlib.aclosing(stream):
+        async for index, output in stream:
+            if output.finished:
+                finals[index] = output
+    outputs = [finals[i] for i in range(len(job.prompts))]
+    _log_finished(request, endpoint, outputs, started)
+    return outputs
+
+
+async def _stream(
+    request: web.Request,
+    job: GenerationJob,
+    endpoint: str,
+    sse: SSEWriter,
+    emit: Emit,
+    usage_chunk: dict[str, Any] | None,
+) -> web.StreamResponse:
+    """Stream chunks. Errors before the first output are ordinary error responses; later
+    ones become an error event followed by ``[DONE]``."""
+    app = request.app
+    started = time.perf_counter()
+    state = StreamState()
+    stream = run_job(app[ENGINE], job, app[METRICS], endpoint)
+    async with contextlib.aclosing(stream):
+        # NOTE: wait for the first output before sending headers, so a request the engine
+        # rejects still gets its 4xx status.
+        first = await anext(stream)
+        await sse.start()
+        try:
+            await _emit_output(emit, first, state)
+            async for item in stream:
+                await _emit_output(emit, item, state)
+            finals = [state.finals[i] for i in range(len(job.prompts))]
+            if usage_chunk is not None:
+                await sse.send({**usage_chunk, "usage": usage(finals)})
+            await sse.done()
+            _log_finished(request, endpoint, finals, started)
+        except ConnectionResetError:
+            logger.info("request %s: the client went away; aborting", request_id(request))
+        except APIError as exc:
+            await _send_error(sse, exc.status, exc.message, exc.param, exc.code)
+        except EngineDeadError as exc:
+            await _send_error(sse, 503, str(exc), None, "engine_dead")
+        except Exception:
+            logger.exception("request %s failed while streaming", request_id(request))
+            message = f"internal server error (request id {request_id(request)}); see the server log"
+            await _send_error(sse, 500, message, None, "internal_error")
+    return sse.response
+
+
+async def _emit_output(emit: Emit, item: tuple[int, RequestOutput], state: StreamState) -> None:
+    index, output = item
+    await emit(index, output, state)
+    if output.finished:
+        state.finals[index] = output
+
+
+async def _send_error(sse: SSEWriter, status: int, message: str, param: str | None, code: str | None) -> None:
+    with contextlib.suppress(ConnectionResetError):
+        await sse.send(error_body(status, message, param, code))
+        await sse.done()
+
+
+def _log_finished(request: web.Request, endpoint: str, outputs: list[RequestOutput], started: float) -> None:
+    totals = usage(outputs)
+    logger.info(
+        "request %s %s: %d prompt tokens (%d cached), %d generated, %.2f s",
+        request_id(request),
+        endpoint,
+        totals["prompt_tokens"],
+        totals["prompt_tokens_details"]["cached_tokens"],
+        totals["completion_tokens"],
+        time.perf_counter() - started,
+    )

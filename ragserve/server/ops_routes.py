@@ -1,0 +1,51 @@
+"""Operations: ``/health``, ``/metrics`` (Prometheus text), ``/openapi.json``. No auth."""
+
+from __future__ import annotations
+
+import logging
+
+from aiohttp import web
+
+from ragserve.engine.async_engine import EngineDeadError
+from ragserve.server.engine_access import call_engine
+from ragserve.server.metrics import CONTENT_TYPE, EngineSnapshot
+from ragserve.server.openapi import build_spec
+from ragserve.server.state import DOCUMENTS, DRAINING, ENGINE, METRICS
+
+logger = logging.getLogger(__name__)
+
+SNAPSHOT_TIMEOUT = 10.0
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/openapi.json", openapi)
+
+
+async def health(request: web.Request) -> web.Response:
+    """200 while the engine runs and the server accepts work; 503 otherwise."""
+    engine = request.app[ENGINE]
+    if not engine.is_alive:
+        return web.json_response({"status": "engine_dead"}, status=503)
+    if request.app[DRAINING].is_set():
+        return web.json_response({"status": "shutting_down"}, status=503)
+    return web.json_response({"status": "ok"})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    app = request.app
+    engine = app[ENGINE]
+    try:
+        snapshot = await call_engine(engine, EngineSnapshot.read, SNAPSHOT_TIMEOUT)
+    except EngineDeadError as exc:
+        logger.warning("metrics without engine values: %s", exc)
+        snapshot = EngineSnapshot()
+    snapshot.active_requests = engine.num_active_requests
+    snapshot.documents = app[DOCUMENTS].count_by_status()
+    body = app[METRICS].render(snapshot)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+
+async def openapi(request: web.Request) -> web.Response:
+    return web.json_response(build_spec(request.app))

@@ -1,0 +1,127 @@
+"""Requests to token ids, with documents as an exact, shared token prefix.
+
+A prompt that names documents is built as token lists joined end to end::
+
+    head_ids + doc_ids(d1) + doc_ids(d2) + ... + tail_ids
+
+``head_ids`` is fixed for the server's life: the chat template's opening of the system turn
+followed by a short preamble. ``doc_ids(d)`` is computed once, at upload, from the
+document text in a fixed wrapper. Because the pieces are tokenized separately and joined
+as ids (never re-tokenized as one string), ``head_ids + doc_ids(d1)`` is bit-for-bit the
+sequence prefilled at ingestion, so every question on ``d1`` hits its cached blocks.
+For chat, ``tail_ids`` is the rest of the conversation as the chat template renders it
+(the caller's own system message, if any, continues the system turn after the
+documents). For completions, the prompt follows the documents directly, so one ingestion
+serves both APIs.
+
+NOTE: tokenizer calls run on one worker thread: fast tokenizers keep encode settings
+(``split_special_tokens``) as shared state, so concurrent encodes could see each other's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from ragserve.server.errors import bad_request
+
+T = TypeVar("T")
+
+DOCUMENTS_PREAMBLE = "Use the following documents to answer.\n\n"
+DOCUMENT_OPEN = "<document>\n"
+DOCUMENT_CLOSE = "\n</document>\n\n"
+# Marks where the system message's content goes when splitting a rendered chat template.
+_SENTINEL = "\x00ragserve-documents\x00"
+
+
+class PromptBuilder:
+    def __init__(self, tokenizer: Any) -> None:
+        if tokenizer is None:
+            raise ValueError("the server needs a model with a tokenizer")
+        self.tokenizer = tokenizer
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ragserve-tokenizer")
+        self._chat_head = self._render_chat_head()
+        self.head_ids = self._encode((self._chat_head or "") + DOCUMENTS_PREAMBLE)
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run a tokenizer call on the tokenizer thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # -- called on the tokenizer thread ------------------------------------------------------
+    def _encode(self, text: str, split_special_tokens: bool = False) -> list[int]:
+        encoded = self.tokenizer(
+            text, add_special_tokens=False, split_special_tokens=split_special_tokens
+        )
+        return list(encoded["input_ids"])
+
+    def _render_chat_head(self) -> str | None:
+        """The template's text before the system content, or None if it has no system turn."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            return None
+        try:
+            text = self._render([{"role": "system", "content": _SENTINEL}, {"role": "user", "content": "?"}])
+        except Exception:
+            return None
+        head, found, _ = text.partition(_SENTINEL)
+        return head if found else None
+
+    def _render(self, messages: list[dict[str, str]]) -> str:
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return str(text)
+
+    def document_ids(self, text: str) -> list[int]:
+        """A document's own tokens in its fixed wrapper; special-token strings stay plain text."""
+        return self._encode(DOCUMENT_OPEN + text + DOCUMENT_CLOSE, split_special_tokens=True)
+
+    def completion_ids(self, prompt: str | list[int], documents: Sequence[list[int]]) -> list[int]:
+        if not documents:
+            if isinstance(prompt, list):
+                return list(prompt)
+            return list(self.tokenizer.encode(prompt))  # BOS as the tokenizer adds it
+        body = list(prompt) if isinstance(prompt, list) else self._encode(prompt)
+        return self._join(documents, body)
+
+    def chat_ids(self, messages: list[dict[str, str]], documents: Sequence[list[int]]) -> list[int]:
+        if not documents:
+            try:
+                ids = self.tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=True, tokenize=True, return_dict=False
+                )
+            except Exception as exc:
+                raise bad_request(f"the chat template rejected the messages: {exc}", "messages") from None
+            return [int(t) for t in ids]
+        if self._chat_head is None:
+            raise bad_request(
+                "this model's chat template has no system turn, so documents cannot be used "
+                "with chat; use /v1/completions",
+                "documents",
+            )
+        if any(_SENTINEL in m["content"] for m in messages):
+            raise bad_request("message content contains a reserved marker", "messages")
+        own_system = ""
+        if messages[0]["role"] == "system":
+            own_system, messages = messages[0]["content"], messages[1:]
+        conversation = [{"role": "system", "content": _SENTINEL + own_system}, *messages]
+        try:
+            text = self._render(conversation)
+        except Exception as exc:
+            raise bad_request(f"the chat template rejected the messages: {exc}", "messages") from None
+        parts = text.split(_SENTINEL)
+        if len(parts) != 2:
+            raise bad_request("the chat template does not keep the system message as given", "messages")
+        return self._join(documents, self._encode(parts[1]))
+
+    def _join(self, documents: Sequence[list[int]], tail: list[int]) -> list[int]:
+        ids = list(self.head_ids)
+        for doc in documents:
+            ids += doc
+        return ids + tail
+
+    def document_prefix(self, doc_ids: list[int]) -> list[int]:
+        """What ingestion prefills: exactly the start of any prompt naming this document first."""
+        return self._join([doc_ids], [])

@@ -1,0 +1,119 @@
+"""OpenAI response bodies and stream chunks built from the engine's cumulative outputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ragserve.outputs import CompletionOutput, Logprob, RequestOutput
+
+# JSON has no -inf; OpenAI reports impossible tokens as -9999.0.
+_LOGPROB_FLOOR = -9999.0
+FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+def usage(outputs: list[RequestOutput]) -> dict[str, Any]:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    cached = sum(o.num_cached_tokens for o in outputs)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def _value(logprob: float) -> float:
+    return max(logprob, _LOGPROB_FLOOR)
+
+
+class TokenText:
+    """Decodes single tokens for logprobs, memoized (a vocabulary is small)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = str(self.tokenizer.decode([token_id]))
+            self._cache[token_id] = text
+        return text
+
+
+def _ranked(entries: dict[int, Logprob], top_n: int) -> list[tuple[int, Logprob]]:
+    ranked = sorted(entries.items(), key=lambda item: item[1].rank)
+    return [(token, lp) for token, lp in ranked if lp.rank <= top_n][:top_n]
+
+
+def chat_logprobs(
+    output: CompletionOutput, start: int, end: int, top_n: int, text_of: TokenText
+) -> dict[str, Any] | None:
+    """OpenAI's chat ``logprobs.content`` for generated tokens [start, end)."""
+    if output.logprobs is None:
+        return None
+    content = []
+    for position in range(start, min(end, len(output.logprobs))):
+        token = output.token_ids[position]
+        entries = output.logprobs[position]
+        text = text_of(token)
+        content.append(
+            {
+                "token": text,
+                "logprob": _value(entries[token].logprob),
+                "bytes": list(text.encode()),
+                "top_logprobs": [
+                    {"token": text_of(t), "logprob": _value(lp.logprob), "bytes": list(text_of(t).encode())}
+                    for t, lp in _ranked(entries, top_n)
+                ],
+            }
+        )
+    return {"content": content}
+
+
+def completion_logprobs(
+    output: CompletionOutput, start: int, end: int, top_n: int, text_of: TokenText, offset: int
+) -> tuple[dict[str, Any] | None, int]:
+    """Legacy completions ``logprobs`` for tokens [start, end); returns it and the next offset."""
+    if output.logprobs is None:
+        return None, offset
+    tokens, token_logprobs, tops, offsets = [], [], [], []
+    for position in range(start, min(end, len(output.logprobs))):
+        token = output.token_ids[position]
+        entries = output.logprobs[position]
+        text = text_of(token)
+        tokens.append(text)
+        token_logprobs.append(_value(entries[token].logprob))
+        tops.append({text_of(t): _value(lp.logprob) for t, lp in _ranked(entries, top_n)})
+        offsets.append(offset)
+        offset += len(text)
+    body = {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+    return body, offset
+
+
+@dataclass
+class ChoiceCursor:
+    """What one streamed choice has sent so far."""
+
+    text_len: int = 0
+    num_tokens: int = 0
+    finished: bool = False
+    started: bool = False
+    text_offset: int = 0
+
+
+@dataclass
+class StreamState:
+    cursors: dict[int, ChoiceCursor] = field(default_factory=dict)
+    finals: dict[int, RequestOutput] = field(default_factory=dict)
+
+    def cursor(self, index: int) -> ChoiceCursor:
+        return self.cursors.setdefault(index, ChoiceCursor())
+
+
+def finish_reason(output: CompletionOutput) -> str | None:
+    if output.finish_reason is None:
+        return None
+    return FINISH_REASONS.get(output.finish_reason, output.finish_reason)

@@ -1,0 +1,63 @@
+"""Shared fixtures: the embedded model, its transformers twin, and greedy references."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+# Keep tests deterministic and polite on small machines.
+torch.manual_seed(0)
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def smollm_path() -> str:
+    from ragserve.models.default_model import default_model_path
+
+    return str(default_model_path())
+
+
+@pytest.fixture(scope="session")
+def hf_smollm(smollm_path: str) -> Any:
+    """SmolLM2 loaded by transformers from the same GGUF file, float32: the reference."""
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    path = Path(smollm_path)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def smollm_tokenizer(smollm_path: str) -> Any:
+    from ragserve.models.tokenizer import load_gguf_tokenizer
+
+    return load_gguf_tokenizer(smollm_path)
+
+
+@torch.inference_mode()
+def hf_greedy(model: Any, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy continuation of one unpadded prompt, EOS ignored."""
+    ids = torch.tensor([prompt])
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_forward_context() -> Iterator[None]:
+    from ragserve.models import forward_context
+
+    yield
+    assert forward_context._current is None

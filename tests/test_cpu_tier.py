@@ -1,0 +1,193 @@
+"""The host-memory tier: exact copies, LRU eviction into a callback, identity checks."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import pytest
+import torch
+import xxhash
+
+from kvstore.cpu_tier import CpuTier
+from kvstore.tier import BlockLike, BlockMeta, block_nbytes
+
+SHAPE = (2, 2, 4, 2, 8)
+SALT = xxhash.xxh3_128_digest(b"model-a|bs=4|tenant-1")
+
+
+def make_meta(index: int, salt: bytes = SALT) -> BlockMeta:
+    return BlockMeta(
+        block_hash=xxhash.xxh3_128_digest(salt + index.to_bytes(8, "little")),
+        parent_hash=None,
+        token_ids=tuple(range(index * 4, index * 4 + 4)),
+        salt=salt,
+    )
+
+
+def random_block(dtype: torch.dtype, seed: int) -> torch.Tensor:
+    return torch.randn(SHAPE, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def bit_equal(first: torch.Tensor, second: torch.Tensor) -> bool:
+    return torch.equal(first.contiguous().view(torch.uint8), second.contiguous().view(torch.uint8))
+
+
+def make_tier(num_slots: int, dtype: torch.dtype = torch.float32, **kwargs: object) -> CpuTier:
+    return CpuTier(SHAPE, dtype, num_slots * block_nbytes(SHAPE, dtype), **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_round_trip_is_bit_exact(dtype: torch.dtype) -> None:
+    tier = make_tier(4, dtype)
+    blocks = [random_block(dtype, seed) for seed in range(3)]
+    for index, block in enumerate(blocks):
+        assert tier.put(make_meta(index), block)
+    block[...] = 0  # the tier holds copies, not references
+    for index in range(3):
+        dest = torch.full(SHAPE, 7.0, dtype=dtype)
+        assert tier.load_into(make_meta(index), dest)
+        assert bit_equal(dest, random_block(dtype, index))
+    got = tier.get(make_meta(1))
+    assert got is not None and bit_equal(got, blocks[1])
+    stats = tier.metrics()
+    assert (stats.hits, stats.misses, stats.num_blocks) == (4, 0, 3)
+    assert stats.bytes_read == 4 * block_nbytes(SHAPE, dtype)
+    assert stats.used_bytes == 3 * block_nbytes(SHAPE, dtype)
+    assert stats.capacity_bytes == 4 * block_nbytes(SHAPE, dtype)
+    assert stats.load_count == 4 and stats.store_count == 3 and stats.load_seconds_total > 0
+
+
+def test_lru_eviction_hands_blocks_to_the_callback() -> None:
+    evicted: list[tuple[BlockLike, torch.Tensor]] = []
+    tier = make_tier(3, on_evict=lambda meta, block: evicted.append((meta, block.clone())))
+    for index in range(3):
+        tier.put(make_meta(index), random_block(torch.float32, index))
+    assert tier.load_into(make_meta(0), torch.empty(SHAPE))  # 0 becomes most recent
+    assert tier.put(make_meta(1), random_block(torch.float32, 1))  # re-put touches 1
+    tier.put(make_meta(3), random_block(torch.float32, 3))
+    tier.put(make_meta(4), random_block(torch.float32, 4))
+    assert [meta for meta, _ in evicted] == [make_meta(2), make_meta(0)]
+    assert bit_equal(evicted[0][1], random_block(torch.float32, 2))
+    assert bit_equal(evicted[1][1], random_block(torch.float32, 0))
+    assert [meta.block_hash for meta in tier.lru_metas()] == [
+        make_meta(i).block_hash for i in (1, 3, 4)
+    ]
+    assert not tier.contains(make_meta(0)) and tier.contains(make_meta(4))
+    assert not tier.load_into(make_meta(2), torch.empty(SHAPE))
+    stats = tier.metrics()
+    assert (stats.evictions, stats.num_blocks, stats.misses) == (2, 3, 1)
+
+
+def test_failing_callback_does_not_break_puts(caplog: pytest.LogCaptureFixture) -> None:
+    def explode(meta: BlockLike, block: torch.Tensor) -> None:
+        raise RuntimeError("consumer is broken")
+
+    tier = make_tier(1, on_evict=explode)
+    tier.put(make_meta(0), random_block(torch.float32, 0))
+    assert tier.put(make_meta(1), random_block(torch.float32, 1))
+    assert tier.contains(make_meta(1)) and "eviction callback failed" in caplog.text
+
+
+def test_same_hash_other_tokens_is_never_served() -> None:
+    tier = make_tier(2)
+    tier.put(make_meta(0), random_block(torch.float32, 0))
+    collision = dataclasses.replace(make_meta(0), token_ids=(9, 9, 9, 9))
+    dest = torch.zeros(SHAPE)
+    assert not tier.load_into(collision, dest)
+    assert torch.count_nonzero(dest) == 0
+    other_tenant = dataclasses.replace(make_meta(0), salt=xxhash.xxh3_128_digest(b"tenant-2"))
+    assert not tier.contains(other_tenant) and not tier.load_into(other_tenant, dest)
+    stats = tier.metrics()
+    assert (stats.mismatched_records, stats.misses, stats.hits) == (1, 2, 0)
+
+
+def test_discard_frees_the_slot() -> None:
+    tier = make_tier(1)
+    tier.put(make_meta(0), random_block(torch.float32, 0))
+    assert tier.discard(make_meta(0)) and not tier.discard(make_meta(0))
+    evicted: list[BlockLike] = []
+    tier.on_evict = lambda meta, block: evicted.append(meta)
+    tier.put(make_meta(1), random_block(torch.float32, 1))
+    assert evicted == [] and len(tier) == 1
+
+
+def test_batched_load_into_a_preallocated_tensor() -> None:
+    tier = make_tier(4, torch.bfloat16)
+    for index in range(3):
+        tier.put(make_meta(index), random_block(torch.bfloat16, index))
+    metas = [make_meta(2), make_meta(7), make_meta(0)]
+    dest = torch.zeros((3, *SHAPE), dtype=torch.bfloat16)
+    assert tier.load_many_into(metas, dest) == [True, False, True]
+    assert bit_equal(dest[0], random_block(torch.bfloat16, 2))
+    assert bit_equal(dest[2], random_block(torch.bfloat16, 0))
+    with pytest.raises(ValueError, match="3 blocks to load but 2 destinations"):
+        tier.load_many_into(metas, dest[:2])
+
+
+def test_bad_arguments_raise_clear_errors() -> None:
+    with pytest.raises(ValueError, match="smaller than one block"):
+        CpuTier(SHAPE, torch.float32, block_nbytes(SHAPE, torch.float32) - 1)
+    with pytest.raises(ValueError, match="positive dims"):
+        CpuTier((2, 0, 4), torch.float32, 1 << 20)
+    tier = make_tier(2)
+    with pytest.raises(ValueError, match=r"dtype torch\.float32"):
+        tier.put(make_meta(0), random_block(torch.bfloat16, 0))
+    with pytest.raises(ValueError, match=r"shape \(2, 2, 4, 2, 8\)"):
+        tier.load_into(make_meta(0), torch.empty((2, 2, 4, 2, 4)))
+
+
+def test_non_contiguous_source_and_destination() -> None:
+    tier = make_tier(2)
+    source = (
+        random_block(torch.float32, 5).permute(4, 3, 2, 1, 0).contiguous().permute(4, 3, 2, 1, 0)
+    )
+    assert not source.is_contiguous()
+    tier.put(make_meta(0), source)
+    dest = torch.zeros(tuple(reversed(SHAPE))).permute(4, 3, 2, 1, 0)
+    assert tier.load_into(make_meta(0), dest)
+    assert torch.equal(dest, random_block(torch.float32, 5))
+
+
+def test_concurrent_puts_and_loads_stay_consistent() -> None:
+    tier = make_tier(8)
+    errors: list[str] = []
+
+    def worker(offset: int) -> None:
+        dest = torch.empty(SHAPE)
+        for step in range(150):
+            index = (offset + step) % 24
+            tier.put(make_meta(index), random_block(torch.float32, index))
+            if tier.load_into(make_meta(index), dest) and not bit_equal(
+                dest, random_block(torch.float32, index)
+            ):
+                errors.append(f"block {index} came back different")
+
+    threads = [threading.Thread(target=worker, args=(offset,)) for offset in (0, 7, 13)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    stats = tier.metrics()
+    assert stats.num_blocks == 8 and len(tier.lru_metas()) == 8
+
+
+def test_closed_tier_misses_and_drops() -> None:
+    tier = make_tier(2)
+    tier.put(make_meta(0), random_block(torch.float32, 0))
+    tier.close()
+    assert not tier.put(make_meta(1), random_block(torch.float32, 1))
+    assert not tier.load_into(make_meta(0), torch.empty(SHAPE))
+    assert tier.metrics().disabled
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_pinned_storage_and_cuda_round_trip() -> None:
+    tier = make_tier(2, torch.bfloat16)
+    assert tier._storage.is_pinned()
+    block = random_block(torch.bfloat16, 1).cuda()
+    tier.put(make_meta(0), block)
+    dest = torch.zeros(SHAPE, dtype=torch.bfloat16, device="cuda")
+    assert tier.load_into(make_meta(0), dest)
+    assert torch.equal(dest.cpu().view(torch.uint8), block.cpu().view(torch.uint8))

@@ -1,0 +1,326 @@
+"""The disk tier on real files: round trips, LRU within capacity, restarts, the tier manager."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import xxhash
+
+from kvstore.cpu_tier import CpuTier
+from kvstore.disk_tier import DiskTier, default_disk_dir
+from kvstore.record_format import encode_record
+from kvstore.tier import BlockMeta, block_nbytes, record_key, salt_fingerprint
+from kvstore.tier_manager import GIB, TierManager
+
+SHAPE = (2, 2, 4, 2, 8)
+SALT = xxhash.xxh3_128_digest(b"model-a|bs=4|tenant-1")
+
+
+def make_meta(index: int, salt: bytes = SALT) -> BlockMeta:
+    return BlockMeta(
+        block_hash=xxhash.xxh3_128_digest(salt + index.to_bytes(8, "little")),
+        parent_hash=None,
+        token_ids=tuple(range(index * 4, index * 4 + 4)),
+        salt=salt,
+    )
+
+
+def random_block(dtype: torch.dtype, seed: int) -> torch.Tensor:
+    return torch.randn(SHAPE, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def bit_equal(first: torch.Tensor, second: torch.Tensor) -> bool:
+    return torch.equal(first.contiguous().view(torch.uint8), second.contiguous().view(torch.uint8))
+
+
+def record_size(index: int = 0, dtype: torch.dtype = torch.float32) -> int:
+    return len(encode_record(make_meta(index), random_block(dtype, 0)))
+
+
+def files(root: Path, pattern: str) -> list[Path]:
+    return sorted(root.rglob(pattern))
+
+
+def disk_usage(root: Path) -> int:
+    """Bytes of all files under ``root``; files removed while listing count as 0."""
+    total = 0
+    for entry in root.rglob("*"):
+        with contextlib.suppress(FileNotFoundError):
+            total += entry.stat().st_size if entry.is_file() else 0
+    return total
+
+
+def fill(tier: DiskTier, indices: range | list[int], dtype: torch.dtype = torch.float32) -> None:
+    for index in indices:
+        assert tier.put(make_meta(index), random_block(dtype, index), blocking=True)
+    tier.flush()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_round_trip_is_bit_exact(tmp_path: Path, dtype: torch.dtype) -> None:
+    with DiskTier(SHAPE, dtype, 1 << 20, tmp_path) as tier:
+        fill(tier, range(4), dtype)
+        for index in range(4):
+            dest = torch.full(SHAPE, 3.0, dtype=dtype)
+            assert tier.load_into(make_meta(index), dest)
+            assert bit_equal(dest, random_block(dtype, index))
+        assert not tier.load_into(make_meta(99), torch.empty(SHAPE, dtype=dtype))
+        stats = tier.metrics()
+    assert (stats.hits, stats.misses, stats.num_blocks, stats.store_count) == (4, 1, 4, 4)
+    assert stats.bytes_written == stats.used_bytes == 4 * record_size(dtype=dtype)
+    assert stats.bytes_read == 4 * record_size(dtype=dtype)
+    assert stats.load_seconds_total > 0 and stats.store_seconds_total > 0
+    group = tmp_path / salt_fingerprint(SALT)
+    assert sorted(path.name for path in group.iterdir()) == sorted(
+        make_meta(index).block_hash.hex() + ".kv" for index in range(4)
+    )
+
+
+def test_batched_restore_into_preallocated_tensor(tmp_path: Path) -> None:
+    with DiskTier(SHAPE, torch.bfloat16, 1 << 20, tmp_path, num_readers=3) as tier:
+        fill(tier, range(12), torch.bfloat16)
+        metas = [make_meta(index) for index in [*range(12), 50]]
+        dest = torch.zeros((13, *SHAPE), dtype=torch.bfloat16)
+        assert tier.load_many_into(metas, dest) == [True] * 12 + [False]
+        for index in range(12):
+            assert bit_equal(dest[index], random_block(torch.bfloat16, index))
+        rows = [torch.empty(SHAPE, dtype=torch.bfloat16) for _ in range(2)]
+        assert tier.load_many_into([make_meta(3), make_meta(4)], rows) == [True, True]
+        assert bit_equal(rows[1], random_block(torch.bfloat16, 4))
+
+
+def test_non_contiguous_destination_goes_through_staging(tmp_path: Path) -> None:
+    with DiskTier(SHAPE, torch.float32, 1 << 20, tmp_path) as tier:
+        fill(tier, [0])
+        dest = torch.zeros(tuple(reversed(SHAPE))).permute(4, 3, 2, 1, 0)
+        assert not dest.is_contiguous() and tier.load_into(make_meta(0), dest)
+        assert torch.equal(dest, random_block(torch.float32, 0))
+
+
+def test_lru_eviction_keeps_capacity(tmp_path: Path) -> None:
+    size = record_size()
+    capacity = 5 * size + size // 2
+    with DiskTier(SHAPE, torch.float32, capacity, tmp_path) as tier:
+        fill(tier, range(5))
+        assert tier.load_into(make_meta(0), torch.empty(SHAPE))  # 0 becomes most recent
+        fill(tier, [5, 6])
+        assert tier.contains(make_meta(0)) and not tier.contains(make_meta(1))
+        assert not tier.contains(make_meta(2))
+        for index in range(7, 60):  # a workload far larger than the capacity
+            tier.put(make_meta(index), random_block(torch.float32, index))
+            assert disk_usage(tmp_path) <= capacity + size
+        tier.flush()
+        assert disk_usage(tmp_path) <= capacity
+        stats = tier.metrics()
+        assert stats.used_bytes <= capacity and stats.num_blocks == 5
+        assert stats.evictions == stats.store_count - 5
+        assert len(files(tmp_path, "*.kv")) == 5
+        assert files(tmp_path, "*.tmp") == []
+
+
+def test_record_larger_than_capacity_is_dropped_without_evicting(tmp_path: Path) -> None:
+    with DiskTier(SHAPE, torch.float32, 2 * record_size() + 64, tmp_path) as tier:
+        fill(tier, [0, 1])
+        long_meta = BlockMeta(b"\x05" * 16, None, tuple(range(1000)), SALT)  # a big header
+        assert tier.put(long_meta, random_block(torch.float32, 5))
+        tier.flush()
+        stats = tier.metrics()
+        assert not tier.contains(long_meta) and stats.dropped_demotions == 1
+        assert stats.evictions == 0 and stats.num_blocks == 2
+
+
+def test_restart_serves_records_written_before(tmp_path: Path) -> None:
+    with DiskTier(SHAPE, torch.bfloat16, 1 << 20, tmp_path) as tier:
+        fill(tier, range(6), torch.bfloat16)
+    for age, index in enumerate([3, 0, 5, 1, 4, 2]):  # define LRU order through mtimes
+        path = tmp_path / salt_fingerprint(SALT) / (make_meta(index).block_hash.hex() + ".kv")
+        os.utime(path, ns=(1_000_000_000 * (age + 1),) * 2)
+    with DiskTier(SHAPE, torch.bfloat16, 1 << 20, tmp_path) as restarted:
+        assert restarted.lru_keys() == [record_key(make_meta(i)) for i in [3, 0, 5, 1, 4, 2]]
+        assert restarted.metrics().used_bytes == 6 * record_size(dtype=torch.bfloat16)
+        for index in range(6):
+            dest = torch.empty(SHAPE, dtype=torch.bfloat16)
+            assert restarted.load_into(make_meta(index), dest)
+            assert bit_equal(dest, random_block(torch.bfloat16, index))
+
+
+def test_restart_indexes_without_reading_payloads(tmp_path: Path) -> None:
+    with DiskTier(SHAPE, torch.float32, 1 << 20, tmp_path) as tier:
+        fill(tier, range(5))
+    for path in files(tmp_path, "*.kv"):  # damage every payload: only a read can tell
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0xFF
+        path.write_bytes(bytes(data))
+    with DiskTier(SHAPE, torch.float32, 1 << 20, tmp_path) as restarted:
+        stats = restarted.metrics()
+        assert (stats.num_blocks, stats.corrupt_records) == (5, 0)
+        assert not restarted.load_into(make_meta(2), torch.empty(SHAPE))
+        assert restarted.metrics().corrupt_records == 1
+
+
+def test_restart_with_a_smaller_capacity_evicts_the_oldest(tmp_path: Path) -> None:
+    with DiskTier(SHAPE, torch.float32, 1 << 20, tmp_path) as tier:
+        fill(tier, range(6))
+    for index in range(6):
+        path = tmp_path / salt_fingerprint(SALT) / (make_meta(index).block_hash.hex() + ".kv")
+        os.utime(path, ns=(1_000_000_000 * (index + 1),) * 2)
+    with DiskTier(SHAPE, torch.float32, 2 * record_size(), tmp_path) as smaller:
+        assert smaller.lru_keys() == [record_key(make_meta(4)), record_key(make_meta(5))]
+        assert len(files(tmp_path, "*.kv")) == 2
+
+
+def test_index_of_many_records_is_fast(tmp_path: Path) -> None:
+    """10k records index from names and sizes alone; no payload is opened."""
+    group = tmp_path / salt_fingerprint(SALT)
+    group.mkdir()
+    record = encode_record(make_meta(0), random_block(torch.float32, 0))
+    for index in range(10_000):
+        (group / (make_meta(index).block_hash.hex() + ".kv")).write_bytes(record)
+    (group / "README").write_text("not a record")
+    (tmp_path / "not-a-group").mkdir()
+    start = time.perf_counter()
+    with DiskTier(SHAPE, torch.float32, 1 << 30, tmp_path) as tier:
+        elapsed = time.perf_counter() - start
+        assert tier.metrics().num_blocks == 10_000
+        assert tier.load_into(make_meta(0), torch.empty(SHAPE))
+    assert elapsed < 5.0, f"indexing 10k records took {elapsed:.2f} s"
+
+
+def test_second_process_view_finds_new_records(tmp_path: Path) -> None:
+    with DiskTier(SHAPE, torch.float32, 1 << 20, tmp_path) as reader:
+        with DiskTier(SHAPE, torch.float32, 1 << 20, tmp_path) as writer:
+            fill(writer, [7])
+        dest = torch.empty(SHAPE)
+        assert reader.contains(make_meta(7)) and reader.load_into(make_meta(7), dest)
+        assert bit_equal(dest, random_block(torch.float32, 7))
+        assert reader.metrics().used_bytes == record_size(7)
+
+
+def test_tenants_are_grouped_and_isolated(tmp_path: Path) -> None:
+    other_salt = xxhash.xxh3_128_digest(b"model-a|bs=4|tenant-2")
+    with DiskTier(SHAPE, torch.float32, 1 << 20, tmp_path) as tier:
+        fill(tier, [0])
+        assert tier.put(make_meta(0, other_salt), random_block(torch.float32, 9), blocking=True)
+        tier.flush()
+        dest = torch.empty(SHAPE)
+        assert tier.load_into(make_meta(0, other_salt), dest)
+        assert bit_equal(dest, random_block(torch.float32, 9))
+        assert tier.load_into(make_meta(0), dest)
+        assert bit_equal(dest, random_block(torch.float32, 0))
+    groups = sorted(path.name for path in tmp_path.iterdir())
+    assert groups == sorted([salt_fingerprint(SALT), salt_fingerprint(other_salt)])
+
+
+def test_full_queue_drops_without_blocking(tmp_path: Path) -> None:
+    shape = (4, 2, 16, 4, 64)  # 128 KiB blocks: each write + fsync outlasts a put
+    block = torch.randn(shape)
+    tier = DiskTier(shape, torch.float32, 1 << 30, tmp_path, num_writers=1, max_pending_writes=2)
+    latencies, accepted = [], 0
+    for index in range(60):
+        start = time.perf_counter()
+        accepted += tier.put(make_meta(index), block)
+        latencies.append(time.perf_counter() - start)
+    tier.flush()
+    stats = tier.metrics()
+    tier.close()
+    assert stats.dropped_demotions > 0, "a 2-deep queue behind fsync should overflow"
+    assert stats.dropped_demotions == 60 - accepted
+    assert stats.num_blocks == accepted
+    assert max(latencies) < 0.25, f"a put blocked for {max(latencies):.3f} s"
+
+
+def test_discard_and_default_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_disk_dir() == tmp_path / "xdg" / "ragserve" / "kv"
+    with DiskTier(SHAPE, torch.float32, 1 << 20) as tier:
+        assert tier.root == default_disk_dir()
+        fill(tier, [1])
+        assert tier.discard(make_meta(1)) and not tier.discard(make_meta(1))
+        assert files(tmp_path, "*.kv") == [] and tier.metrics().used_bytes == 0
+
+
+def test_bad_arguments_raise_clear_errors(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="capacity must be > 0"):
+        DiskTier(SHAPE, torch.float32, 0, tmp_path)
+    with pytest.raises(ValueError, match="num_writers"):
+        DiskTier(SHAPE, torch.float32, 1 << 20, tmp_path, num_writers=0)
+    tier = DiskTier(SHAPE, torch.float32, 1 << 20, tmp_path)
+    with pytest.raises(ValueError, match=r"dtype torch\.float32"):
+        tier.put(make_meta(0), random_block(torch.float16, 0))
+    tier.close()
+    assert not tier.put(make_meta(0), random_block(torch.float32, 0))  # closed: dropped
+
+
+# ---------------------------------------------------------------------- tier manager
+def make_manager(tmp_path: Path, cpu_blocks: int, write_through: bool) -> TierManager:
+    per_block = block_nbytes(SHAPE, torch.float32)
+    return TierManager.from_budget(
+        SHAPE,
+        torch.float32,
+        cpu_gib=cpu_blocks * per_block / GIB,
+        disk_gib=1 / 1024,
+        disk_dir=tmp_path,
+        write_through=write_through,
+    )
+
+
+def test_manager_write_through_serves_from_cpu_then_disk(tmp_path: Path) -> None:
+    manager = make_manager(tmp_path, cpu_blocks=3, write_through=True)
+    for index in range(5):
+        assert manager.put(make_meta(index), random_block(torch.float32, index))
+    manager.flush()
+    assert manager.lookup(make_meta(4)) == "cpu" and manager.lookup(make_meta(0)) == "disk"
+    assert manager.match_prefix([make_meta(i) for i in (0, 1, 2, 3, 4, 9, 1)]) == 5
+    dest = torch.empty((6, *SHAPE))
+    sources = manager.load_many_into([make_meta(i) for i in (0, 1, 2, 3, 4, 9)], dest)
+    assert sources == ["disk", "disk", "cpu", "cpu", "cpu", None]
+    for index in range(5):
+        assert bit_equal(dest[index], random_block(torch.float32, index))
+    stats = manager.metrics()
+    assert stats["disk"].num_blocks == 5 and stats["cpu"].num_blocks == 3
+    manager.close()
+    restarted = make_manager(tmp_path, cpu_blocks=3, write_through=True)
+    assert restarted.load_into(make_meta(4), dest[0]) == "disk"  # survives the restart
+    restarted.close()
+
+
+def test_manager_demotes_cpu_evictions_to_disk(tmp_path: Path) -> None:
+    manager = make_manager(tmp_path, cpu_blocks=3, write_through=False)
+    for index in range(5):
+        manager.put(make_meta(index), random_block(torch.float32, index))
+    manager.flush()
+    assert manager.disk is not None
+    # NOTE: two writer threads: the two demoted records may land in either order.
+    assert set(manager.disk.lru_keys()) == {record_key(make_meta(0)), record_key(make_meta(1))}
+    dest = torch.empty(SHAPE)
+    assert manager.load_into(make_meta(1), dest) == "disk"
+    assert bit_equal(dest, random_block(torch.float32, 1))
+    assert manager.load_into(make_meta(3), dest) == "cpu"
+    manager.close()
+
+
+def test_manager_with_zero_budgets_has_no_tiers(tmp_path: Path) -> None:
+    manager = TierManager.from_budget(SHAPE, torch.float32, cpu_gib=0, disk_gib=0)
+    assert manager.cpu is None and manager.disk is None
+    assert not manager.put(make_meta(0), random_block(torch.float32, 0))
+    assert manager.load_into(make_meta(0), torch.empty(SHAPE)) is None
+    assert manager.metrics() == {}
+    cpu_only = TierManager(CpuTier(SHAPE, torch.float32, 1 << 16), None)
+    assert cpu_only.put(make_meta(0), random_block(torch.float32, 0))
+    assert cpu_only.load_into(make_meta(0), torch.empty(SHAPE)) == "cpu"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_blocks_round_trip_through_disk(tmp_path: Path) -> None:
+    with DiskTier(SHAPE, torch.bfloat16, 1 << 20, tmp_path) as tier:
+        block = random_block(torch.bfloat16, 2).cuda()
+        assert tier.put(make_meta(0), block, blocking=True)
+        tier.flush()
+        dest = torch.zeros(SHAPE, dtype=torch.bfloat16, device="cuda")
+        assert tier.load_into(make_meta(0), dest)
+        assert torch.equal(dest.cpu().view(torch.uint8), block.cpu().view(torch.uint8))

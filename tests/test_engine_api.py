@@ -1,0 +1,140 @@
+"""The offline API on the embedded model: sampling options, stops, errors, no leaks."""
+
+from __future__ import annotations
+
+import pytest
+
+from ragserve import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(smollm_path: str) -> LLM:
+    return LLM(smollm_path, max_model_len=512)
+
+
+def assert_no_leak(llm: LLM) -> None:
+    llm.engine.block_pool.check_invariants()
+    assert llm.engine.block_pool.num_used == 0
+
+
+def test_chat_answers_with_the_template(llm: LLM) -> None:
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0.0, max_tokens=20), use_tqdm=False)[0]
+    assert "Paris" in out.outputs[0].text
+    assert out.outputs[0].finish_reason == "stop"  # <|im_end|> ends the turn
+    assert out.prompt_token_ids[0] == llm.get_tokenizer().convert_tokens_to_ids("<|im_start|>")
+    assert_no_leak(llm)
+
+
+def test_seeded_sampling_is_reproducible_and_seed_dependent(llm: LLM) -> None:
+    prompt = "Write a short poem about the sea."
+    def run(seed: int) -> str:
+        params = SamplingParams(temperature=1.0, top_p=0.95, top_k=50, seed=seed, max_tokens=24)
+        return llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].text
+    first, again, other = run(1), run(1), run(2)
+    assert first == again
+    assert first != other
+    # A seeded request gives the same text whatever runs beside it in the batch.
+    params = SamplingParams(temperature=1.0, top_p=0.95, top_k=50, seed=1, max_tokens=24)
+    batched = llm.generate([prompt, "Other prompt", prompt * 2], [params, SamplingParams(temperature=1.0), params], use_tqdm=False)
+    assert batched[0].outputs[0].text == first
+    assert_no_leak(llm)
+
+
+def test_stop_strings_are_cut_from_the_text(llm: LLM) -> None:
+    greedy = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    full = llm.generate("Count: 1, 2, 3,", greedy, use_tqdm=False)[0].outputs[0].text
+    assert " 5" in full, full
+    stop_at = full.index(" 5")
+    stopped = llm.generate("Count: 1, 2, 3,", SamplingParams(temperature=0.0, max_tokens=30, stop=[" 5"]), use_tqdm=False)[0].outputs[0]
+    assert stopped.text == full[:stop_at]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == " 5"
+
+
+def test_stop_token_ids_min_tokens_and_max_tokens(llm: LLM) -> None:
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    tokens = llm.generate("The alphabet: a b c", greedy, use_tqdm=False)[0].outputs[0].token_ids
+    stop_token = tokens[3]
+    first = tokens.index(stop_token)
+    out = llm.generate("The alphabet: a b c", SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop_token]), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == tokens[: first + 1] and out.stop_reason == stop_token
+    eos_early = llm.chat([{"role": "user", "content": "Say OK."}], SamplingParams(temperature=0.0, max_tokens=40), use_tqdm=False)[0].outputs[0]
+    assert eos_early.finish_reason == "stop"
+    at_least = llm.chat([{"role": "user", "content": "Say OK."}], SamplingParams(temperature=0.0, max_tokens=40, min_tokens=len(eos_early.token_ids) + 3), use_tqdm=False)[0].outputs[0]
+    assert len(at_least.token_ids) >= len(eos_early.token_ids) + 3
+    assert len(llm.generate("x", SamplingParams(max_tokens=5, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids) == 5
+
+
+def test_logprobs_and_n_samples_share_the_prompt(llm: LLM) -> None:
+    params = SamplingParams(temperature=0.8, seed=3, n=3, max_tokens=8, logprobs=2)
+    doc = "A document that all three samples read. " * 10
+    before = llm.engine.stats.prompt_tokens_computed
+    out = llm.generate(doc, params, use_tqdm=False)[0]
+    computed = llm.engine.stats.prompt_tokens_computed - before
+    prompt_len = len(out.prompt_token_ids)
+    assert len(out.outputs) == 3
+    assert computed < prompt_len + 2 * 16 + 2, "the shared prompt was prefilled more than once"
+    for sample in out.outputs:
+        assert sample.logprobs is not None and len(sample.logprobs) == len(sample.token_ids)
+        for token, step in zip(sample.token_ids, sample.logprobs, strict=True):
+            assert token in step and step[token].logprob <= 0.0
+            assert len(step) in (2, 3)
+    assert_no_leak(llm)
+
+
+def test_token_id_prompts_and_vllm_prompt_dicts(llm: LLM) -> None:
+    ids = llm.get_tokenizer().encode("Hello there")
+    greedy = SamplingParams(temperature=0.0, max_tokens=5)
+    a = llm.generate(ids, greedy, use_tqdm=False)[0]
+    b = llm.generate({"prompt_token_ids": ids}, greedy, use_tqdm=False)[0]
+    c = llm.generate("Hello there", greedy, use_tqdm=False)[0]
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids == c.outputs[0].token_ids
+    assert c.prompt == "Hello there" and c.prompt_token_ids == list(ids)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"temperature": -1.0}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_k": 0}, "top_k"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"n": 0}, "n must be"),
+        ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+        ({"logprobs": 50}, "logprobs"),
+    ],
+)
+def test_invalid_sampling_values(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)  # type: ignore[arg-type]
+
+
+def test_bad_prompts_are_clear_errors_and_leave_nothing_behind(llm: LLM) -> None:
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate("", use_tqdm=False)
+    with pytest.raises(ValueError, match=r"600 tokens but max_model_len is 512"):
+        llm.generate([[5] * 600], use_tqdm=False)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate([[1, 10**9]], use_tqdm=False)
+    with pytest.raises(ValueError, match="2 sampling params for 1 prompts"):
+        llm.generate(["a"], [SamplingParams(), SamplingParams()], use_tqdm=False)
+    # A good prompt before a bad one is not left queued.
+    with pytest.raises(ValueError):
+        llm.generate(["fine", ""], use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    assert_no_leak(llm)
+
+
+def test_a_request_that_can_never_fit_is_refused(smollm_path: str) -> None:
+    small = LLM(smollm_path, kv_cache_gib=4 * 16 * 46080 / 2**30)  # 4 blocks = 64 tokens
+    with pytest.raises(ValueError, match=r"needs 5 KV blocks \(80 tokens\) but the cache holds 4"):
+        small.generate([[7] * 70], SamplingParams(max_tokens=10), use_tqdm=False)
+
+
+def test_unknown_model_path_and_engine_arguments(tmp_path: object) -> None:
+    with pytest.raises(ValueError, match="does-not-exist"):
+        LLM("/no/such/dir/does-not-exist")
+    with pytest.raises(ValueError, match="block_size"):
+        LLM(None, block_size=12)
+    with pytest.raises(ValueError, match="unknown engine argument"):
+        LLM(None, not_an_option=1)

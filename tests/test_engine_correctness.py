@@ -1,0 +1,68 @@
+"""Greedy outputs equal transformers', token for token, however the engine batches them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from ragserve import LLM, SamplingParams
+from tests.conftest import hf_greedy
+
+MAX_NEW = 10
+TEXTS = [
+    "Hi",
+    "The capital of France is",
+    "Paged attention stores the key-value cache in fixed-size blocks so that",
+    "List three prime numbers:",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who "
+    "every morning walked down to the harbour before sunrise. One day he found",
+    "Question: What is 12 times 12?\nAnswer:",
+    "A long document about serving engines. " * 6,
+    "Translate to French: good morning",
+]
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm_tokenizer: Any) -> list[list[int]]:
+    ids = [list(smollm_tokenizer.encode(text)) for text in TEXTS]
+    return [[ids[0][0]], *ids]  # a one-token prompt too
+
+
+@pytest.fixture(scope="module")
+def expected(hf_smollm: Any, prompts: list[list[int]]) -> list[list[int]]:
+    return [hf_greedy(hf_smollm, prompt, MAX_NEW) for prompt in prompts]
+
+
+def assert_engine_clean(llm: LLM) -> None:
+    engine = llm.engine
+    assert not engine.has_unfinished_requests()
+    engine.block_pool.check_invariants()
+    assert engine.block_pool.num_used == 0, "blocks leaked"
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+
+
+@pytest.mark.parametrize(
+    "engine_args",
+    [
+        pytest.param({}, id="one-continuous-batch"),
+        pytest.param({"max_num_batched_tokens": 24}, id="chunked-prefill"),
+        pytest.param({"enable_prefix_caching": False, "max_num_seqs": 3}, id="no-cache-few-seqs"),
+        # 8 blocks of 16 tokens: room for the longest request alone, not for all of them
+        pytest.param({"kv_cache_gib": 8 * 16 * 46080 / 2**30}, id="preemption"),
+    ],
+)
+def test_greedy_matches_transformers(
+    smollm_path: str, prompts: list[list[int]], expected: list[list[int]], engine_args: dict[str, Any]
+) -> None:
+    llm = LLM(smollm_path, **engine_args)
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    got = [o.outputs[0].token_ids for o in outputs]
+    assert got == expected
+    assert all(o.outputs[0].finish_reason == "length" for o in outputs)
+    if "kv_cache_gib" in engine_args:
+        assert llm.engine.scheduler.num_preemptions > 0, "the KV budget did not force preemption"
+    assert_engine_clean(llm)
