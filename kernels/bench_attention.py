@@ -116,12 +116,16 @@ def attention_fn(
     return run
 
 
-def backend_fn(pool: Pool, seqs: list[tuple[int, int]], backend: TritonBackend) -> Callable[[], torch.Tensor]:
+def backend_fn(
+    pool: Pool, seqs: list[tuple[int, int]], backend: TritonBackend
+) -> Callable[[], torch.Tensor]:
     """A whole backend forward (KV write + attention) over ``seqs``."""
     meta = pool.metadata(seqs)
     tables = meta["block_tables"].tolist()
     bs = pool.block_size
-    slots = [tables[i][p // bs] * bs + p % bs for i, (c, q) in enumerate(seqs) for p in range(c, c + q)]
+    slots = [
+        tables[i][p // bs] * bs + p % bs for i, (c, q) in enumerate(seqs) for p in range(c, c + q)
+    ]
     query_lens = [q for _, q in seqs]
     attn_meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device="cuda"),
@@ -154,7 +158,9 @@ def bench_decode(rows: Rows) -> None:
             seqs = [(ctx - 1, 1)] * batch
             floor = kv_bytes(batch * ctx) / FLOOR_BYTES_PER_S * 1e6
             programs = (batch // (DECODE_CONFIG.block_m // 4) + batch) * KV_HEADS
-            splits = choose_num_splits(programs, ctx, torch.cuda.get_device_properties(0).multi_processor_count)
+            splits = choose_num_splits(
+                programs, ctx, torch.cuda.get_device_properties(0).multi_processor_count
+            )
             t_auto = graph_us(attention_fn(pool, seqs))
             t_one = graph_us(attention_fn(pool, seqs, num_splits=1)) if splits > 1 else t_auto
             t_sdpa = float("nan")
@@ -200,8 +206,13 @@ def bench_decode_tuning(rows: Rows) -> None:
         for splits in (1, 4, 8, 16, 32, 64, 128):
             t = graph_us(attention_fn(pool, seqs, num_splits=splits))
             floor = kv_bytes(batch * ctx) / FLOOR_BYTES_PER_S * 1e6
-            rows.append({"section": "decode_splits", "batch": batch, "ctx": ctx, "splits": splits, "us": t})
-            print(f"B={batch} ctx={ctx:6d} splits={splits:3d} {t:8.1f}us floor={floor:6.1f}us", flush=True)
+            rows.append(
+                {"section": "decode_splits", "batch": batch, "ctx": ctx, "splits": splits, "us": t}
+            )
+            print(
+                f"B={batch} ctx={ctx:6d} splits={splits:3d} {t:8.1f}us floor={floor:6.1f}us",
+                flush=True,
+            )
     block32 = Pool(64 * 8192, block_size=32)
     for bs, p in ((16, pool), (32, block32)):
         t = graph_us(attention_fn(p, [(8191, 1)] * 64))
@@ -227,8 +238,12 @@ def sdpa_prefill_fn(length: int, expand: bool, layout: str) -> Callable[[], torc
         v = torch.randn_like(k)
     else:  # [T, heads, D] tensors seen through a transpose, as the backend passes them
         q = torch.randn(length, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE).transpose(0, 1)[None]
-        k = torch.randn(length, kv_heads, HEAD_DIM, device="cuda", dtype=DTYPE).transpose(0, 1)[None]
-        v = torch.randn(length, kv_heads, HEAD_DIM, device="cuda", dtype=DTYPE).transpose(0, 1)[None]
+        k = torch.randn(length, kv_heads, HEAD_DIM, device="cuda", dtype=DTYPE).transpose(0, 1)[
+            None
+        ]
+        v = torch.randn(length, kv_heads, HEAD_DIM, device="cuda", dtype=DTYPE).transpose(0, 1)[
+            None
+        ]
     return lambda: F.scaled_dot_product_attention(
         q, k, v, is_causal=True, scale=SCALE, enable_gqa=not expand
     )
@@ -278,7 +293,9 @@ def bench_prefill(rows: Rows) -> None:
         flops = causal_flops(seqs)
         for config in configs:
             t = time_us(attention_fn(pool, seqs, config=config))
-            rows.append({"section": "prefill_config", "seqs": str(seqs), "config": str(config), "us": t})
+            rows.append(
+                {"section": "prefill_config", "seqs": str(seqs), "config": str(config), "us": t}
+            )
             print(f"{seqs!s:16s} {config} {t:8.1f}us ({flops / t / 1e6:5.0f} TF/s)", flush=True)
     del pool
     torch.cuda.empty_cache()
@@ -314,7 +331,9 @@ def bench_kv_write(rows: Rows) -> None:
         value = torch.randn_like(key)
         t_triton = graph_us(lambda: write_kv_triton(key, value, pool.layer(), slots))  # noqa: B023
         t_torch = graph_us(lambda: write_kv(key, value, pool.layer(), slots))  # noqa: B023
-        rows.append({"section": "kv_write", "tokens": tokens, "triton_us": t_triton, "torch_us": t_torch})
+        rows.append(
+            {"section": "kv_write", "tokens": tokens, "triton_us": t_triton, "torch_us": t_torch}
+        )
         print(f"tokens={tokens:5d} triton={t_triton:7.1f}us torch={t_torch:7.1f}us", flush=True)
 
 

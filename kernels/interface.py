@@ -63,12 +63,26 @@ class AttentionBackend(ABC):
         """Store ``key``/``value`` at ``meta.slot_mapping`` in ``kv_layer``, return attention output."""
 
 
+def slot_rows(kv_layer: torch.Tensor) -> torch.Tensor:
+    """A 2-D view ``[rows, kv_heads * head_dim]`` whose row ``b * stride + o`` is block b's K slot o.
+
+    Row ``b * stride + block_size + o`` is the V slot. The view starts at this layer and
+    spans the rest of the block-major storage, so scatters into it are plain row copies.
+    """
+    num_blocks, _, block_size, heads, dim = kv_layer.shape
+    rows_per_block = kv_layer.stride(0) // (heads * dim)
+    num_rows = (num_blocks - 1) * rows_per_block + 2 * block_size
+    return kv_layer.as_strided((num_rows, heads * dim), (heads * dim, 1), kv_layer.storage_offset())
+
+
 def write_kv(
     key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """Scatter new K/V rows into their slots (pure torch; used by the reference backend)."""
-    block_size = kv_layer.shape[2]
+    block_size, heads, dim = kv_layer.shape[2:]
+    rows_per_block = kv_layer.stride(0) // (heads * dim)
     blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
-    offsets = slot_mapping % block_size
-    kv_layer[blocks, 0, offsets] = key.to(kv_layer.dtype)
-    kv_layer[blocks, 1, offsets] = value.to(kv_layer.dtype)
+    key_rows = blocks * rows_per_block + slot_mapping % block_size
+    rows = slot_rows(kv_layer)
+    rows.index_copy_(0, key_rows, key.reshape(-1, heads * dim).to(kv_layer.dtype))
+    rows.index_copy_(0, key_rows + block_size, value.reshape(-1, heads * dim).to(kv_layer.dtype))

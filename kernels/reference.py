@@ -13,10 +13,10 @@ def gather_context(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of one sequence's first ``seq_len`` tokens, each ``[seq_len, kv_heads, head_dim]``."""
     block_size = kv_layer.shape[2]
-    num_blocks = -(-seq_len // block_size)
-    blocks = kv_layer[block_table[:num_blocks].long()]  # [nb, 2, bs, H, D]
-    key = blocks[:, 0].reshape(-1, *blocks.shape[-2:])[:seq_len]
-    value = blocks[:, 1].reshape(-1, *blocks.shape[-2:])[:seq_len]
+    blocks = block_table[: -(-seq_len // block_size)].long()
+    # NOTE: gathering K and V separately makes each result contiguous, so the reshape is free.
+    key = kv_layer[:, 0][blocks].reshape(-1, *kv_layer.shape[-2:])[:seq_len]
+    value = kv_layer[:, 1][blocks].reshape(-1, *kv_layer.shape[-2:])[:seq_len]
     return key, value
 
 
@@ -53,8 +53,9 @@ class ReferenceBackend(AttentionBackend):
                 decode_rows.append(start)
                 decode_seqs.append(seq)
             else:
-                output[start : start + query_len] = self._prefill(
-                    query[start : start + query_len], kv_layer, meta.block_tables[seq], seq_len, scale
+                chunk = slice(start, start + query_len)
+                output[chunk] = self._prefill(
+                    query[chunk], key[chunk], value[chunk], kv_layer, meta.block_tables[seq], seq_len, scale
                 )
             start += query_len
         if decode_rows:
@@ -64,18 +65,25 @@ class ReferenceBackend(AttentionBackend):
 
     @staticmethod
     def _prefill(
-        query: torch.Tensor, kv_layer: torch.Tensor, block_table: torch.Tensor, seq_len: int, scale: float
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_layer: torch.Tensor,
+        block_table: torch.Tensor,
+        seq_len: int,
+        scale: float,
     ) -> torch.Tensor:
         query_len = query.shape[0]
-        key, value = gather_context(kv_layer, block_table, seq_len)
         q = query.transpose(0, 1)  # [H, q, D]
-        k = key.transpose(0, 1).to(q.dtype)
-        v = value.transpose(0, 1).to(q.dtype)
-        if query_len == seq_len:
+        if query_len == seq_len:  # nothing cached before: attend over the new K/V directly
+            k, v = key.transpose(0, 1), value.transpose(0, 1)
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-        else:
-            mask = _causal_mask(query_len, seq_len, query.device)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+            return out.transpose(0, 1)
+        context_key, context_value = gather_context(kv_layer, block_table, seq_len)
+        k = context_key.transpose(0, 1).to(q.dtype)
+        v = context_value.transpose(0, 1).to(q.dtype)
+        mask = _causal_mask(query_len, seq_len, query.device)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         return out.transpose(0, 1)
 
     @staticmethod
@@ -86,21 +94,21 @@ class ReferenceBackend(AttentionBackend):
         seqs: list[int],
         scale: float,
     ) -> torch.Tensor:
-        block_size = kv_layer.shape[2]
+        block_size, kv_heads, head_dim = kv_layer.shape[2:]
+        n, num_heads, _ = query.shape
         seq_lens = [meta.seq_lens_host[s] for s in seqs]
         max_blocks = -(-max(seq_lens) // block_size)
         index = torch.tensor(seqs, device=query.device)
         tables = meta.block_tables[index, :max_blocks].long()  # [n, nb]
-        blocks = kv_layer[tables]  # [n, nb, 2, bs, H, D]
-        n = len(seqs)
-        key = blocks[:, :, 0].reshape(n, max_blocks * block_size, *blocks.shape[-2:])
-        value = blocks[:, :, 1].reshape(n, max_blocks * block_size, *blocks.shape[-2:])
+        length = max_blocks * block_size
+        key = kv_layer[:, 0][tables].view(n, length, kv_heads, head_dim).transpose(1, 2)
+        value = kv_layer[:, 1][tables].view(n, length, kv_heads, head_dim).transpose(1, 2)
         lens = torch.tensor(seq_lens, device=query.device)
-        mask = torch.arange(max_blocks * block_size, device=query.device)[None, :] < lens[:, None]
-        q = query.unsqueeze(2)  # [n, H, 1, D]
-        k = key.transpose(1, 2).to(q.dtype)
-        v = value.transpose(1, 2).to(q.dtype)
+        mask = torch.arange(length, device=query.device)[None, :] < lens[:, None]
+        # NOTE: a kv head's query heads become its "query rows", so GQA needs no K/V copies.
+        group = num_heads // kv_heads
+        q = query.view(n, kv_heads, group, head_dim)
         out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True
+            q, key.to(q.dtype), value.to(q.dtype), attn_mask=mask[:, None, None, :], scale=scale
         )
-        return out.squeeze(2)
+        return out.reshape(n, num_heads, head_dim)

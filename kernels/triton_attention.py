@@ -137,7 +137,9 @@ def _attend_tile(
     else:
         blocks = tl.load(table_ptr + offs_n // BLOCK_SIZE)
     # NOTE: int64 offsets: a whole cache can exceed 2**31 elements.
-    slots = blocks.to(tl.int64) * stride_kv_block + (offs_n % BLOCK_SIZE) * stride_kv_slot + head_off
+    slots = (
+        blocks.to(tl.int64) * stride_kv_block + (offs_n % BLOCK_SIZE) * stride_kv_slot + head_off
+    )
     if MASKED:
         k_mask = n_valid[None, :] & d_valid[:, None]
         v_mask = n_valid[:, None] & d_valid[None, :]
@@ -158,9 +160,7 @@ def _attend_tile(
     p = tl.exp2(qk - m_sub[:, None])
     alpha = tl.exp2(m_i - m_sub)
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(
-        p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION
-    )
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
     return acc, m_new, l_i
 
 
@@ -267,7 +267,10 @@ def _paged_attention_kernel(
     else:
         out = acc / l_i[:, None]
         tl.store(
-            out_ptr + rows[:, None] * stride_o_tok + head[:, None] * stride_o_head + offs_d[None, :],
+            out_ptr
+            + rows[:, None] * stride_o_tok
+            + head[:, None] * stride_o_head
+            + offs_d[None, :],
             out.to(out_ptr.dtype.element_ty),
             mask=row_valid[:, None] & d_valid[None, :],
         )
@@ -339,6 +342,10 @@ def paged_attention(
     tensors are those of ``AttentionMetadata``; ``max_query_len`` and ``max_seq_len``
     only pick tile shapes and the split count. ``num_splits`` forces the split-K degree.
     Returns ``out`` (allocated when None), ``[T, num_heads, head_dim]`` in ``query.dtype``.
+
+    Results are exact for any lengths whatever the split count; only speed depends on
+    it. A CUDA graph freezes the count chosen at capture, so capture decode graphs with
+    ``max_seq_len`` set to the longest context they will serve.
     """
     num_tokens, num_heads, head_dim = query.shape
     if kv_layer.dim() != 5 or kv_layer.shape[1] != 2:
@@ -364,7 +371,9 @@ def paged_attention(
     block_q = block_m // group
     num_q_blocks = num_tokens // block_q + num_seqs
     if num_splits is None:
-        num_splits = choose_num_splits(num_q_blocks * num_kv_heads, max_seq_len, _num_sms(query.device))
+        num_splits = choose_num_splits(
+            num_q_blocks * num_kv_heads, max_seq_len, _num_sms(query.device)
+        )
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
@@ -373,7 +382,9 @@ def paged_attention(
         part_acc = torch.empty(
             (num_tokens, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device
         )
-        part_max = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=query.device)
+        part_max = torch.empty(
+            (num_tokens, num_heads, num_splits), dtype=torch.float32, device=query.device
+        )
         part_sum = torch.empty_like(part_max)
     else:
         part_acc = part_max = part_sum = out  # unused

@@ -48,8 +48,13 @@ def _write_kv_kernel(
         + offs_h[:, None] * stride_kv_head
         + offs_d[None, :]
     )
-    k = tl.load(key_ptr + tok * stride_k_tok + offs_h[:, None] * stride_k_head + offs_d[None, :], mask=mask)
-    v = tl.load(value_ptr + tok * stride_v_tok + offs_h[:, None] * stride_v_head + offs_d[None, :], mask=mask)
+    k = tl.load(
+        key_ptr + tok * stride_k_tok + offs_h[:, None] * stride_k_head + offs_d[None, :], mask=mask
+    )
+    v = tl.load(
+        value_ptr + tok * stride_v_tok + offs_h[:, None] * stride_v_head + offs_d[None, :],
+        mask=mask,
+    )
     tl.store(dst, k.to(kv_ptr.dtype.element_ty), mask=mask)
     tl.store(dst + stride_kv_kind, v.to(kv_ptr.dtype.element_ty), mask=mask)
 
@@ -70,7 +75,9 @@ def write_kv_triton(
             f"kv_layer {tuple(kv_layer.shape)} does not hold [*, 2, block_size, {num_kv_heads}, {head_dim}] rows"
         )
     if slot_mapping.shape != (num_tokens,):
-        raise ValueError(f"slot_mapping has shape {tuple(slot_mapping.shape)}, expected ({num_tokens},)")
+        raise ValueError(
+            f"slot_mapping has shape {tuple(slot_mapping.shape)}, expected ({num_tokens},)"
+        )
     if key.stride(-1) != 1 or value.stride(-1) != 1 or kv_layer.stride(-1) != 1:
         raise ValueError("key, value and kv_layer need a unit stride on head_dim")
     if num_tokens == 0:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from kvstore.block_pool import BlockIdentity, BlockPool
 from kvstore.hashing import ROOT_PARENT, BlockHash, hash_full_blocks
+from kvstore.tier_link import TierLink
 
 
 @dataclass(eq=False)
@@ -21,6 +22,7 @@ class KVAllocation:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[BlockHash] = field(default_factory=list)
     num_registered: int = 0  # leading blocks already indexed in the prefix cache
+    persist: bool = False  # write computed blocks through to disk at once
 
 
 @dataclass
@@ -36,10 +38,23 @@ class CacheCounters:
 
 
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, block_size: int, enable_prefix_caching: bool) -> None:
+    def __init__(
+        self,
+        pool: BlockPool,
+        block_size: int,
+        enable_prefix_caching: bool,
+        tiers: TierLink | None = None,
+        max_loads_per_step: int = 256,
+    ) -> None:
         self.pool = pool
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.tiers = tiers if enable_prefix_caching else None
+        # Tier loads per match: a long document streams in over several steps while
+        # other sequences keep decoding.
+        self.max_loads_per_step = max_loads_per_step
+        if self.tiers is not None:
+            pool.add_eviction_hook(self.tiers.demote)
         self.counters = CacheCounters()
         # Hashes of blocks some sequence is computing right now: another sequence reading
         # the same prefix waits for them instead of computing them twice.
@@ -88,15 +103,44 @@ class KVCacheManager:
             return num_computed  # blocks past the computed prefix are already private
         usable = len(token_ids) - 1 if leave_one else len(token_ids)
         limit = min(len(alloc.block_hashes), usable // self.block_size)
+        loads = 0
         while index < limit:
-            block = self.pool.lookup(self._identity(alloc, token_ids, index))
+            identity = self._identity(alloc, token_ids, index)
+            block = self.pool.lookup(identity)
+            if block is not None:
+                self.pool.share(block)
+            elif loads < self.max_loads_per_step and self._in_tiers(identity):
+                block = self._load(identity)
+                loads += 1
             if block is None:
                 break
-            self.pool.share(block)
             alloc.block_table.append(block)
             index += 1
         alloc.num_registered = max(alloc.num_registered, index)
         return index * self.block_size
+
+    def _in_tiers(self, identity: BlockIdentity) -> bool:
+        return self.tiers is not None and self.pool.num_free > 0 and self.tiers.contains(identity)
+
+    def _load(self, identity: BlockIdentity) -> int | None:
+        """A fresh device block holding ``identity`` from a lower tier, or None on a miss."""
+        assert self.tiers is not None
+        [block] = self.pool.allocate(1)
+        if not self.tiers.load(identity, block):
+            self.pool.release([block])
+            return None
+        self.pool.register(block, identity)
+        return block
+
+    def has_more_to_load(self, alloc: KVAllocation, token_ids: Sequence[int], num_computed: int) -> bool:
+        """True if the next block to compute can be loaded from a tier in a later step instead."""
+        index = num_computed // self.block_size
+        if self.tiers is None or num_computed % self.block_size or len(alloc.block_table) != index:
+            return False
+        if index >= min(len(alloc.block_hashes), (len(token_ids) - 1) // self.block_size):
+            return False
+        identity = self._identity(alloc, token_ids, index)
+        return self.pool.lookup(identity) is None and self.tiers.contains(identity)
 
     def waits_for_other(self, alloc: KVAllocation, num_computed: int) -> bool:
         """True if the next block this sequence would compute is being computed by another."""
@@ -135,7 +179,9 @@ class KVCacheManager:
             identity = self._identity(alloc, token_ids, index)
             if self._pending.get(identity.block_hash) is alloc:
                 del self._pending[identity.block_hash]
-            self.pool.register(alloc.block_table[index], identity)
+            block = alloc.block_table[index]
+            if self.pool.register(block, identity) and alloc.persist and self.tiers is not None:
+                self.tiers.persist(block, identity)
         alloc.num_registered = max(alloc.num_registered, full)
 
     def free(self, alloc: KVAllocation) -> None:

@@ -62,6 +62,16 @@ class LLM:
         llm._ids = itertools.count()
         return llm
 
+    def close(self) -> None:
+        """Flush the KV disk tier and release the engine's tiers."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 

@@ -85,7 +85,9 @@ class Batch:
         for i, (n, (ctx, q)) in enumerate(zip(blocks_per_seq, seqs, strict=True)):
             row = [ids.pop() for _ in range(n)]
             tables[i, :n] = torch.tensor(row, dtype=torch.int32)
-            slots += [row[p // block_size] * block_size + p % block_size for p in range(ctx, ctx + q)]
+            slots += [
+                row[p // block_size] * block_size + p % block_size for p in range(ctx, ctx + q)
+            ]
         num_tokens = sum(q for _, q in seqs)
         self.cache = torch.randn(
             num_blocks, NUM_LAYERS, 2, block_size, num_kv_heads, head_dim, generator=gen
@@ -116,7 +118,12 @@ class Batch:
         """Output and cache of the reference backend, computed in float32."""
         cache = self.cache.float()
         out = ReferenceBackend().forward(
-            self.query.float(), self.key.float(), self.value.float(), cache[:, LAYER], self.meta, self.scale
+            self.query.float(),
+            self.key.float(),
+            self.value.float(),
+            cache[:, LAYER],
+            self.meta,
+            self.scale,
         )
         return out, cache
 
@@ -161,7 +168,9 @@ def test_backend_matches_reference_fp32(case: int) -> None:
 
 @pytest.mark.parametrize("num_splits", [2, 3, 7])
 def test_split_k_matches_reference(num_splits: int) -> None:
-    seqs = [(3000, 1), (700, 1), (1, 1), (1200, 130)] if CUDA else [(90, 1), (30, 1), (1, 1), (41, 20)]
+    seqs = (
+        [(3000, 1), (700, 1), (1, 1), (1200, 130)] if CUDA else [(90, 1), (30, 1), (1, 1), (41, 20)]
+    )
     batch = Batch(seqs, 8, 2, 64, 16, seed=num_splits)
     ref_out, _ = batch.reference()
     write_kv_triton(batch.key, batch.value, batch.layer(), batch.meta.slot_mapping)
@@ -196,7 +205,9 @@ def test_tile_shapes_match_reference(config: AttentionConfig) -> None:
     [
         pytest.param(
             torch.bfloat16,
-            marks=pytest.mark.skipif(not CUDA, reason="the triton 3.6 interpreter dots bf16 bits as ints"),
+            marks=pytest.mark.skipif(
+                not CUDA, reason="the triton 3.6 interpreter dots bf16 bits as ints"
+            ),
         ),
         torch.float16,
     ],

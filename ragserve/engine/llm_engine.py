@@ -14,6 +14,8 @@ from kvstore.block_pool import BlockPool
 from kvstore.device_cache import KVCacheSpec
 from kvstore.hashing import make_salt
 from kvstore.kv_cache_manager import KVAllocation, KVCacheManager
+from kvstore.tier_link import TierLink
+from kvstore.tier_manager import TierManager
 from ragserve.config import EngineConfig
 from ragserve.engine.detokenizer import IncrementalDetokenizer
 from ragserve.engine.model_runner import ModelRunner
@@ -78,8 +80,9 @@ class LLMEngine:
             )
         self.kv_cache = self.kv_spec.allocate(num_blocks, self.device)
         self.block_pool = BlockPool(num_blocks)
+        self.tiers = self._open_tiers()
         self.kv_manager = KVCacheManager(
-            self.block_pool, config.block_size, config.enable_prefix_caching
+            self.block_pool, config.block_size, config.enable_prefix_caching, tiers=self.tiers
         )
         self.scheduler = Scheduler(self.kv_manager, config.max_num_batched_tokens, config.max_num_seqs)
         backend = get_backend(config.attention_backend, self.device)
@@ -102,6 +105,31 @@ class LLMEngine:
             num_blocks * self.kv_spec.bytes_per_block / 2**30,
             backend.name,
         )
+
+    def _open_tiers(self) -> TierLink | None:
+        config = self.config
+        if not config.enable_prefix_caching or (config.kv_cpu_gib <= 0 and config.kv_disk_gib <= 0):
+            return None
+        try:
+            tiers = TierManager.from_budget(
+                self.kv_spec.block_shape,
+                self.dtype,
+                cpu_gib=config.kv_cpu_gib,
+                disk_gib=config.kv_disk_gib,
+                disk_dir=config.kv_disk_dir,
+                write_through=False,
+            )
+        except OSError as exc:
+            raise ValueError(f"the KV disk directory cannot be used: {exc}") from exc
+        return TierLink(tiers, self.kv_cache)
+
+    def shutdown(self) -> None:
+        """Abort what is running, then flush queued disk-tier writes and close the tiers."""
+        for request_id in list(self._requests):
+            self.abort_request(request_id)
+        if self.tiers is not None:
+            self.tiers.close()
+            self.tiers = None
 
     def _kv_budget_bytes(self) -> float:
         if self.config.kv_cache_gib is not None:
@@ -141,8 +169,12 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams,
         namespace: str = "",
+        persist: bool = False,
     ) -> None:
-        """Validate and queue one request; raises ValueError with the numbers when it cannot run."""
+        """Validate and queue one request; raises ValueError with the numbers when it cannot run.
+
+        ``persist`` writes the request's computed blocks through to the disk tier at once.
+        """
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self.tokenize(prompt)
@@ -166,7 +198,7 @@ class LLMEngine:
                 token_ids=list(token_ids),
                 num_prompt_tokens=len(token_ids),
                 params=params,
-                kv=KVAllocation(salt=self.salt_for(namespace)),
+                kv=KVAllocation(salt=self.salt_for(namespace), persist=persist),
                 detokenizer=detok,
                 generator=generator,
                 arrival_time=now,
@@ -239,6 +271,11 @@ class LLMEngine:
         self.kv_manager.update_hashes(alloc, token_ids)
         pinned = self.kv_manager.match_prefix(alloc, token_ids, 0, leave_one=False)
         self._pins[pin_id] = alloc
+        if self.tiers is not None:  # pinned documents persist, whoever computed their blocks
+            for block in alloc.block_table:
+                identity = self.block_pool.identities[block]
+                if identity is not None and not self.tiers.contains(identity):
+                    self.tiers.persist(block, identity)
         return pinned
 
     def unpin_prefix(self, pin_id: str) -> bool:

@@ -101,7 +101,9 @@ class Scheduler:
             seq.num_computed_tokens = self.kv.match_prefix(
                 seq.kv, seq.token_ids, seq.num_computed_tokens
             )
-            if self.kv.waits_for_other(seq.kv, seq.num_computed_tokens):
+            if self.kv.waits_for_other(seq.kv, seq.num_computed_tokens) or self.kv.has_more_to_load(
+                seq.kv, seq.token_ids, seq.num_computed_tokens
+            ):
                 return 0
         return min(seq.num_uncomputed_tokens, budget)
 

@@ -61,7 +61,11 @@ def check_admission(engine: AsyncEngine, config: ServerConfig, num_requests: int
 
 
 def check_context(
-    prompt_lengths: list[int], max_tokens: int | None, max_model_len: int, what: str
+    prompt_lengths: list[int],
+    max_tokens: int | None,
+    max_model_len: int,
+    what: str,
+    max_tokens_param: str = "max_tokens",
 ) -> None:
     """Reject, with the numbers, prompts that leave no room for what was asked."""
     for length in prompt_lengths:
@@ -78,8 +82,8 @@ def check_context(
             raise bad_request(
                 f"this model's maximum context length is {max_model_len} tokens, but "
                 f"{length + max_tokens} were requested ({length} in the {what}, {max_tokens} "
-                "in the completion); lower max_tokens or shorten the prompt",
-                "max_tokens",
+                f"in the completion); lower {max_tokens_param} or shorten the prompt",
+                max_tokens_param,
                 "context_length_exceeded",
             )
 

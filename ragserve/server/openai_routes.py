@@ -62,7 +62,7 @@ Emit = Callable[[int, RequestOutput, StreamState], Awaitable[None]]
 
 def add_routes(app: web.Application) -> None:
     app.router.add_get("/v1/models", list_models)
-    app.router.add_get("/v1/models/{model}", get_model)
+    app.router.add_get("/v1/models/{model:.+}", get_model)  # names may hold "/"
     app.router.add_post(COMPLETIONS_ENDPOINT, completions)
     app.router.add_post(CHAT_ENDPOINT, chat_completions)
 
@@ -149,8 +149,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     model, documents = await _prepare(request, body)
     prompts = app[PROMPTS]
     ids = await prompts.run(prompts.chat_ids, body.template_messages(), documents)
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    check_context([len(ids)], max_tokens, app[ENGINE].max_model_len, "messages")
+    max_tokens, param = body.max_tokens, "max_tokens"
+    if body.max_completion_tokens is not None:
+        max_tokens, param = body.max_completion_tokens, "max_completion_tokens"
+    check_context([len(ids)], max_tokens, app[ENGINE].max_model_len, "messages", param)
     top_n = body.top_logprobs or 0
     params = _sampling_params(body, max_tokens, top_n if body.logprobs else None)
     job = _job(request, "chatcmpl", [ids], params)

@@ -14,13 +14,16 @@ For chat, ``tail_ids`` is the rest of the conversation as the chat template rend
 documents). For completions, the prompt follows the documents directly, so one ingestion
 serves both APIs.
 
-NOTE: tokenizer calls run on one worker thread: fast tokenizers keep encode settings
-(``split_special_tokens``) as shared state, so concurrent encodes could see each other's.
+Tokenizer calls run on one worker thread, off the event loop. NOTE: document text is
+encoded by a private copy of the tokenizer set to treat special-token strings as plain
+text: toggling that setting per call would mutate the tokenizer the engine thread is
+decoding with at the same time.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -41,6 +44,8 @@ class PromptBuilder:
         if tokenizer is None:
             raise ValueError("the server needs a model with a tokenizer")
         self.tokenizer = tokenizer
+        self._document_tokenizer = copy.deepcopy(tokenizer)
+        self._document_tokenizer.split_special_tokens = True
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ragserve-tokenizer")
         self._chat_head = self._render_chat_head()
         self.head_ids = self._encode((self._chat_head or "") + DOCUMENTS_PREAMBLE)
@@ -53,11 +58,9 @@ class PromptBuilder:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     # -- called on the tokenizer thread ------------------------------------------------------
-    def _encode(self, text: str, split_special_tokens: bool = False) -> list[int]:
-        encoded = self.tokenizer(
-            text, add_special_tokens=False, split_special_tokens=split_special_tokens
-        )
-        return list(encoded["input_ids"])
+    def _encode(self, text: str, special_tokens_as_text: bool = False) -> list[int]:
+        tokenizer = self._document_tokenizer if special_tokens_as_text else self.tokenizer
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def _render_chat_head(self) -> str | None:
         """The template's text before the system content, or None if it has no system turn."""
@@ -76,7 +79,7 @@ class PromptBuilder:
 
     def document_ids(self, text: str) -> list[int]:
         """A document's own tokens in its fixed wrapper; special-token strings stay plain text."""
-        return self._encode(DOCUMENT_OPEN + text + DOCUMENT_CLOSE, split_special_tokens=True)
+        return self._encode(DOCUMENT_OPEN + text + DOCUMENT_CLOSE, special_tokens_as_text=True)
 
     def completion_ids(self, prompt: str | list[int], documents: Sequence[list[int]]) -> list[int]:
         if not documents:

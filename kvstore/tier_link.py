@@ -1,0 +1,67 @@
+"""Moves blocks between the device KV tensor and the tiers below it (CPU, disk).
+
+Policy (write-back by default, write-through on request):
+- a cached block evicted from the device is demoted: copied to the CPU tier, and from
+  there to disk when the CPU tier evicts it (or straight to disk without a CPU tier);
+- a block of a request marked ``persist`` (documents ingested through the document API)
+  is written to disk as soon as it is computed, so it survives a crash or restart even
+  if it is never evicted;
+- a prefix lookup that runs out of device hits continues in the tiers, loading each hit
+  into a fresh device block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvstore.block_pool import BlockIdentity
+from kvstore.tier_manager import TierManager
+
+
+@dataclass
+class TierTraffic:
+    """Blocks moved by the link, per direction and tier."""
+
+    loaded_from_cpu: int = 0
+    loaded_from_disk: int = 0
+    demoted: int = 0
+    persisted: int = 0
+
+
+class TierLink:
+    def __init__(self, tiers: TierManager, kv_cache: torch.Tensor) -> None:
+        self.tiers = tiers
+        self.kv_cache = kv_cache
+        self.traffic = TierTraffic()
+
+    def contains(self, identity: BlockIdentity) -> bool:
+        return self.tiers.lookup(identity) is not None
+
+    def load(self, identity: BlockIdentity, block: int) -> bool:
+        """Copy a verified block from a tier into device block ``block``."""
+        source = self.tiers.load_into(identity, self.kv_cache[block])
+        if source == "cpu":
+            self.traffic.loaded_from_cpu += 1
+        elif source == "disk":
+            self.traffic.loaded_from_disk += 1
+        return source is not None
+
+    def demote(self, block: int, identity: BlockIdentity) -> None:
+        """Eviction hook: the block's room is about to be reused on the device."""
+        if self.contains(identity):
+            return  # already below (written through, or loaded from there and unchanged)
+        if self.tiers.put(identity, self.kv_cache[block]):
+            self.traffic.demoted += 1
+
+    def persist(self, block: int, identity: BlockIdentity) -> None:
+        """Write-through: store a freshly computed block on disk now (queued, never blocking)."""
+        disk = self.tiers.disk
+        if disk is not None and disk.put(identity, self.kv_cache[block]):
+            self.traffic.persisted += 1
+
+    def close(self) -> None:
+        """Wait for queued disk writes, then release the tiers."""
+        self.tiers.flush()
+        self.tiers.close()

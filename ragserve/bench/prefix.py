@@ -1,0 +1,103 @@
+"""``ragserve bench prefix``: questions on one long document, with and without prefix caching."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+from typing import Any
+
+import torch
+
+from ragserve.bench.common import (
+    load_transformers_model,
+    print_table,
+    random_prompts,
+    transformers_generate,
+    write_json,
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--doc-tokens", type=int, default=4096)
+    parser.add_argument("--num-questions", type=int, default=8)
+    parser.add_argument("--question-tokens", type=int, default=20)
+    parser.add_argument("--output-len", type=int, default=16)
+    parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--out", default="bench-results/prefix.json")
+
+
+def _timed(fn: Any, *args: Any) -> float:
+    started = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - started
+
+
+def run(args: argparse.Namespace, config: Any) -> int:
+    from ragserve import LLM, SamplingParams
+
+    cached = LLM.from_config(config)
+    engine = cached.engine
+    vocab = engine.loaded.model.shape.vocab_size
+    doc = random_prompts(1, args.doc_tokens, vocab, seed=7)[0]
+    questions = random_prompts(args.num_questions, args.question_tokens, vocab, seed=8)
+    prompts = [doc + q for q in questions]
+    answer = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    first_token = SamplingParams(temperature=0.0, max_tokens=1)
+
+    def sequential(llm: Any) -> float:
+        return _timed(lambda: [llm.generate([p], answer, use_tqdm=False) for p in prompts])
+
+    def concurrent(llm: Any) -> float:
+        return _timed(lambda: llm.generate(prompts, answer, use_tqdm=False))
+
+    results: dict[str, Any] = {"workload": {k: v for k, v in vars(args).items() if k != "func"}}
+    def first_token_time(prompt: list[int]) -> float:
+        return _timed(cached.generate, [prompt], first_token, False)
+
+    cold_ttft = first_token_time(prompts[0])
+    warm_ttft = min(first_token_time(p) for p in prompts[1:4])
+    question_only = min(first_token_time(q) for q in questions[4:7])
+    seq_cached = sequential(cached)
+    conc_cached = concurrent(cached)
+    per_question = seq_cached / len(prompts)
+
+    plain = LLM.from_config(dataclasses.replace(config, enable_prefix_caching=False))
+    seq_plain = sequential(plain)
+    conc_plain = concurrent(plain)
+    del plain
+
+    rows = [
+        ["ragserve, prefix caching", seq_cached, conc_cached, per_question],
+        ["ragserve, no caching", seq_plain, conc_plain, seq_plain / len(prompts)],
+    ]
+    results["ragserve_cached"] = {"sequential_s": seq_cached, "concurrent_s": conc_cached,
+                                  "per_question_s": per_question, "cold_ttft_s": cold_ttft,
+                                  "warm_ttft_s": warm_ttft, "question_only_ttft_s": question_only}
+    results["ragserve_uncached"] = {"sequential_s": seq_plain, "concurrent_s": conc_plain}
+    if not args.skip_transformers:
+        hf = load_transformers_model(config.model, config.load_format, engine.dtype, engine.device)
+        hf_seconds = sum(transformers_generate(hf, [p], args.output_len, 1, 0)[0] for p in prompts)
+        rows.append(["transformers generate", hf_seconds, float("nan"), hf_seconds / len(prompts)])
+        results["transformers"] = {"sequential_s": hf_seconds}
+    results["speedup_cached_vs_uncached_sequential"] = seq_plain / seq_cached
+    results["speedup_cached_vs_uncached_concurrent"] = conc_plain / conc_cached
+    results["warm_ttft_over_question_only"] = warm_ttft / question_only
+    print_table(
+        f"prefix: {args.num_questions} questions x {args.question_tokens} tokens on a "
+        f"{args.doc_tokens}-token document, {args.output_len} new tokens each",
+        ["engine", "sequential s", "concurrent s", "s / question (seq)"],
+        rows,
+    )
+    print_table(
+        "time to first token",
+        ["case", "seconds"],
+        [["cold document", cold_ttft], ["cached document", warm_ttft], ["question alone", question_only]],
+    )
+    print(f"\ncaching speed-up: {seq_plain / seq_cached:.1f}x sequential, "
+          f"{conc_plain / conc_cached:.1f}x concurrent; cached TTFT / question-only TTFT "
+          f"{warm_ttft / question_only:.2f}")
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    write_json(args.out, results)
+    return 0

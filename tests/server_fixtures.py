@@ -1,0 +1,143 @@
+"""A real ``ragserve serve`` in a subprocess on loopback, and helpers to talk to it.
+
+The server binds port 0 and logs the URL it got, so parallel test runs never race for a
+port. Its log goes to a file (a pipe nobody drains would block it) and is shown when
+something goes wrong.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+
+REPO = Path(__file__).resolve().parents[1]
+BLOCK_SIZE = 16
+# Small KV cache: plenty for the tests, light on a shared machine.
+BASE_ARGS = ("--kv-cache-gib", "0.25", "--max-num-batched-tokens", "512")
+_URL = re.compile(r"ragserve serving .* at (http://\S+)/v1")
+
+
+@dataclass
+class ServerProcess:
+    process: subprocess.Popen[bytes]
+    url: str
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, timeout: float = 30.0) -> int:
+        """SIGTERM (graceful shutdown); SIGKILL if it is still there after ``timeout``."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+    def metrics(self) -> dict[str, float]:
+        return parse_metrics(requests.get(f"{self.url}/metrics", timeout=30).text)
+
+
+def start_server(*args: str, log_path: Path, timeout: float = 180.0) -> ServerProcess:
+    command = [sys.executable, "-m", "ragserve", "serve", "--port", "0", *BASE_ARGS, *args]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        match = _URL.search(log_path.read_text(errors="replace"))
+        if match:
+            return ServerProcess(process, match.group(1), log_path)
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited with {process.returncode}:\n{log_path.read_text()[-4000:]}")
+        time.sleep(0.2)
+    process.kill()
+    raise RuntimeError(f"the server did not start in {timeout:.0f} s:\n{log_path.read_text()[-4000:]}")
+
+
+@contextmanager
+def running_server(*args: str, log_path: Path) -> Iterator[ServerProcess]:
+    server = start_server(*args, log_path=log_path)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def module_server(*args: str, api_key_file: str | None = None) -> Any:
+    """A module-scoped fixture: one server, started once for the test module.
+
+    ``api_key_file``: contents of a key file passed as ``--api-key-file``.
+    """
+
+    @pytest.fixture(scope="module")
+    def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+        directory = tmp_path_factory.mktemp("server")
+        extra: tuple[str, ...] = ()
+        if api_key_file is not None:
+            (directory / "keys.txt").write_text(api_key_file)
+            extra = ("--api-key-file", str(directory / "keys.txt"))
+        with running_server(*args, *extra, log_path=directory / "server.log") as process:
+            yield process
+
+    return server
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Samples by ``name{label="value",...}`` (labels sorted), e.g. ``ragserve_kv_blocks{state="used"}``."""
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            values[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return values
+
+
+def assert_error(response: requests.Response, status: int, code: str | None = None) -> dict[str, Any]:
+    """The response is ``status`` with an OpenAI-style error body; returns the error object."""
+    assert response.status_code == status, (response.status_code, response.text[:500])
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    assert "Traceback" not in error["message"]
+    if code is not None:
+        assert error["code"] == code, error
+    return dict(error)
+
+
+def wait_for(predicate: Any, timeout: float, interval: float = 0.1) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return bool(predicate())
+
+
+def wait_ready(url: str, doc_id: str, headers: dict[str, str] | None = None, timeout: float = 60.0) -> dict[str, Any]:
+    """Poll a document until it leaves ``ingesting``; returns its final state."""
+    state: dict[str, Any] = {}
+
+    def done() -> bool:
+        nonlocal state
+        state = requests.get(f"{url}/v1/documents/{doc_id}", headers=headers, timeout=30).json()
+        return state.get("status") != "ingesting"
+
+    assert wait_for(done, timeout, interval=0.2), state
+    return state

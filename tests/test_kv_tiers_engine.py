@@ -1,0 +1,122 @@
+"""The engine with CPU and disk tiers: evicted and persisted blocks come back, bit-exact."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ragserve import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+BLOCK = 16
+BLOCK_BYTES = BLOCK * 46080  # SmolLM2, float32
+DEVICE_BLOCKS = 24
+
+
+@pytest.fixture(scope="module")
+def doc(smollm_tokenizer: Any) -> list[int]:
+    text = ("Clause 7. Either party may end this agreement with thirty days' written notice, "
+            "provided all invoices are settled. ") * 6
+    ids = list(smollm_tokenizer.encode(text))
+    assert 8 * BLOCK < len(ids) < 14 * BLOCK
+    return ids
+
+
+@pytest.fixture(scope="module")
+def reference(smollm_path: str, doc: list[int]) -> list[int]:
+    llm = LLM(smollm_path, enable_prefix_caching=False)
+    return llm.generate([doc + [42, 43]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def evict_device_cache(llm: LLM) -> None:
+    """Run an unrelated prompt that needs every device block, pushing the document out."""
+    filler = [1000 + i for i in range((DEVICE_BLOCKS - 1) * BLOCK)]
+    llm.generate([filler], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+    assert llm.engine.block_pool.num_evictions > 0
+
+
+def ask(llm: LLM, doc: list[int]) -> tuple[list[int], int]:
+    out = llm.generate([doc + [42, 43]], GREEDY, use_tqdm=False)[0]
+    return out.outputs[0].token_ids, out.num_cached_tokens
+
+
+def small_engine(smollm_path: str, **tiers: Any) -> LLM:
+    return LLM(smollm_path, kv_cache_gib=DEVICE_BLOCKS * BLOCK_BYTES / 2**30, **tiers)
+
+
+def test_prefix_from_device_cpu_and_disk_gives_identical_outputs(
+    smollm_path: str, doc: list[int], reference: list[int], tmp_path: Path
+) -> None:
+    full_block_tokens = len(doc) // BLOCK * BLOCK
+
+    device = small_engine(smollm_path)
+    ask(device, doc)
+    assert ask(device, doc) == (reference, full_block_tokens)
+
+    cpu = small_engine(smollm_path, kv_cpu_gib=64 * BLOCK_BYTES / 2**30)
+    ask(cpu, doc)
+    evict_device_cache(cpu)
+    assert ask(cpu, doc) == (reference, full_block_tokens)
+    assert cpu.engine.tiers is not None and cpu.engine.tiers.traffic.loaded_from_cpu >= len(doc) // BLOCK - 2
+
+    disk = small_engine(smollm_path, kv_disk_gib=64 * BLOCK_BYTES / 2**30, kv_disk_dir=str(tmp_path))
+    ask(disk, doc)
+    evict_device_cache(disk)
+    assert disk.engine.tiers is not None
+    disk.engine.tiers.tiers.flush()  # demotions are written asynchronously
+    assert ask(disk, doc) == (reference, full_block_tokens)
+    assert disk.engine.tiers.traffic.loaded_from_disk >= len(doc) // BLOCK - 2
+    for llm in (device, cpu, disk):
+        llm.engine.block_pool.check_invariants()
+        llm.close()
+
+
+def test_restart_serves_a_persisted_document_from_disk(
+    smollm_path: str, doc: list[int], reference: list[int], tmp_path: Path
+) -> None:
+    tiers = {"kv_disk_gib": 0.05, "kv_disk_dir": str(tmp_path)}
+    with LLM(smollm_path, **tiers) as first:
+        first.engine.add_request("ingest", doc, SamplingParams(max_tokens=1), persist=True)
+        while first.engine.has_unfinished_requests():
+            first.engine.step()
+    assert len(list(tmp_path.rglob("*.kv"))) + len(list(tmp_path.rglob("*"))) > len(doc) // BLOCK
+
+    with LLM(smollm_path, **tiers) as second:
+        tokens, cached = ask(second, doc)
+        assert cached >= len(doc) // BLOCK * BLOCK
+        assert tokens == reference
+        assert second.engine.tiers is not None
+        assert second.engine.tiers.traffic.loaded_from_disk == len(doc) // BLOCK
+
+
+def test_corrupt_records_after_restart_are_recomputed_not_served(
+    smollm_path: str, doc: list[int], reference: list[int], tmp_path: Path
+) -> None:
+    tiers = {"kv_disk_gib": 0.05, "kv_disk_dir": str(tmp_path)}
+    with LLM(smollm_path, **tiers) as first:
+        first.engine.add_request("ingest", doc, SamplingParams(max_tokens=1), persist=True)
+        while first.engine.has_unfinished_requests():
+            first.engine.step()
+    records = sorted(p for p in tmp_path.rglob("*") if p.is_file())
+    assert records
+    for record in records[::2]:  # flip a byte in the middle of every other record
+        data = bytearray(record.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        record.write_bytes(bytes(data))
+
+    with LLM(smollm_path, **tiers) as second:
+        tokens, _ = ask(second, doc)
+        assert tokens == reference
+        assert second.engine.tiers is not None
+        disk = second.engine.tiers.tiers.disk
+        assert disk is not None and disk.metrics().corrupt_records >= 1
+    assert sum(1 for p in tmp_path.rglob("*") if p.is_file()) < len(records) + 1
+
+
+def test_unusable_disk_directory_is_a_clear_error(smollm_path: str, tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(ValueError, match="KV disk directory"):
+        LLM(smollm_path, kv_disk_gib=0.01, kv_disk_dir=str(blocker / "kv"))
