@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -35,6 +36,11 @@ class KVCacheSpec:
         return int(budget_bytes // self.bytes_per_block)
 
     def allocate(self, num_blocks: int, device: torch.device) -> torch.Tensor:
-        # NOTE: zeros, not empty: on the CPU untouched pages stay unmapped, so the resident
-        # size grows with the blocks actually used rather than the whole budget.
-        return torch.zeros((num_blocks, *self.block_shape), dtype=self.dtype, device=device)
+        shape = (num_blocks, *self.block_shape)
+        if device.type != "cpu":
+            return torch.zeros(shape, dtype=self.dtype, device=device)
+        # NOTE: numpy's zeros is calloc: the OS hands out zero pages lazily, so the resident
+        # size grows with the blocks actually used, not with the whole budget (torch.zeros
+        # would write every page now). Zeros matter: masked-out slots must not hold NaNs.
+        raw = np.zeros((num_blocks, self.bytes_per_block // 2), dtype=np.uint16)
+        return torch.from_numpy(raw).view(self.dtype).view(shape)

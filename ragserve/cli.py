@@ -75,12 +75,20 @@ def build_parser() -> argparse.ArgumentParser:
     for name in SUBCOMMAND_MODULES:
         try:
             module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name == name:
-                continue  # a subcommand not shipped in this build
-            raise
+        except ImportError as exc:
+            # NOTE: one command's missing optional dependency must not break the others.
+            broken = subparsers.add_parser(name.split(".")[-2 if name.endswith(".cli") else -1])
+            broken.set_defaults(func=_unavailable(f"{name} cannot be imported: {exc}"))
+            continue
         module.add_parser(subparsers)
     return parser
+
+
+def _unavailable(message: str) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        raise CliError(message)
+
+    return run
 
 
 def main(argv: Sequence[str] | None = None) -> int:

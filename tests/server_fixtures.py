@@ -65,10 +65,14 @@ def start_server(*args: str, log_path: Path, timeout: float = 180.0) -> ServerPr
         if match:
             return ServerProcess(process, match.group(1), log_path)
         if process.poll() is not None:
-            raise RuntimeError(f"the server exited with {process.returncode}:\n{log_path.read_text()[-4000:]}")
+            raise RuntimeError(
+                f"the server exited with {process.returncode}:\n{log_path.read_text()[-4000:]}"
+            )
         time.sleep(0.2)
     process.kill()
-    raise RuntimeError(f"the server did not start in {timeout:.0f} s:\n{log_path.read_text()[-4000:]}")
+    raise RuntimeError(
+        f"the server did not start in {timeout:.0f} s:\n{log_path.read_text()[-4000:]}"
+    )
 
 
 @contextmanager
@@ -109,7 +113,9 @@ def parse_metrics(text: str) -> dict[str, float]:
     return values
 
 
-def assert_error(response: requests.Response, status: int, code: str | None = None) -> dict[str, Any]:
+def assert_error(
+    response: requests.Response, status: int, code: str | None = None
+) -> dict[str, Any]:
     """The response is ``status`` with an OpenAI-style error body; returns the error object."""
     assert response.status_code == status, (response.status_code, response.text[:500])
     error = response.json()["error"]
@@ -130,7 +136,9 @@ def wait_for(predicate: Any, timeout: float, interval: float = 0.1) -> bool:
     return bool(predicate())
 
 
-def wait_ready(url: str, doc_id: str, headers: dict[str, str] | None = None, timeout: float = 60.0) -> dict[str, Any]:
+def wait_ready(
+    url: str, doc_id: str, headers: dict[str, str] | None = None, timeout: float = 60.0
+) -> dict[str, Any]:
     """Poll a document until it leaves ``ingesting``; returns its final state."""
     state: dict[str, Any] = {}
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -10,6 +11,8 @@ from ragserve import LLM, SamplingParams
 from tests.conftest import hf_greedy
 
 MAX_NEW = 10
+# RAGSERVE_TEST_DEVICE=cuda runs the same float32 comparison through the GPU kernels.
+DEVICE = os.environ.get("RAGSERVE_TEST_DEVICE", "cpu")
 TEXTS = [
     "Hi",
     "The capital of France is",
@@ -58,7 +61,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
 def test_greedy_matches_transformers(
     smollm_path: str, prompts: list[list[int]], expected: list[list[int]], engine_args: dict[str, Any]
 ) -> None:
-    llm = LLM(smollm_path, **engine_args)
+    llm = LLM(smollm_path, device=DEVICE, dtype="float32", **engine_args)
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     got = [o.outputs[0].token_ids for o in outputs]
     assert got == expected

@@ -32,11 +32,21 @@ PINNED = 'ragserve_kv_blocks{state="pinned"}'
 
 def make_document(topic: str, count: int = 24) -> str:
     """About 300 tokens of distinct facts."""
-    return " ".join(f"In the {topic} registry, item {i} has code {(i * 37 + len(topic)) % 101}." for i in range(count))
+    return " ".join(
+        f"In the {topic} registry, item {i} has code {(i * 37 + len(topic)) % 101}."
+        for i in range(count)
+    )
 
 
-def upload(server: ServerProcess, text: str, headers: dict[str, str], **metadata: Any) -> requests.Response:
-    return requests.post(f"{server.url}/v1/documents", json={"text": text, "metadata": metadata}, headers=headers, timeout=60)
+def upload(
+    server: ServerProcess, text: str, headers: dict[str, str], **metadata: Any
+) -> requests.Response:
+    return requests.post(
+        f"{server.url}/v1/documents",
+        json={"text": text, "metadata": metadata},
+        headers=headers,
+        timeout=60,
+    )
 
 
 def ask(client: openai.OpenAI, question: str, doc_ids: list[str], max_tokens: int = 10) -> Any:
@@ -84,13 +94,51 @@ def test_reupload_computes_nothing(server: ServerProcess, ready_doc: dict[str, A
     assert server.metrics()[COMPUTED] == before[COMPUTED]
 
 
-def test_questions_hit_the_document_blocks(client_a: openai.OpenAI, ready_doc: dict[str, Any]) -> None:
+def test_questions_hit_the_document_blocks(
+    client_a: openai.OpenAI, ready_doc: dict[str, Any]
+) -> None:
     full_block_tokens = ready_doc["tokens"] // BLOCK_SIZE * BLOCK_SIZE
     for question in QUESTIONS:
         out = ask(client_a, question, [ready_doc["id"]])
         assert out.usage.prompt_tokens > ready_doc["prefix_tokens"]
         assert out.usage.prompt_tokens_details.cached_tokens >= full_block_tokens - BLOCK_SIZE
         assert out.choices[0].message.content
+    # The caller's own system message continues the system turn after the document.
+    with_system = client_a.chat.completions.create(
+        model="SmolLM2-135M-Instruct",
+        messages=[
+            {"role": "system", "content": "Answer tersely."},
+            {"role": "user", "content": QUESTIONS[0]},
+        ],
+        max_tokens=4,
+        temperature=0,
+        extra_body={"documents": [ready_doc["id"]]},
+    )
+    assert with_system.usage is not None and with_system.usage.prompt_tokens_details is not None
+    assert with_system.usage.prompt_tokens_details.cached_tokens >= full_block_tokens - BLOCK_SIZE
+    # Completions put the same document prefix first, so one ingestion serves both APIs.
+    completion = client_a.completions.create(
+        model="SmolLM2-135M-Instruct",
+        prompt="Question: what is the code of item 3? Answer:",
+        max_tokens=4,
+        temperature=0,
+        extra_body={"documents": [ready_doc["id"]]},
+    )
+    assert completion.usage is not None and completion.usage.prompt_tokens_details is not None
+    assert completion.usage.prompt_tokens_details.cached_tokens >= full_block_tokens - BLOCK_SIZE
+
+
+def test_delete_while_ingesting(server: ServerProcess) -> None:
+    pinned = server.metrics()[PINNED]
+    doc = upload(server, make_document("meadow", 12), A).json()
+    assert doc["status"] == "ingesting"
+    assert (
+        requests.delete(f"{server.url}/v1/documents/{doc['id']}", headers=A, timeout=30).status_code
+        == 200
+    )
+    assert wait_for(lambda: server.metrics()["ragserve_num_requests_active"] == 0, 30)
+    assert server.metrics()[PINNED] == pinned
+    assert_error(requests.get(f"{server.url}/v1/documents/{doc['id']}", headers=A, timeout=30), 404)
 
 
 def test_answers_match_a_server_without_prefix_caching(
@@ -102,7 +150,9 @@ def test_answers_match_a_server_without_prefix_caching(
         response = upload(plain, make_document("harbor"), {})
         assert response.status_code == 202
         doc_id = response.json()["id"]
-        client = openai.OpenAI(base_url=f"{plain.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        client = openai.OpenAI(
+            base_url=f"{plain.url}/v1", api_key="unused", max_retries=0, timeout=120
+        )
         uncached = [ask(client, q, [doc_id], max_tokens=12) for q in QUESTIONS]
     for hit, miss in zip(cached, uncached, strict=True):
         assert miss.usage.prompt_tokens_details.cached_tokens == 0
@@ -117,7 +167,9 @@ def test_concurrent_questions_prefill_the_document_once(server: ServerProcess) -
     doc = response.json()
 
     async def run() -> list[Any]:
-        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=KEY_A, max_retries=0, timeout=180)
+        client = openai.AsyncOpenAI(
+            base_url=f"{server.url}/v1", api_key=KEY_A, max_retries=0, timeout=180
+        )
         try:
             questions = [f"What is the code of item {i}?" for i in range(16)]
             return await asyncio.gather(
@@ -141,14 +193,21 @@ def test_concurrent_questions_prefill_the_document_once(server: ServerProcess) -
     computed = server.metrics()[COMPUTED] - before
     tail = max(o.usage.prompt_tokens for o in outputs) - doc["prefix_tokens"]
     # One prefill of the document, plus per question its own tail and at most one partial block.
-    assert doc["prefix_tokens"] - BLOCK_SIZE <= computed <= doc["prefix_tokens"] + 16 * (tail + BLOCK_SIZE)
+    assert (
+        doc["prefix_tokens"] - BLOCK_SIZE
+        <= computed
+        <= doc["prefix_tokens"] + 16 * (tail + BLOCK_SIZE)
+    )
     assert computed < 3 * doc["prefix_tokens"]
 
 
 def test_multipart_upload(server: ServerProcess, tmp_path: Path) -> None:
     url = f"{server.url}/v1/documents"
     text = make_document("lighthouse", 8)
-    files: dict[str, Any] = {"file": ("notes.md", text.encode(), "text/markdown"), "metadata": (None, '{"lang": "en"}')}
+    files: dict[str, Any] = {
+        "file": ("notes.md", text.encode(), "text/markdown"),
+        "metadata": (None, '{"lang": "en"}'),
+    }
     response = requests.post(url, files=files, headers=A, timeout=60)
     assert response.status_code == 202, response.text
     doc = response.json()
@@ -156,9 +215,13 @@ def test_multipart_upload(server: ServerProcess, tmp_path: Path) -> None:
     same = requests.post(url, json={"text": text}, headers=A, timeout=60)
     assert same.status_code == 200 and same.json()["id"] == doc["id"]
 
-    pdf = requests.post(url, files={"file": ("paper.pdf", b"%PDF-1.4", "application/pdf")}, headers=A, timeout=60)
+    pdf = requests.post(
+        url, files={"file": ("paper.pdf", b"%PDF-1.4", "application/pdf")}, headers=A, timeout=60
+    )
     assert_error(pdf, 415, "unsupported_media_type")
-    latin1 = requests.post(url, files={"file": ("x.txt", "caf\xe9".encode("latin-1"))}, headers=A, timeout=60)
+    latin1 = requests.post(
+        url, files={"file": ("x.txt", "caf\xe9".encode("latin-1"))}, headers=A, timeout=60
+    )
     assert "UTF-8" in assert_error(latin1, 400)["message"]
     no_file = requests.post(url, files={"other": ("x.txt", b"hello")}, headers=A, timeout=60)
     assert_error(no_file, 400)
@@ -178,26 +241,58 @@ def test_list_and_delete_unpins(server: ServerProcess) -> None:
     # NOTE: the first block (template head, "<document>", "In") is shared with A's other documents.
     unpinned = pinned - server.metrics()[PINNED]
     assert state["blocks_pinned"] - 1 <= unpinned <= state["blocks_pinned"]
-    assert_error(requests.get(f"{server.url}/v1/documents/{doc['id']}", headers=A, timeout=30), 404, "document_not_found")
-    assert_error(requests.delete(f"{server.url}/v1/documents/{doc['id']}", headers=A, timeout=30), 404)
-    question: dict[str, Any] = {"messages": [{"role": "user", "content": "hi"}], "documents": [doc["id"]], "max_tokens": 2}
-    error = assert_error(requests.post(f"{server.url}/v1/chat/completions", json=question, headers=A, timeout=30), 404)
+    assert_error(
+        requests.get(f"{server.url}/v1/documents/{doc['id']}", headers=A, timeout=30),
+        404,
+        "document_not_found",
+    )
+    assert_error(
+        requests.delete(f"{server.url}/v1/documents/{doc['id']}", headers=A, timeout=30), 404
+    )
+    question: dict[str, Any] = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "documents": [doc["id"]],
+        "max_tokens": 2,
+    }
+    error = assert_error(
+        requests.post(f"{server.url}/v1/chat/completions", json=question, headers=A, timeout=30),
+        404,
+    )
     assert error["param"] == "documents"
     question["documents"] = ["not-hex"]
-    assert_error(requests.post(f"{server.url}/v1/chat/completions", json=question, headers=A, timeout=30), 400, "invalid_document_id")
-    assert_error(requests.get(f"{server.url}/v1/documents/ABC", headers=A, timeout=30), 400, "invalid_document_id")
+    assert_error(
+        requests.post(f"{server.url}/v1/chat/completions", json=question, headers=A, timeout=30),
+        400,
+        "invalid_document_id",
+    )
+    assert_error(
+        requests.get(f"{server.url}/v1/documents/ABC", headers=A, timeout=30),
+        400,
+        "invalid_document_id",
+    )
 
 
 def test_tenants_are_isolated(server: ServerProcess, ready_doc: dict[str, Any]) -> None:
     url, doc_id = server.url, ready_doc["id"]
     assert_error(requests.get(f"{url}/v1/documents/{doc_id}", headers=B, timeout=30), 404)
     assert_error(requests.delete(f"{url}/v1/documents/{doc_id}", headers=B, timeout=30), 404)
-    assert doc_id not in {d["id"] for d in requests.get(f"{url}/v1/documents", headers=B, timeout=30).json()["data"]}
-    question: dict[str, Any] = {"messages": [{"role": "user", "content": "hi"}], "documents": [doc_id], "max_tokens": 2}
-    assert_error(requests.post(f"{url}/v1/chat/completions", json=question, headers=B, timeout=30), 404)
+    assert doc_id not in {
+        d["id"] for d in requests.get(f"{url}/v1/documents", headers=B, timeout=30).json()["data"]
+    }
+    question: dict[str, Any] = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "documents": [doc_id],
+        "max_tokens": 2,
+    }
+    assert_error(
+        requests.post(f"{url}/v1/chat/completions", json=question, headers=B, timeout=30), 404
+    )
     other = upload(server, make_document("harbor"), B)
     assert other.status_code == 202 and other.json()["id"] != doc_id
-    assert requests.get(f"{url}/v1/documents/{doc_id}", headers=A, timeout=30).json()["status"] == "ready"
+    assert (
+        requests.get(f"{url}/v1/documents/{doc_id}", headers=A, timeout=30).json()["status"]
+        == "ready"
+    )
 
     # Cached blocks are per tenant too: B's first look at A's prompt finds nothing.
     prompt: dict[str, Any] = {"prompt": make_document("tenant secret", 8), "max_tokens": 1}
@@ -214,8 +309,12 @@ def test_api_keys_are_required_on_v1_only(server: ServerProcess) -> None:
     missing = requests.get(f"{url}/v1/models", timeout=10)
     assert assert_error(missing, 401, "invalid_api_key")["type"] == "authentication_error"
     assert missing.headers["WWW-Authenticate"] == "Bearer"
-    assert_error(requests.get(f"{url}/v1/models", headers={"Authorization": "Bearer nope"}, timeout=10), 401)
-    assert_error(requests.get(f"{url}/v1/models", headers={"Authorization": KEY_A}, timeout=10), 401)
+    assert_error(
+        requests.get(f"{url}/v1/models", headers={"Authorization": "Bearer nope"}, timeout=10), 401
+    )
+    assert_error(
+        requests.get(f"{url}/v1/models", headers={"Authorization": KEY_A}, timeout=10), 401
+    )
     assert requests.get(f"{url}/v1/models", headers=B, timeout=10).status_code == 200
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()

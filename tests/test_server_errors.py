@@ -47,9 +47,33 @@ BAD_REQUESTS: list[tuple[str, str, Any, str, int, str | None, str | None]] = [
     ("prompt of wrong type", C, {"prompt": 5}, JSON, 400, None, "prompt"),
     ("max_tokens as string", C, {"prompt": "x", "max_tokens": "5"}, JSON, 400, None, "max_tokens"),
     ("negative max_tokens", C, {"prompt": "x", "max_tokens": -3}, JSON, 400, None, "max_tokens"),
-    ("huge max_tokens", C, {"prompt": "x", "max_tokens": 10**9}, JSON, 400, "context_length_exceeded", "max_tokens"),
-    ("enormous max_tokens", C, {"prompt": "x", "max_tokens": 10**40}, JSON, 400, "context_length_exceeded", "max_tokens"),
-    ("temperature as string", C, {"prompt": "x", "temperature": "hot"}, JSON, 400, None, "temperature"),
+    (
+        "huge max_tokens",
+        C,
+        {"prompt": "x", "max_tokens": 10**9},
+        JSON,
+        400,
+        "context_length_exceeded",
+        "max_tokens",
+    ),
+    (
+        "enormous max_tokens",
+        C,
+        {"prompt": "x", "max_tokens": 10**40},
+        JSON,
+        400,
+        "context_length_exceeded",
+        "max_tokens",
+    ),
+    (
+        "temperature as string",
+        C,
+        {"prompt": "x", "temperature": "hot"},
+        JSON,
+        400,
+        None,
+        "temperature",
+    ),
     ("temperature too high", C, {"prompt": "x", "temperature": 3}, JSON, 400, None, "temperature"),
     ("top_p zero", C, {"prompt": "x", "top_p": 0}, JSON, 400, None, "top_p"),
     ("n as bool", C, {"prompt": "x", "n": True}, JSON, 400, None, "n"),
@@ -58,48 +82,152 @@ BAD_REQUESTS: list[tuple[str, str, Any, str, int, str | None, str | None]] = [
     ("logprobs too many", C, {"prompt": "x", "logprobs": 21}, JSON, 400, None, "logprobs"),
     ("seed beyond 64 bits", C, {"prompt": "x", "seed": 2**70}, JSON, 400, None, "seed"),
     ("empty stop string", C, {"prompt": "x", "stop": [""]}, JSON, 400, None, None),
-    ("min_tokens above max_tokens", C, {"prompt": "x", "max_tokens": 2, "min_tokens": 5}, JSON, 400, None, None),
+    (
+        "min_tokens above max_tokens",
+        C,
+        {"prompt": "x", "max_tokens": 2, "min_tokens": 5},
+        JSON,
+        400,
+        None,
+        None,
+    ),
     ("penalty", C, {"prompt": "x", "presence_penalty": 1.0}, JSON, 400, None, None),
-    ("stream_options without stream", C, {"prompt": "x", "stream_options": {"include_usage": True}}, JSON, 400, None, None),
+    (
+        "stream_options without stream",
+        C,
+        {"prompt": "x", "stream_options": {"include_usage": True}},
+        JSON,
+        400,
+        None,
+        None,
+    ),
     ("empty prompt", C, {"prompt": ""}, JSON, 400, None, "prompt"),
     ("empty prompt list", C, {"prompt": []}, JSON, 400, None, "prompt"),
     ("token id beyond the vocabulary", C, {"prompt": [10**9]}, JSON, 400, None, None),
     ("negative token id", C, {"prompt": [-1]}, JSON, 400, None, None),
-    ("prompt beyond the context", C, {"prompt": LONG_TEXT}, JSON, 400, "context_length_exceeded", "prompt"),
+    (
+        "prompt beyond the context",
+        C,
+        {"prompt": LONG_TEXT},
+        JSON,
+        400,
+        "context_length_exceeded",
+        "prompt",
+    ),
     ("unknown model", C, {"prompt": "x", "model": "gpt-9"}, JSON, 404, "model_not_found", "model"),
-    ("unknown document", C, {"prompt": "x", "documents": ["0" * 32]}, JSON, 404, "document_not_found", "documents"),
-    ("malformed document id", C, {"prompt": "x", "documents": ["../etc"]}, JSON, 400, "invalid_document_id", "documents"),
+    (
+        "unknown document",
+        C,
+        {"prompt": "x", "documents": ["0" * 32]},
+        JSON,
+        404,
+        "document_not_found",
+        "documents",
+    ),
+    (
+        "malformed document id",
+        C,
+        {"prompt": "x", "documents": ["../etc"]},
+        JSON,
+        400,
+        "invalid_document_id",
+        "documents",
+    ),
     ("documents not a list", C, {"prompt": "x", "documents": "abc"}, JSON, 400, None, "documents"),
-    ("wrong content type", C, b'{"prompt": "x"}', "text/plain", 415, "unsupported_media_type", None),
+    (
+        "wrong content type",
+        C,
+        b'{"prompt": "x"}',
+        "text/plain",
+        415,
+        "unsupported_media_type",
+        None,
+    ),
     ("oversized body", C, {"prompt": "x" * 70000}, JSON, 413, "request_too_large", None),
     ("messages as string", CH, {"messages": "hi"}, JSON, 400, None, "messages"),
     ("no messages", CH, {"messages": []}, JSON, 400, None, "messages"),
-    ("unknown role", CH, {"messages": [{"role": "wizard", "content": "x"}]}, JSON, 400, None, "messages"),
-    ("content of wrong type", CH, {"messages": [{"role": "user", "content": 5}]}, JSON, 400, None, "messages"),
     (
-        "image content",
+        "unknown role",
         CH,
-        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        {"messages": [{"role": "wizard", "content": "x"}]},
         JSON,
         400,
         None,
         "messages",
     ),
-    ("top_logprobs without logprobs", CH, {"messages": HI, "top_logprobs": 2}, JSON, 400, None, None),
+    (
+        "content of wrong type",
+        CH,
+        {"messages": [{"role": "user", "content": 5}]},
+        JSON,
+        400,
+        None,
+        "messages",
+    ),
+    (
+        "image content",
+        CH,
+        {
+            "messages": [
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
+            ]
+        },
+        JSON,
+        400,
+        None,
+        "messages",
+    ),
+    (
+        "top_logprobs without logprobs",
+        CH,
+        {"messages": HI, "top_logprobs": 2},
+        JSON,
+        400,
+        None,
+        None,
+    ),
     ("tools", CH, {"messages": HI, "tools": [{"type": "function"}]}, JSON, 400, None, None),
-    ("chat beyond the context", CH, {"messages": [{"role": "user", "content": LONG_TEXT}]}, JSON, 400, "context_length_exceeded", "messages"),
-    ("chat max_tokens beyond the context", CH, {"messages": HI, "max_completion_tokens": 5000}, JSON, 400, "context_length_exceeded", "max_completion_tokens"),
+    (
+        "chat beyond the context",
+        CH,
+        {"messages": [{"role": "user", "content": LONG_TEXT}]},
+        JSON,
+        400,
+        "context_length_exceeded",
+        "messages",
+    ),
+    (
+        "chat max_tokens beyond the context",
+        CH,
+        {"messages": HI, "max_completion_tokens": 5000},
+        JSON,
+        400,
+        "context_length_exceeded",
+        "max_completion_tokens",
+    ),
     ("empty document", D, {"text": ""}, JSON, 400, None, "text"),
     ("document of wrong type", D, {"text": 5}, JSON, 400, None, "text"),
     ("metadata not an object", D, {"text": "x", "metadata": [1]}, JSON, 400, None, "metadata"),
-    ("document beyond the context", D, {"text": LONG_TEXT}, JSON, 400, "context_length_exceeded", "text"),
+    (
+        "document beyond the context",
+        D,
+        {"text": LONG_TEXT},
+        JSON,
+        400,
+        "context_length_exceeded",
+        "text",
+    ),
     ("document as plain text", D, b"hello", "text/plain", 415, "unsupported_media_type", None),
 ]
 
 
-def post(server: ServerProcess, path: str, body: Any, content_type: str = JSON) -> requests.Response:
+def post(
+    server: ServerProcess, path: str, body: Any, content_type: str = JSON
+) -> requests.Response:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return requests.post(f"{server.url}{path}", data=data, headers={"Content-Type": content_type}, timeout=60)
+    return requests.post(
+        f"{server.url}{path}", data=data, headers={"Content-Type": content_type}, timeout=60
+    )
 
 
 @pytest.mark.parametrize(
@@ -108,7 +236,13 @@ def post(server: ServerProcess, path: str, body: Any, content_type: str = JSON) 
     ids=[case[0] for case in BAD_REQUESTS],
 )
 def test_bad_request_gets_its_error(
-    server: ServerProcess, path: str, body: Any, content_type: str, status: int, code: str | None, param: str | None
+    server: ServerProcess,
+    path: str,
+    body: Any,
+    content_type: str,
+    status: int,
+    code: str | None,
+    param: str | None,
 ) -> None:
     error = assert_error(post(server, path, body, content_type), status, code)
     if param is not None:
@@ -124,24 +258,32 @@ def test_served_model_name(server: ServerProcess) -> None:
     assert requests.get(f"{server.url}/v1/models/{MODEL}", timeout=10).json()["id"] == MODEL
     out = post(server, C, {"model": MODEL, "prompt": "x", "max_tokens": 1}).json()
     assert out["model"] == MODEL
-    assert_error(post(server, C, {"model": "SmolLM2-135M-Instruct", "prompt": "x"}), 404, "model_not_found")
+    assert_error(
+        post(server, C, {"model": "SmolLM2-135M-Instruct", "prompt": "x"}), 404, "model_not_found"
+    )
 
 
 def test_error_statuses_outside_handlers(server: ServerProcess) -> None:
-    assert_error(requests.get(f"{server.url}/v1/documents/xyz", timeout=10), 400, "invalid_document_id")
+    assert_error(
+        requests.get(f"{server.url}/v1/documents/xyz", timeout=10), 400, "invalid_document_id"
+    )
     assert_error(requests.post(f"{server.url}/health", timeout=10), 405)
     assert_error(requests.get(f"{server.url}/nowhere", timeout=10), 404)
     big = {"file": ("big.txt", b"x" * 70000)}
     assert_error(requests.post(f"{server.url}{D}", files=big, timeout=30), 413, "request_too_large")
     metrics = server.metrics()
     assert metrics['ragserve_http_requests_total{endpoint="/v1/completions",status="400"}'] >= 20
-    assert metrics.get('ragserve_http_requests_total{endpoint="/v1/completions",status="500"}', 0) == 0
+    assert (
+        metrics.get('ragserve_http_requests_total{endpoint="/v1/completions",status="500"}', 0) == 0
+    )
 
 
 # -- fuzz: random JSON in every field never yields a 5xx -----------------------------------
 _json = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=12),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3)
+    ),
     max_leaves=6,
 )
 
@@ -167,14 +309,23 @@ _common = {
     "seed": _field(st.integers(-(2**63), 2**63 - 1)),
     "user": _field(st.text(max_size=8)),
     "min_tokens": _field(st.integers(0, 1)),
-    "documents": _field(st.lists(st.text("0123456789abcdef", min_size=32, max_size=32), max_size=1)),
+    "documents": _field(
+        st.lists(st.text("0123456789abcdef", min_size=32, max_size=32), max_size=1)
+    ),
 }
 _message = st.fixed_dictionaries(
-    {"role": _field(st.sampled_from(["system", "user", "assistant"])), "content": _field(st.text(max_size=20))}
+    {
+        "role": _field(st.sampled_from(["system", "user", "assistant"])),
+        "content": _field(st.text(max_size=20)),
+    }
 )
 CHAT_BODIES = st.fixed_dictionaries(
     {"messages": _field(st.lists(_message, min_size=1, max_size=3)), "max_tokens": _max_tokens},
-    optional={**_common, "logprobs": _field(st.booleans()), "top_logprobs": _field(st.integers(0, 20))},
+    optional={
+        **_common,
+        "logprobs": _field(st.booleans()),
+        "top_logprobs": _field(st.integers(0, 20)),
+    },
 )
 COMPLETION_BODIES = st.fixed_dictionaries(
     {
@@ -189,7 +340,9 @@ COMPLETION_BODIES = st.fixed_dictionaries(
     },
     optional={**_common, "logprobs": _field(st.integers(0, 20)), "echo": _field(st.just(False))},
 )
-_FUZZ = settings(max_examples=50, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+_FUZZ = settings(
+    max_examples=50, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
+)
 
 
 def _check_fuzz_response(response: requests.Response) -> None:
@@ -206,13 +359,17 @@ def _check_fuzz_response(response: requests.Response) -> None:
 
 @_FUZZ
 @given(body=CHAT_BODIES)
-def test_fuzzed_chat_bodies_never_fail_the_server(server: ServerProcess, body: dict[str, Any]) -> None:
+def test_fuzzed_chat_bodies_never_fail_the_server(
+    server: ServerProcess, body: dict[str, Any]
+) -> None:
     _check_fuzz_response(post(server, CH, body))
 
 
 @_FUZZ
 @given(body=COMPLETION_BODIES)
-def test_fuzzed_completion_bodies_never_fail_the_server(server: ServerProcess, body: dict[str, Any]) -> None:
+def test_fuzzed_completion_bodies_never_fail_the_server(
+    server: ServerProcess, body: dict[str, Any]
+) -> None:
     _check_fuzz_response(post(server, C, body))
 
 
@@ -223,7 +380,12 @@ class OpenStream:
     def __init__(self, server: ServerProcess, max_tokens: int = MAX_MODEL_LEN - 50) -> None:
         parts = urlsplit(server.url)
         self.connection = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=60)
-        body = {"prompt": "Count: one, two,", "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
+        body = {
+            "prompt": "Count: one, two,",
+            "max_tokens": max_tokens,
+            "stream": True,
+            "ignore_eos": True,
+        }
         self.connection.request("POST", C, json.dumps(body), {"Content-Type": JSON})
         self.response = self.connection.getresponse()
         assert self.response.status == 200
@@ -249,7 +411,10 @@ class OpenStream:
 
 def _idle(server: ServerProcess) -> bool:
     metrics = server.metrics()
-    return metrics["ragserve_num_requests_active"] == 0 and metrics['ragserve_kv_blocks{state="used"}'] == 0
+    return (
+        metrics["ragserve_num_requests_active"] == 0
+        and metrics['ragserve_kv_blocks{state="used"}'] == 0
+    )
 
 
 def test_disconnect_mid_stream_frees_blocks(server: ServerProcess) -> None:

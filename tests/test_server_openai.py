@@ -14,7 +14,9 @@ from server_fixtures import ServerProcess, assert_error, module_server
 server = module_server()
 
 RAW_QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-QUESTION: list[ChatCompletionMessageParam] = [{"role": "user", "content": "What is the capital of France?"}]
+QUESTION: list[ChatCompletionMessageParam] = [
+    {"role": "user", "content": "What is the capital of France?"}
+]
 PROMPT = "The three primary colors are"
 LONG_PROMPT = " ".join(f"Fact {i}: the sky over town {i} was clear." for i in range(12))
 
@@ -37,14 +39,19 @@ def test_models(client: openai.OpenAI, model: str) -> None:
 
 
 def test_chat_streaming_matches_non_streaming(client: openai.OpenAI, model: str) -> None:
-    full = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=8, temperature=0)
+    full = client.chat.completions.create(
+        model=model, messages=QUESTION, max_tokens=8, temperature=0
+    )
     choice = full.choices[0]
     assert choice.message.role == "assistant" and choice.message.content
     assert choice.finish_reason in ("stop", "length")
     usage = full.usage
     assert usage is not None and usage.prompt_tokens > 10 and 1 <= usage.completion_tokens <= 8
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
-    assert usage.prompt_tokens_details is not None and usage.prompt_tokens_details.cached_tokens is not None
+    assert (
+        usage.prompt_tokens_details is not None
+        and usage.prompt_tokens_details.cached_tokens is not None
+    )
 
     chunks = list(
         client.chat.completions.create(
@@ -59,7 +66,9 @@ def test_chat_streaming_matches_non_streaming(client: openai.OpenAI, model: str)
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == choice.message.content
-    reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    reasons = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
     assert reasons == [choice.finish_reason]
     assert chunks[-1].choices == [] and chunks[-1].usage is not None
     assert chunks[-1].usage.completion_tokens == usage.completion_tokens
@@ -67,19 +76,31 @@ def test_chat_streaming_matches_non_streaming(client: openai.OpenAI, model: str)
 
 
 def test_completions_streaming_with_logprobs(client: openai.OpenAI, model: str) -> None:
-    full = client.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2)
+    full = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2
+    )
     choice = full.choices[0]
-    assert full.usage is not None and full.usage.completion_tokens == 6 and choice.finish_reason == "length"
+    assert (
+        full.usage is not None
+        and full.usage.completion_tokens == 6
+        and choice.finish_reason == "length"
+    )
     logprobs = choice.logprobs
-    assert logprobs is not None and logprobs.tokens is not None and logprobs.top_logprobs is not None
+    assert (
+        logprobs is not None and logprobs.tokens is not None and logprobs.top_logprobs is not None
+    )
     assert logprobs.token_logprobs is not None and len(logprobs.tokens) == 6
-    for token, value, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True):
+    for token, value, top in zip(
+        logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True
+    ):
         assert len(top) == 2 and value <= 0.0
         assert max(top.values()) == pytest.approx(value)  # greedy picks the most likely token
         assert top[token] == pytest.approx(value)
     assert "".join(logprobs.tokens) == choice.text
 
-    stream = client.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0, stream=True)
+    stream = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=6, temperature=0, stream=True
+    )
     assert "".join(c.choices[0].text for c in stream if c.choices) == choice.text
 
 
@@ -88,7 +109,11 @@ def test_chat_top_logprobs(client: openai.OpenAI, model: str) -> None:
         model=model, messages=QUESTION, max_tokens=4, temperature=0, logprobs=True, top_logprobs=3
     )
     choice = out.choices[0]
-    assert out.usage is not None and choice.logprobs is not None and choice.logprobs.content is not None
+    assert (
+        out.usage is not None
+        and choice.logprobs is not None
+        and choice.logprobs.content is not None
+    )
     content = choice.logprobs.content
     assert len(content) == out.usage.completion_tokens
     for entry in content:
@@ -98,12 +123,16 @@ def test_chat_top_logprobs(client: openai.OpenAI, model: str) -> None:
 
 
 def test_max_completion_tokens_stop_and_user(client: openai.OpenAI, model: str) -> None:
-    base = client.completions.create(model=model, prompt=PROMPT, max_tokens=10, temperature=0, user="u1")
+    base = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=10, temperature=0, user="u1"
+    )
     text = base.choices[0].text
     words = text.split()
     assert len(words) >= 3, text
     stop = " " + words[2]
-    cut = client.completions.create(model=model, prompt=PROMPT, max_tokens=10, temperature=0, stop=[stop])
+    cut = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=10, temperature=0, stop=[stop]
+    )
     assert cut.choices[0].finish_reason == "stop"
     assert cut.choices[0].text == text[: text.index(stop)]
 
@@ -150,10 +179,16 @@ def test_batch_prompts_match_single_requests(client: openai.OpenAI, model: str) 
 
 
 def test_token_id_prompt_and_zero_logprobs(client: openai.OpenAI, model: str) -> None:
-    out = client.completions.create(model=model, prompt=[504, 1341, 2951], max_tokens=3, temperature=0, logprobs=0)
+    out = client.completions.create(
+        model=model, prompt=[504, 1341, 2951], max_tokens=3, temperature=0, logprobs=0
+    )
     assert out.usage is not None and out.usage.prompt_tokens == 3
     logprobs = out.choices[0].logprobs
-    assert logprobs is not None and logprobs.token_logprobs is not None and logprobs.top_logprobs is not None
+    assert (
+        logprobs is not None
+        and logprobs.token_logprobs is not None
+        and logprobs.top_logprobs is not None
+    )
     assert len(logprobs.token_logprobs) == out.usage.completion_tokens
     assert all(top == {} for top in logprobs.top_logprobs)
 
@@ -194,7 +229,9 @@ def test_health_and_metrics(server: ServerProcess) -> None:
     response = requests.get(f"{server.url}/metrics", timeout=30)
     assert response.headers["Content-Type"].startswith("text/plain")
     metrics = server.metrics()
-    assert metrics['ragserve_http_requests_total{endpoint="/v1/chat/completions",status="200"}'] >= 3
+    assert (
+        metrics['ragserve_http_requests_total{endpoint="/v1/chat/completions",status="200"}'] >= 3
+    )
     assert metrics['ragserve_time_to_first_token_seconds_count{endpoint="/v1/completions"}'] >= 5
     assert metrics['ragserve_inter_token_latency_seconds_count{endpoint="/v1/completions"}'] >= 5
     assert metrics['ragserve_kv_blocks{state="used"}'] == 0
@@ -221,11 +258,15 @@ def test_openapi_describes_every_route(server: ServerProcess) -> None:
         ("DELETE", "/v1/documents/{id}"),
     }
     schemas = spec["components"]["schemas"]
-    assert {"messages", "documents", "max_completion_tokens"} <= set(schemas["ChatCompletionRequest"]["properties"])
+    assert {"messages", "documents", "max_completion_tokens"} <= set(
+        schemas["ChatCompletionRequest"]["properties"]
+    )
     # Every described route exists: probing it never gives the "no such route" 404 or a 405.
     for method, path in operations:
         url = server.url + path.replace("{model}", "x").replace("{id}", "0" * 32)
-        response = requests.request(method, url, data=b"{}", headers={"Content-Type": "application/json"}, timeout=30)
+        response = requests.request(
+            method, url, data=b"{}", headers={"Content-Type": "application/json"}, timeout=30
+        )
         assert response.status_code != 405, (method, path)
         if response.status_code == 404:
             assert "no such route" not in json.dumps(response.json()), (method, path)
@@ -233,7 +274,9 @@ def test_openapi_describes_every_route(server: ServerProcess) -> None:
 
 def test_unknown_model_and_route(server: ServerProcess) -> None:
     response = requests.post(
-        f"{server.url}/v1/chat/completions", json={"model": "gpt-9", "messages": RAW_QUESTION}, timeout=10
+        f"{server.url}/v1/chat/completions",
+        json={"model": "gpt-9", "messages": RAW_QUESTION},
+        timeout=10,
     )
     error = assert_error(response, 404, "model_not_found")
     assert error["param"] == "model"

@@ -22,13 +22,22 @@ def add_parser(subparsers: Any) -> None:
         sub = bench_parsers.add_parser(name, help=module.__doc__)
         module.add_arguments(sub)
         add_engine_args(sub)
+        sub.add_argument(
+            "--model-shape",
+            default=None,
+            help="random weights of a real shape (e.g. llama-3.1-8b) instead of --model",
+        )
         sub.set_defaults(func=_runner(module))
 
 
 def _runner(module: Any) -> Any:
     def run(args: argparse.Namespace) -> int:
+        from ragserve.bench.shapes import write_shape_config
         from ragserve.cli import engine_config_from_args
 
+        if args.model_shape:
+            args.model = write_shape_config(args.model_shape)
+            args.load_format = "dummy"
         return int(module.run(args, engine_config_from_args(args)))
 
     return run

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import time
 from typing import Any
 
@@ -16,6 +17,7 @@ from ragserve.bench.common import (
     transformers_generate,
     write_json,
 )
+from ragserve.config import EngineConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,28 +30,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="bench-results/throughput.json")
 
 
-def run(args: argparse.Namespace, config: Any) -> int:
+def _workload(args: argparse.Namespace) -> tuple[list[int], list[int]]:
+    if not args.variable:
+        return [args.input_len] * args.num_prompts, [args.output_len] * args.num_prompts
+    generator = torch.Generator().manual_seed(1)
+    inputs = torch.randint(100, 1025, (args.num_prompts,), generator=generator).tolist()
+    outputs = torch.randint(100, 1025, (args.num_prompts,), generator=generator).tolist()
+    return inputs, outputs
+
+
+def _run_ragserve(config: EngineConfig, input_lens: list[int], output_lens: list[int]) -> dict[str, Any]:
     from ragserve import LLM, SamplingParams
 
     started = time.perf_counter()
     llm = LLM.from_config(config)
     load_seconds = time.perf_counter() - started
     engine = llm.engine
-    dtype, device = engine.dtype, engine.device
-    vocab = engine.loaded.model.shape.vocab_size
-    if args.variable:
-        generator = torch.Generator().manual_seed(1)
-        input_lens = torch.randint(100, 1025, (args.num_prompts,), generator=generator).tolist()
-        output_lens = torch.randint(100, 1025, (args.num_prompts,), generator=generator).tolist()
-    else:
-        input_lens = [args.input_len] * args.num_prompts
-        output_lens = [args.output_len] * args.num_prompts
-    prompts = random_prompts(args.num_prompts, input_lens, vocab)
+    prompts = random_prompts(len(input_lens), input_lens, engine.loaded.model.shape.vocab_size)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
 
     first = time.perf_counter()
     llm.generate([prompts[0]], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
-    first_token_seconds = load_seconds + time.perf_counter() - first
+    startup = load_seconds + time.perf_counter() - first
     llm.reset_prefix_cache()
 
     started = time.perf_counter()
@@ -58,44 +60,71 @@ def run(args: argparse.Namespace, config: Any) -> int:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - started
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    in_tokens = sum(input_lens)
-    results: dict[str, Any] = {
-        "workload": {"num_prompts": args.num_prompts, "input_lens": "uniform 100..1024" if args.variable else args.input_len,
-                     "output_lens": "uniform 100..1024" if args.variable else args.output_len},
-        "ragserve": {"seconds": seconds, "output_tok_s": out_tokens / seconds,
-                     "total_tok_s": (in_tokens + out_tokens) / seconds,
-                     "startup_to_first_token_s": first_token_seconds, "peak_rss_mib": peak_rss_mib()},
+    llm.close()
+    return {
+        "seconds": seconds,
+        "output_tokens": out_tokens,
+        "startup_to_first_token_s": startup,
+        "kv_utilisation": engine.stats.kv_utilisation,
+        "prompts": prompts,
+        "dtype": engine.dtype,
+        "device": engine.device,
     }
-    rows = [["ragserve", f"{seconds:.2f}", out_tokens / seconds, (in_tokens + out_tokens) / seconds, 1.0]]
+
+
+def _run_transformers(
+    config: EngineConfig, run: dict[str, Any], output_lens: list[int], batch_size: int
+) -> dict[str, Any]:
+    hf = load_transformers_model(config.model, config.load_format, run["dtype"], run["device"])
+    pad = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
+    prompts = run["prompts"]
+    seconds = 0.0
+    useful = 0
+    for start in range(0, len(prompts), batch_size):
+        # NOTE: a padded batch generates its longest output for every row; only the tokens
+        # each prompt asked for count as output.
+        lengths = output_lens[start : start + batch_size]
+        spent, _ = transformers_generate(hf, prompts[start : start + batch_size], max(lengths), batch_size, pad)
+        seconds += spent
+        useful += sum(lengths)
+    return {"seconds": seconds, "output_tokens": useful, "batch_size": batch_size}
+
+
+def run(args: argparse.Namespace, config: EngineConfig) -> int:
+    input_lens, output_lens = _workload(args)
+    ours = _run_ragserve(config, input_lens, output_lens)
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    in_tokens = sum(input_lens)
+
+    def rates(result: dict[str, Any]) -> tuple[float, float]:
+        return (result["output_tokens"] / result["seconds"],
+                (in_tokens + result["output_tokens"]) / result["seconds"])
+
+    shape = "variable" if args.variable else f"{args.input_len} in, {args.output_len} out"
+    results: dict[str, Any] = {
+        "workload": {"num_prompts": args.num_prompts, "lengths": shape, "model": config.model or "default",
+                     "load_format": config.load_format, "dtype": str(ours["dtype"])},
+        "ragserve": {k: ours[k] for k in ("seconds", "output_tokens", "startup_to_first_token_s", "kv_utilisation")},
+    }
+    out_rate, total_rate = rates(ours)
+    results["ragserve"] |= {"output_tok_s": out_rate, "total_tok_s": total_rate, "peak_rss_mib": peak_rss_mib()}
+    rows = [["ragserve", ours["seconds"], out_rate, total_rate, 1.0]]
     if not args.skip_transformers:
-        del llm, engine, outputs
-        hf = load_transformers_model(config.model, config.load_format, dtype, device)
-        hf_batch = args.hf_batch_size or args.num_prompts
-        pad = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
-        # One generate per distinct output length keeps "EOS ignored" exact for both.
-        hf_seconds = 0.0
-        hf_out = 0
-        for length in sorted(set(output_lens)):
-            group = [p for p, n in zip(prompts, output_lens, strict=True) if n == length]
-            s, n = transformers_generate(hf, group, length, hf_batch, pad)
-            hf_seconds += s
-            hf_out += n
-        ratio = hf_seconds / seconds
-        rows.append(["transformers generate", f"{hf_seconds:.2f}", hf_out / hf_seconds,
-                     (in_tokens + hf_out) / hf_seconds, 1 / ratio])
-        rows[0][-1] = ratio
-        results["transformers"] = {"seconds": hf_seconds, "batch_size": hf_batch,
-                                   "output_tok_s": hf_out / hf_seconds,
-                                   "total_tok_s": (in_tokens + hf_out) / hf_seconds}
-        results["speedup_vs_transformers"] = ratio
+        theirs = _run_transformers(config, ours, output_lens, args.hf_batch_size or args.num_prompts)
+        hf_out, hf_total = rates(theirs)
+        speedup = theirs["seconds"] / ours["seconds"]
+        rows[0][-1] = speedup
+        rows.append(["transformers generate", theirs["seconds"], hf_out, hf_total, 1.0])
+        results["transformers"] = theirs | {"output_tok_s": hf_out, "total_tok_s": hf_total}
+        results["speedup_vs_transformers"] = speedup
     print_table(
-        f"throughput: {args.num_prompts} prompts x ({'variable' if args.variable else args.input_len} in, "
-        f"{'variable' if args.variable else args.output_len} out), EOS ignored",
+        f"throughput: {args.num_prompts} prompts ({shape}), EOS ignored, {ours['dtype']} on {ours['device']}",
         ["engine", "seconds", "output tok/s", "total tok/s", "speed-up"],
         rows,
     )
-    print(f"start-up to first token {first_token_seconds:.1f}s, peak RSS {peak_rss_mib():.0f} MiB")
+    print(f"start-up to first token {ours['startup_to_first_token_s']:.1f}s, "
+          f"KV utilisation {ours['kv_utilisation']:.1%}, peak RSS {peak_rss_mib():.0f} MiB")
     write_json(args.out, results)
     return 0
-
-

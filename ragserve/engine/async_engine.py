@@ -29,6 +29,10 @@ class EngineDeadError(RuntimeError):
     """The engine thread has stopped; no request can be served."""
 
 
+class RequestAbortedError(RuntimeError):
+    """The request was aborted by ``AsyncEngine.abort`` while a consumer was reading it."""
+
+
 @dataclass
 class _Sink:
     loop: asyncio.AbstractEventLoop
@@ -111,8 +115,13 @@ class AsyncEngine:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        """Abort a request from any thread; its blocks are freed on the engine thread."""
-        self._sinks.pop(request_id, None)
+        """Abort a request from any thread; its blocks are freed on the engine thread.
+
+        A consumer still reading the request gets ``RequestAbortedError``.
+        """
+        sink = self._sinks.pop(request_id, None)
+        if sink is not None:
+            sink.put(RequestAbortedError(f"request {request_id} was aborted"))
 
         def abort() -> None:
             self.engine.abort_request(request_id)
@@ -121,6 +130,8 @@ class AsyncEngine:
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run ``fn(engine)`` on the engine thread between steps and return its result."""
+        if not self.is_alive:
+            raise EngineDeadError("the engine is not running")
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
 
@@ -136,10 +147,12 @@ class AsyncEngine:
         return await future
 
     async def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop the engine thread; unfinished requests are aborted."""
+        """Stop the engine thread, abort unfinished requests, flush the disk tier."""
         self._stopping.set()
         self._commands.put(lambda: None)
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join, timeout)
+        if not self._thread.is_alive():
+            self.engine.shutdown()
 
     # -- the engine thread -----------------------------------------------------------------
     def _loop(self) -> None:
@@ -164,13 +177,25 @@ class AsyncEngine:
                 logger.exception("engine step failed; aborting its requests")
                 self._fail_all(exc)
                 continue
-            for output in outputs:
-                sink = self._sinks.get(output.request_id)
-                if sink is not None:
-                    sink.put(output)
-                if output.finished:
-                    self._sinks.pop(output.request_id, None)
+            self._dispatch(outputs)
         self._fail_all(EngineDeadError("the engine shut down"))
+        self._run_pending_commands()
+
+    def _run_pending_commands(self) -> None:
+        """Answer calls queued while the loop was stopping, so no awaiting caller hangs."""
+        while True:
+            try:
+                self._commands.get_nowait()()
+            except queue.Empty:
+                return
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            sink = self._sinks.get(output.request_id)
+            if sink is not None:
+                sink.put(output)
+            if output.finished:
+                self._sinks.pop(output.request_id, None)
 
     def _fail_all(self, exc: BaseException) -> None:
         for request_id, sink in list(self._sinks.items()):

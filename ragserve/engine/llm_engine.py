@@ -34,6 +34,13 @@ class EngineStats:
     prompt_tokens_computed: int = 0  # prompt tokens run through the model (cache misses)
     generated_tokens: int = 0
     num_finished: int = 0
+    kv_tokens_stored: int = 0  # summed over steps: tokens held by scheduled sequences
+    kv_slots_allocated: int = 0  # summed over steps: slots of the blocks holding them
+
+    @property
+    def kv_utilisation(self) -> float:
+        """Time-averaged share of allocated KV slots that hold a token."""
+        return self.kv_tokens_stored / self.kv_slots_allocated if self.kv_slots_allocated else 0.0
 
 
 @dataclass
@@ -308,6 +315,7 @@ class LLMEngine:
             return []
         logits = self.runner.execute(batch.seqs, batch.num_new_tokens)
         self.stats.steps += 1
+        self._track_kv_utilisation(batch.seqs, batch.num_new_tokens)
 
         sampling: list[Sequence] = []
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
@@ -340,6 +348,12 @@ class LLMEngine:
                 del self._requests[request.request_id]
                 self.stats.num_finished += 1
         return outputs
+
+    def _track_kv_utilisation(self, seqs: list[Sequence], num_new: list[int]) -> None:
+        self.stats.kv_tokens_stored += sum(
+            seq.num_computed_tokens + n for seq, n in zip(seqs, num_new, strict=True)
+        )
+        self.stats.kv_slots_allocated += sum(len(s.kv.block_table) for s in seqs) * self.config.block_size
 
     def _sample_request(self, seq: Sequence) -> SampleRequest:
         params = seq.params

@@ -131,7 +131,9 @@ async def serve(app: web.Application, config: ServerConfig) -> None:
         for address in runner.addresses:
             logger.info("ragserve serving %s at %s/v1", app[MODEL_NAME], _url(address))
         if not config.api_keys and config.host not in ("127.0.0.1", "localhost", "::1"):
-            logger.warning("listening on %s without --api-key: anyone who can reach it may use it", config.host)
+            logger.warning(
+                "listening on %s without --api-key: anyone who can reach it may use it", config.host
+            )
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

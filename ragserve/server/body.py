@@ -28,10 +28,13 @@ def parse_json_object(raw: bytes | str) -> dict[str, Any]:
     try:
         data = json.loads(raw)
     except (ValueError, RecursionError) as exc:
-        raise bad_request(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+        raise bad_request(
+            f"the request body is not valid JSON: {exc}", code="invalid_json"
+        ) from None
     if not isinstance(data, dict):
         raise bad_request(
-            f"the request body must be a JSON object, got {type(data).__name__}", code="invalid_json"
+            f"the request body must be a JSON object, got {type(data).__name__}",
+            code="invalid_json",
         )
     try:
         # NOTE: JSON may escape lone UTF-16 surrogates ("\ud800"), which no tokenizer can take.

@@ -18,7 +18,9 @@ def add_parser(subparsers: Any) -> None:
         "serve", help="serve the OpenAI-compatible and document API over HTTP"
     )
     server = parser.add_argument_group("server")
-    server.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    server.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default: loopback only)"
+    )
     server.add_argument("--port", type=int, default=8000, help="0 picks a free port (it is logged)")
     server.add_argument(
         "--api-key",

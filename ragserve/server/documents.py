@@ -95,7 +95,9 @@ class DocumentService:
     def get(self, namespace: str, doc_id: str, param: str = "id") -> Document:
         doc = self._docs.get((namespace, check_document_id(doc_id, param)))
         if doc is None:
-            raise APIError(404, f"document {doc_id} not found", param=param, code="document_not_found")
+            raise APIError(
+                404, f"document {doc_id} not found", param=param, code="document_not_found"
+            )
         return doc
 
     def list_for(self, namespace: str) -> list[Document]:
@@ -117,7 +119,9 @@ class DocumentService:
         doc = self._docs.get((namespace, document_id(namespace, text)))
         return doc if doc is not None and doc.status != "failed" else None
 
-    async def add(self, namespace: str, text: str, metadata: dict[str, Any]) -> tuple[Document, bool]:
+    async def add(
+        self, namespace: str, text: str, metadata: dict[str, Any]
+    ) -> tuple[Document, bool]:
         """Register and start ingesting; returns (document, whether it is new)."""
         existing = self.existing(namespace, text)
         if existing is not None:

@@ -12,7 +12,9 @@ from ragserve.engine.llm_engine import LLMEngine
 T = TypeVar("T")
 
 
-async def call_engine(engine: AsyncEngine, fn: Callable[[LLMEngine], T], timeout: float = 30.0) -> T:
+async def call_engine(
+    engine: AsyncEngine, fn: Callable[[LLMEngine], T], timeout: float = 30.0
+) -> T:
     """``await engine.call(fn)``, but EngineDeadError if the engine is gone or stops answering.
 
     NOTE: the engine thread runs commands between steps, so ``timeout`` must exceed the

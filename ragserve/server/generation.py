@@ -44,7 +44,9 @@ def make_sampling_params(**kwargs: Any) -> SamplingParams:
         raise bad_request(str(exc)) from None
 
 
-def check_admission(engine: AsyncEngine, config: ServerConfig, num_requests: int, draining: bool) -> None:
+def check_admission(
+    engine: AsyncEngine, config: ServerConfig, num_requests: int, draining: bool
+) -> None:
     """503 with Retry-After when shutting down or when too many requests are in flight."""
     retry = {"Retry-After": str(config.retry_after_seconds)}
     if draining:
@@ -111,7 +113,9 @@ async def run_job(
                 if index not in last_seen:
                     metrics.time_to_first_token.labels(endpoint).observe(now - started)
                 else:
-                    per_token = (now - previous_time) / (num_tokens - previous_tokens) * len(output.outputs)
+                    per_token = (
+                        (now - previous_time) / (num_tokens - previous_tokens) * len(output.outputs)
+                    )
                     metrics.inter_token_latency.labels(endpoint).observe(per_token)
                 last_seen[index] = (now, num_tokens)
             if output.finished:

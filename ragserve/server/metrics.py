@@ -72,10 +72,16 @@ class _EngineCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         snap = self.snapshot
         yield _gauge("ragserve_engine_alive", "1 while the engine thread runs", snap.alive)
-        yield _gauge("ragserve_num_requests_running", "Sequences in the running batch", snap.running)
-        yield _gauge("ragserve_num_requests_waiting", "Sequences waiting to be scheduled", snap.waiting)
         yield _gauge(
-            "ragserve_num_requests_active", "Engine requests in flight (admission limit)", snap.active_requests
+            "ragserve_num_requests_running", "Sequences in the running batch", snap.running
+        )
+        yield _gauge(
+            "ragserve_num_requests_waiting", "Sequences waiting to be scheduled", snap.waiting
+        )
+        yield _gauge(
+            "ragserve_num_requests_active",
+            "Engine requests in flight (admission limit)",
+            snap.active_requests,
         )
         blocks = GaugeMetricFamily(
             "ragserve_kv_blocks", "Device KV blocks by state", labels=["state"]
@@ -83,9 +89,17 @@ class _EngineCollector(Collector):
         for state, count in sorted(snap.kv_blocks.items()):
             blocks.add_metric([state], count)
         yield blocks
-        yield _gauge("ragserve_prefix_cache_hit_rate", "Prompt tokens served from cache / queried", snap.hit_rate)
-        yield _counter("ragserve_prefix_cache_queried_tokens", "Prompt tokens looked up", snap.queried_tokens)
-        yield _counter("ragserve_prefix_cache_hit_tokens", "Prompt tokens found cached", snap.hit_tokens)
+        yield _gauge(
+            "ragserve_prefix_cache_hit_rate",
+            "Prompt tokens served from cache / queried",
+            snap.hit_rate,
+        )
+        yield _counter(
+            "ragserve_prefix_cache_queried_tokens", "Prompt tokens looked up", snap.queried_tokens
+        )
+        yield _counter(
+            "ragserve_prefix_cache_hit_tokens", "Prompt tokens found cached", snap.hit_tokens
+        )
         yield _counter(
             "ragserve_prompt_tokens_computed",
             "Prompt tokens run through the model (cache misses)",
@@ -93,7 +107,9 @@ class _EngineCollector(Collector):
         )
         yield _counter("ragserve_generation_tokens", "Tokens generated", snap.generated_tokens)
         yield _counter("ragserve_engine_steps", "Engine steps run", snap.steps)
-        yield _counter("ragserve_preemptions", "Sequences preempted for lack of blocks", snap.preemptions)
+        yield _counter(
+            "ragserve_preemptions", "Sequences preempted for lack of blocks", snap.preemptions
+        )
         docs = GaugeMetricFamily("ragserve_documents", "Documents by status", labels=["status"])
         for status, count in sorted(snap.documents.items()):
             docs.add_metric([status], count)
@@ -132,7 +148,10 @@ class ServerMetrics:
             registry=self.registry,
         )
         self.prompt_tokens = Counter(
-            "ragserve_request_prompt_tokens", "Prompt tokens of finished requests", ["endpoint"], registry=self.registry
+            "ragserve_request_prompt_tokens",
+            "Prompt tokens of finished requests",
+            ["endpoint"],
+            registry=self.registry,
         )
         self.cached_tokens = Counter(
             "ragserve_request_cached_tokens",

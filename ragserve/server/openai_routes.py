@@ -103,7 +103,9 @@ def _seed(seed: int | None) -> int | None:
     return None if seed is None else seed % 2**63
 
 
-def _sampling_params(body: GenerationRequest, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def _sampling_params(
+    body: GenerationRequest, max_tokens: int | None, logprobs: int | None
+) -> SamplingParams:
     return make_sampling_params(
         n=body.n,
         temperature=body.temperature,
@@ -134,7 +136,9 @@ async def _prepare(request: web.Request, body: GenerationRequest) -> tuple[str, 
     return model, app[DOCUMENTS].token_lists(tenant(request), doc_ids)
 
 
-def _job(request: web.Request, prefix: str, prompts: list[list[int]], params: SamplingParams) -> GenerationJob:
+def _job(
+    request: web.Request, prefix: str, prompts: list[list[int]], params: SamplingParams
+) -> GenerationJob:
     app = request.app
     check_admission(app[ENGINE], app[CONFIG], len(prompts), app[DRAINING].is_set())
     # NOTE: a client may reuse an X-Request-Id; engine ids must still be unique.
@@ -172,7 +176,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             }
             for c in outputs[0].outputs
         ]
-        response = {**base, "object": "chat.completion", "choices": choices, "usage": usage(outputs)}
+        response = {
+            **base,
+            "object": "chat.completion",
+            "choices": choices,
+            "usage": usage(outputs),
+        }
         return web.json_response(response)
 
     include_usage = body.stream_options is not None and body.stream_options.include_usage
@@ -216,7 +225,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if not raw_prompts:
         raise bad_request("prompt must not be an empty list", "prompt")
     if len(raw_prompts) > MAX_BATCH_PROMPTS:
-        raise bad_request(f"at most {MAX_BATCH_PROMPTS} prompts per request, got {len(raw_prompts)}", "prompt")
+        raise bad_request(
+            f"at most {MAX_BATCH_PROMPTS} prompts per request, got {len(raw_prompts)}", "prompt"
+        )
     prompts = app[PROMPTS]
     ids_list = [await prompts.run(prompts.completion_ids, p, documents) for p in raw_prompts]
     max_model_len = app[ENGINE].max_model_len
@@ -230,7 +241,12 @@ async def completions(request: web.Request) -> web.StreamResponse:
     job = _job(request, "cmpl", ids_list, params)
     public_id = f"cmpl-{request_id(request)}"
     text_of = TokenText(prompts.tokenizer)
-    base = {"id": public_id, "object": "text_completion", "created": int(time.time()), "model": model}
+    base = {
+        "id": public_id,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+    }
     n = body.n
 
     if not body.stream:
@@ -266,7 +282,12 @@ async def completions(request: web.Request) -> web.StreamResponse:
             logprobs, cursor.text_offset = completion_logprobs(
                 c, cursor.num_tokens, len(c.token_ids), top_n, text_of, cursor.text_offset
             )
-            choice = {"index": index, "text": new_text, "logprobs": logprobs, "finish_reason": reason}
+            choice = {
+                "index": index,
+                "text": new_text,
+                "logprobs": logprobs,
+                "finish_reason": reason,
+            }
             cursor.finished = reason is not None
             cursor.text_len, cursor.num_tokens = len(c.text), len(c.token_ids)
             await sse.send({**base, "choices": [choice], **extra})
@@ -327,7 +348,9 @@ async def _stream(
             await _send_error(sse, 503, str(exc), None, "engine_dead")
         except Exception:
             logger.exception("request %s failed while streaming", request_id(request))
-            message = f"internal server error (request id {request_id(request)}); see the server log"
+            message = (
+                f"internal server error (request id {request_id(request)}); see the server log"
+            )
             await _send_error(sse, 500, message, None, "internal_error")
     return sse.response
 
@@ -339,13 +362,17 @@ async def _emit_output(emit: Emit, item: tuple[int, RequestOutput], state: Strea
         state.finals[index] = output
 
 
-async def _send_error(sse: SSEWriter, status: int, message: str, param: str | None, code: str | None) -> None:
+async def _send_error(
+    sse: SSEWriter, status: int, message: str, param: str | None, code: str | None
+) -> None:
     with contextlib.suppress(ConnectionResetError):
         await sse.send(error_body(status, message, param, code))
         await sse.done()
 
 
-def _log_finished(request: web.Request, endpoint: str, outputs: list[RequestOutput], started: float) -> None:
+def _log_finished(
+    request: web.Request, endpoint: str, outputs: list[RequestOutput], started: float
+) -> None:
     totals = usage(outputs)
     logger.info(
         "request %s %s: %d prompt tokens (%d cached), %d generated, %.2f s",

@@ -35,7 +35,10 @@ _MODEL_PARAM = {"name": "model", "in": "path", "required": True, "schema": {"typ
 _GENERATION_RESPONSES = {
     "200": {
         "description": "the completion, or server-sent events when stream is true",
-        "content": {_JSON: {"schema": {"type": "object"}}, "text/event-stream": {"schema": {"type": "string"}}},
+        "content": {
+            _JSON: {"schema": {"type": "object"}},
+            "text/event-stream": {"schema": {"type": "string"}},
+        },
     },
     "400": _ERROR,
     "404": _ERROR,
@@ -46,11 +49,19 @@ _GENERATION_RESPONSES = {
 OPERATIONS: dict[tuple[str, str], dict[str, Any]] = {
     ("get", "/health"): {
         "summary": "200 while the engine runs, 503 otherwise",
-        "responses": {"200": {"description": "healthy", **_OBJECT}, "503": {"description": "unhealthy"}},
+        "responses": {
+            "200": {"description": "healthy", **_OBJECT},
+            "503": {"description": "unhealthy"},
+        },
     },
     ("get", "/metrics"): {
         "summary": "Prometheus metrics",
-        "responses": {"200": {"description": "metrics", "content": {"text/plain": {"schema": {"type": "string"}}}}},
+        "responses": {
+            "200": {
+                "description": "metrics",
+                "content": {"text/plain": {"schema": {"type": "string"}}},
+            }
+        },
     },
     ("get", "/openapi.json"): {
         "summary": "This document",
@@ -86,7 +97,11 @@ OPERATIONS: dict[tuple[str, str], dict[str, Any]] = {
                         "type": "object",
                         "required": ["file"],
                         "properties": {
-                            "file": {"type": "string", "format": "binary", "description": "a UTF-8 .txt or .md file"},
+                            "file": {
+                                "type": "string",
+                                "format": "binary",
+                                "description": "a UTF-8 .txt or .md file",
+                            },
                             "metadata": {"type": "string", "description": "a JSON object"},
                         },
                     }

@@ -67,14 +67,18 @@ class PromptBuilder:
         if not getattr(self.tokenizer, "chat_template", None):
             return None
         try:
-            text = self._render([{"role": "system", "content": _SENTINEL}, {"role": "user", "content": "?"}])
+            text = self._render(
+                [{"role": "system", "content": _SENTINEL}, {"role": "user", "content": "?"}]
+            )
         except Exception:
             return None
         head, found, _ = text.partition(_SENTINEL)
         return head if found else None
 
     def _render(self, messages: list[dict[str, str]]) -> str:
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
         return str(text)
 
     def document_ids(self, text: str) -> list[int]:
@@ -96,7 +100,9 @@ class PromptBuilder:
                     messages, add_generation_prompt=True, tokenize=True, return_dict=False
                 )
             except Exception as exc:
-                raise bad_request(f"the chat template rejected the messages: {exc}", "messages") from None
+                raise bad_request(
+                    f"the chat template rejected the messages: {exc}", "messages"
+                ) from None
             return [int(t) for t in ids]
         if self._chat_head is None:
             raise bad_request(
@@ -113,10 +119,14 @@ class PromptBuilder:
         try:
             text = self._render(conversation)
         except Exception as exc:
-            raise bad_request(f"the chat template rejected the messages: {exc}", "messages") from None
+            raise bad_request(
+                f"the chat template rejected the messages: {exc}", "messages"
+            ) from None
         parts = text.split(_SENTINEL)
         if len(parts) != 2:
-            raise bad_request("the chat template does not keep the system message as given", "messages")
+            raise bad_request(
+                "the chat template does not keep the system message as given", "messages"
+            )
         return self._join(documents, self._encode(parts[1]))
 
     def _join(self, documents: Sequence[list[int]], tail: list[int]) -> list[int]:

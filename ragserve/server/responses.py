@@ -65,7 +65,11 @@ def chat_logprobs(
                 "logprob": _value(entries[token].logprob),
                 "bytes": list(text.encode()),
                 "top_logprobs": [
-                    {"token": text_of(t), "logprob": _value(lp.logprob), "bytes": list(text_of(t).encode())}
+                    {
+                        "token": text_of(t),
+                        "logprob": _value(lp.logprob),
+                        "bytes": list(text_of(t).encode()),
+                    }
                     for t, lp in _ranked(entries, top_n)
                 ],
             }
@@ -89,7 +93,12 @@ def completion_logprobs(
         tops.append({text_of(t): _value(lp.logprob) for t, lp in _ranked(entries, top_n)})
         offsets.append(offset)
         offset += len(text)
-    body = {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+    body = {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
     return body, offset
 
 

@@ -1,0 +1,235 @@
+"""Batch question answering over documents, each document computed once per run.
+
+Every prompt is ``prefix(document) + suffix(question)`` as token ids: the prefix (the chat
+template's head, then the document) is tokenized once per document and the suffix (the
+question and the template's tail) separately, so all questions about a document start
+with the identical token ids and the engine's prefix cache serves the document to all of
+them. A document's questions enter the engine together, and once its first answer is in
+the document's cached blocks are pinned until its last question is answered, so memory
+pressure from other documents cannot evict it half way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipelines.documents import Document, DocumentIndex, ErrorHandler, load_documents, log_error
+from pipelines.progress import BatchProgress, RequestPump
+from pipelines.summarize import chat_frame, derive_seed, encode
+from ragserve.sampling_params import SamplingParams
+
+DOCUMENT_SLOT = "{document}"
+QUESTION_SLOT = "{question}"
+DEFAULT_QA_TEMPLATE = "Document:\n{document}\n\nQuestion: {question}"
+
+
+@dataclass(frozen=True)
+class Question:
+    id: str
+    doc: str  # a document id, file name or source path
+    question: str
+    source: str = ""
+
+
+def load_questions(path: str | os.PathLike[str], on_error: ErrorHandler = log_error) -> list[Question]:
+    """Questions from a JSONL file of ``{"doc", "question", "id"?}``; bad lines are reported."""
+    records: list[tuple[str, Any]] = []
+    with open(path, encoding="utf-8") as file:
+        for number, line in enumerate(file, start=1):
+            if not line.strip():
+                continue
+            source = f"{path}:{number}"
+            try:
+                records.append((source, json.loads(line)))
+            except json.JSONDecodeError as exc:
+                on_error(source, f"invalid JSON: {exc.msg} at column {exc.colno}")
+    return parse_questions(records, on_error)
+
+
+def parse_questions(
+    records: Iterable[tuple[str, Any]], on_error: ErrorHandler = log_error
+) -> list[Question]:
+    """Questions from ``(source, record)`` pairs; a missing id becomes ``<doc>#<position>``."""
+    questions: list[Question] = []
+    seen: set[str] = set()
+    for position, (source, record) in enumerate(records, start=1):
+        if isinstance(record, Question):
+            question = record
+        else:
+            if not isinstance(record, Mapping):
+                on_error(source, f"a question must be a JSON object, got {type(record).__name__}")
+                continue
+            doc, text = record.get("doc"), record.get("question")
+            if not isinstance(doc, (str, int)) or isinstance(doc, bool) or str(doc) == "":
+                on_error(source, "needs a field 'doc' naming a document (id or file name)")
+                continue
+            if not isinstance(text, str) or not text.strip():
+                on_error(source, "needs a non-empty string field 'question'")
+                continue
+            raw_id = record.get("id", f"{doc}#{position}")
+            question = Question(str(raw_id), str(doc), text, source)
+        if question.id in seen:
+            on_error(source, f"duplicate question id {question.id!r}")
+            continue
+        seen.add(question.id)
+        questions.append(question)
+    return questions
+
+
+class QAPrompts:
+    """Token ids of the shared document prefix and of each question's private suffix."""
+
+    def __init__(self, tokenizer: Any, template: str = DEFAULT_QA_TEMPLATE) -> None:
+        if tokenizer is None:
+            raise ValueError("document QA needs a model with a tokenizer")
+        if template.find(DOCUMENT_SLOT) > template.find(QUESTION_SLOT):
+            raise ValueError("the QA template must put {document} before {question}")
+        self.tokenizer = tokenizer
+        self.head, self.middle, self.tail = chat_frame(tokenizer, template, [DOCUMENT_SLOT, QUESTION_SLOT])
+
+    def document_prefix(self, text: str) -> list[int]:
+        return encode(self.tokenizer, self.head + text)
+
+    def question_suffix(self, question: str) -> list[int]:
+        return encode(self.tokenizer, self.middle + question + self.tail)
+
+    def prompt(self, document_text: str, question: str) -> list[int]:
+        return self.document_prefix(document_text) + self.question_suffix(question)
+
+
+@dataclass
+class _Asked:
+    question: Question
+    document: Document
+    prefix_tokens: int
+    submitted: float
+
+
+def docqa(
+    llm: Any,
+    docs: Iterable[str | Path | Document | Mapping[str, Any]],
+    questions: Iterable[Question | Mapping[str, Any]],
+    *,
+    max_tokens: int = 256,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    prompt_template: str = DEFAULT_QA_TEMPLATE,
+    concurrency: int | None = None,
+    skip_ids: Collection[str] = (),
+    use_tqdm: bool = True,
+    on_error: ErrorHandler = log_error,
+    namespace: str = "",
+) -> Iterator[dict[str, Any]]:
+    """Answer ``questions`` about ``docs``; yields one result dict per answer as it finishes.
+
+    ``docs``: paths, folders, ``Document``s or ``{"text", "id"?}`` dicts. ``questions``:
+    ``Question``s or ``{"doc", "question", "id"?}`` dicts, where ``doc`` is a document id,
+    file name or source path. Questions whose id is in ``skip_ids`` are skipped; unknown
+    documents, bad questions and failed requests go to ``on_error(source, reason)``.
+    """
+    engine = llm.engine
+    prompts = QAPrompts(engine.tokenizer, prompt_template)
+    SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p)  # validate early
+    index = DocumentIndex(load_documents(docs, on_error))
+    parsed = parse_questions(
+        ((q.source if isinstance(q, Question) else f"<question {n}>", q) for n, q in enumerate(questions, 1)),
+        on_error,
+    )
+    by_document: dict[str, list[Question]] = {}
+    for question in parsed:
+        if question.id in skip_ids:
+            continue
+        try:
+            document = index.find(question.doc)
+        except KeyError as exc:
+            on_error(question.source or question.id, str(exc.args[0]))
+            continue
+        by_document.setdefault(document.id, []).append(question)
+    work = [(index.by_id[doc_id], qs) for doc_id, qs in by_document.items()]
+
+    def params_for(question: Question) -> SamplingParams:
+        sample_seed = None if temperature == 0 else derive_seed(seed, question.id)
+        return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=sample_seed)
+
+    return _run(engine, prompts, work, params_for, concurrency or engine.config.max_num_seqs,
+                use_tqdm, on_error, namespace)
+
+
+def _run(
+    engine: Any,
+    prompts: QAPrompts,
+    work: list[tuple[Document, list[Question]]],
+    params_for: Callable[[Question], SamplingParams],
+    concurrency: int,
+    use_tqdm: bool,
+    on_error: ErrorHandler,
+    namespace: str,
+) -> Iterator[dict[str, Any]]:
+    pending = list(reversed(work))
+    outstanding: dict[str, int] = {}  # document id -> questions not answered yet
+    prefixes: dict[str, list[int]] = {}
+    pins: set[str] = set()
+    pin_base = f"docqa-{id(prompts):x}"
+    progress = BatchProgress(sum(len(qs) for _, qs in work), "question", use_tqdm)
+    try:
+        with RequestPump[_Asked](engine, concurrency, namespace) as pump:
+            while pending or pump.busy:
+                while pending and pump.num_submitted - pump.num_finished < 2 * concurrency:
+                    document, questions = pending.pop()
+                    prefix = prefixes[document.id] = prompts.document_prefix(document.text)
+                    outstanding[document.id] = len(questions)
+                    now = time.perf_counter()
+                    for question in questions:
+                        prompt = prefix + prompts.question_suffix(question.question)
+                        asked = _Asked(question, document, len(prefix), now)
+                        pump.submit(asked, prompt, params_for(question), priority=len(work) - len(pending))
+                answered = []
+                for finished in pump.poll():
+                    asked = finished.tag
+                    doc_id = asked.document.id
+                    outstanding[doc_id] -= 1
+                    if outstanding[doc_id] and doc_id not in pins and finished.output is not None:
+                        engine.pin_prefix(f"{pin_base}-{doc_id}", prefixes[doc_id], namespace)
+                        pins.add(doc_id)
+                    if not outstanding[doc_id]:
+                        del outstanding[doc_id], prefixes[doc_id]
+                        if doc_id in pins:
+                            engine.unpin_prefix(f"{pin_base}-{doc_id}")
+                            pins.discard(doc_id)
+                    if finished.output is None:
+                        progress.advance()
+                        on_error(asked.question.source or asked.question.id, f"request failed: {finished.error}")
+                        continue
+                    answered.append(_result(asked, finished.output))
+                for result in answered:
+                    progress.advance()
+                    yield result
+                progress.show(pump)
+    finally:
+        for doc_id in pins:
+            engine.unpin_prefix(f"{pin_base}-{doc_id}")
+        progress.close()
+
+
+def _result(asked: _Asked, output: Any) -> dict[str, Any]:
+    completion = output.outputs[0]
+    return {
+        "id": asked.question.id,
+        "doc": asked.document.id,
+        "source": asked.document.source,
+        "question": asked.question.question,
+        "answer": completion.text.strip(),
+        "prompt_tokens": len(output.prompt_token_ids),
+        "prefix_tokens": asked.prefix_tokens,
+        "cached_tokens": output.num_cached_tokens,
+        "answer_tokens": len(completion.token_ids),
+        "finish_reason": completion.finish_reason,
+        "seconds": round(time.perf_counter() - asked.submitted, 3),
+    }

@@ -1,0 +1,138 @@
+"""Document QA on the embedded model: each document computed once however many questions,
+answers identical to one-by-one generation without any cache, and the ``docqa`` CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pipelines import Document, docqa
+from pipelines.docqa import QAPrompts
+from pipelines.jsonl_output import read_records
+from ragserve import LLM, SamplingParams
+from ragserve.cli import main as ragserve_main
+
+BLOCK = 16
+MAX_TOKENS = 8
+
+DOCS = {
+    "alpha": (
+        "The Alpha lighthouse stands on a granite cliff north of the harbour. It was built in 1871 "
+        "by the engineer Mara Quist and its lamp burns olive oil. The keeper, Tomas Vell, climbs its "
+        "212 steps twice a night. Ships use its green light to avoid the Sorrow Reef."
+    ),
+    "beta": (
+        "Beta Bakery opens at five in the morning and closes at noon. Its owner, Lena Ortiz, bakes "
+        "rye bread, cinnamon rolls and a famous walnut cake. Every Friday the bakery gives its unsold "
+        "bread to the shelter on Mill Street. The oven is a wood-fired brick oven from Italy."
+    ),
+    "gamma": (
+        "The Gamma river flows 340 kilometres from the Kell mountains to the Western Sea. Salmon swim "
+        "up the river every October. The city of Dunmore grew at its mouth and has three stone bridges. "
+        "In 1902 a great flood destroyed the old wooden bridge."
+    ),
+}
+QUESTIONS = {
+    "alpha": ["Who built the lighthouse?", "When was it built?", "What does the lamp burn?",
+              "How many steps are there?", "What colour is the light?"],
+    "beta": ["When does the bakery open?", "Who owns the bakery?", "What cake is famous?",
+             "Where does unsold bread go?", "What kind of oven is used?"],
+    "gamma": ["How long is the river?", "Where does the river start?", "When do salmon arrive?",
+              "How many bridges does Dunmore have?", "What happened in 1902?"],
+}
+
+
+@pytest.fixture(scope="module")
+def llm(smollm_path: str) -> LLM:
+    return LLM(smollm_path, kv_cache_gib=0.25)
+
+
+@pytest.fixture(scope="module")
+def answers(llm: LLM) -> tuple[dict[str, dict[str, Any]], int]:
+    """The batched run over 3 documents x 5 questions, and the prompt tokens it computed."""
+    llm.reset_prefix_cache()
+    before = llm.engine.stats.prompt_tokens_computed
+    documents = [Document(doc_id, text) for doc_id, text in DOCS.items()]
+    questions = [{"doc": d, "question": q, "id": f"{d}-{n}"} for d, qs in QUESTIONS.items() for n, q in enumerate(qs)]
+    results = {r["id"]: r for r in docqa(llm, documents, questions, max_tokens=MAX_TOKENS, use_tqdm=False)}
+    return results, llm.engine.stats.prompt_tokens_computed - before
+
+
+def test_each_document_is_computed_once_for_all_its_questions(llm: LLM, answers: Any) -> None:
+    results, computed = answers
+    assert len(results) == 15
+    prefix = {doc_id: next(r["prefix_tokens"] for r in results.values() if r["doc"] == doc_id) for doc_id in DOCS}
+    documents_once = sum(prefix.values())
+    tails = sum(r["prompt_tokens"] - r["prefix_tokens"] for r in results.values())
+    # At most: every document once, plus each question's tail and its share of a partial block.
+    assert computed <= documents_once + tails + 15 * BLOCK, (computed, documents_once, tails)
+    assert computed < 2 * documents_once  # five readers per document, far below 5x
+    for doc_id, size in prefix.items():
+        cached = sorted(r["cached_tokens"] for r in results.values() if r["doc"] == doc_id)
+        assert all(c >= size // BLOCK * BLOCK for c in cached[1:]), (doc_id, size, cached)
+    llm.engine.block_pool.check_invariants()
+    assert llm.engine.block_pool.num_used == 0  # every pin released
+
+
+def test_answers_equal_one_by_one_generation_without_cache(smollm_path: str, llm: LLM, answers: Any) -> None:
+    results, _ = answers
+    tokenizer = llm.get_tokenizer()
+    prompts = QAPrompts(tokenizer)
+    reference = LLM(smollm_path, enable_prefix_caching=False, kv_cache_gib=0.1)
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    for doc_id, questions in QUESTIONS.items():
+        for number, question in enumerate(questions):
+            ids = prompts.prompt(DOCS[doc_id], question)
+            # Split tokenization gives the same ids as templating the whole turn at once here.
+            whole = tokenizer.apply_chat_template(
+                [{"role": "user", "content": f"Document:\n{DOCS[doc_id]}\n\nQuestion: {question}"}],
+                add_generation_prompt=True, tokenize=True, return_dict=False,
+            )
+            assert ids == list(whole)
+            expected = reference.generate([ids], greedy, use_tqdm=False)[0]
+            assert expected.num_cached_tokens == 0
+            result = results[f"{doc_id}-{number}"]
+            assert result["prompt_tokens"] == len(ids)
+            assert result["answer"] == expected.outputs[0].text.strip(), (doc_id, question)
+            assert result["answer_tokens"] == len(expected.outputs[0].token_ids)
+
+
+def test_cli_answers_streams_to_jsonl_skips_bad_questions_and_resumes(
+    tmp_path: Path, answers: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    results, _ = answers
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for doc_id, text in DOCS.items():
+        (docs / f"{doc_id}.txt").write_text(text)
+    (docs / "broken.txt").write_bytes(b"\x00\x00")
+    lines = [
+        json.dumps({"doc": "alpha.txt", "question": QUESTIONS["alpha"][0], "id": "a0"}),
+        json.dumps({"doc": "gamma.txt", "question": QUESTIONS["gamma"][4]}),
+        json.dumps({"doc": "alpha.txt", "question": QUESTIONS["alpha"][3], "id": "a3"}),
+        json.dumps({"doc": "nowhere.txt", "question": "Is this here?", "id": "lost"}),
+        "{not json",
+    ]
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "answers.jsonl"
+    argv = ["docqa", "--docs", str(docs), "--questions", str(questions), "--out", str(out),
+            "--max-tokens", str(MAX_TOKENS), "--kv-cache-gib", "0.1", "--no-progress"]
+
+    assert ragserve_main(argv) == 1  # answered what it could; bad inputs reported
+    err = capsys.readouterr().err
+    assert "broken.txt: binary" in err and "unknown document 'nowhere.txt'" in err
+    assert f"{questions}:5: invalid JSON" in err
+    written = {r["id"]: r for r in read_records(out)}
+    assert set(written) == {"a0", "gamma.txt#2", "a3"}
+    same = {"a0": "alpha-0", "gamma.txt#2": "gamma-4", "a3": "alpha-3"}
+    for cli_id, library_id in same.items():
+        assert written[cli_id]["answer"] == results[library_id]["answer"]
+
+    assert ragserve_main([*argv, "--resume"]) == 1
+    err = capsys.readouterr().err
+    assert "questions to answer: 0 (3 already done)" in err and "unknown document 'nowhere.txt'" in err
+    assert len(read_records(out)) == 3

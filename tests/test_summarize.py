@@ -1,0 +1,138 @@
+"""Map-reduce summarization on the embedded model: one call for short documents, a reduce
+tree for long ones, batched requests, and a real Ctrl-C + ``--resume`` through the CLI."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pipelines import Document, summarize
+from pipelines.chunking import chunk_text, tokenize_with_offsets
+from pipelines.jsonl_output import read_records
+from ragserve import LLM
+from ragserve.cli import main as ragserve_main
+from tests.test_chunking import make_text
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def llm(smollm_path: str) -> LLM:
+    return LLM(smollm_path, kv_cache_gib=0.25)
+
+
+def count_tokens(llm: LLM, text: str) -> int:
+    return len(llm.get_tokenizer()(text, add_special_tokens=False)["input_ids"])
+
+
+def test_short_document_takes_one_call_and_long_one_a_reduce_tree(llm: LLM) -> None:
+    engine = llm.engine
+    short = Document("short", "The cat sat on the mat. It was warm, so the cat slept all afternoon.")
+    long = Document("long", make_text(paragraphs=30, sentences=3, seed=3))
+    expected_chunks = len(chunk_text(tokenize_with_offsets(llm.get_tokenizer(), long.text), 96, 8))
+    assert expected_chunks >= 10
+    steps, generated = engine.stats.steps, engine.stats.generated_tokens
+
+    results = {r["id"]: r for r in summarize(
+        llm, [short, long], max_summary_tokens=16, chunk_tokens=96, overlap_tokens=8, use_tqdm=False
+    )}
+
+    assert set(results) == {"short", "long"}
+    one = results["short"]
+    assert (one["num_chunks"], one["num_calls"], one["reduce_depth"]) == (1, 1, 0)
+    tree = results["long"]
+    assert tree["num_chunks"] == expected_chunks
+    assert tree["reduce_depth"] >= 2
+    assert tree["num_calls"] > tree["num_chunks"] + 1
+    for result in results.values():
+        assert result["summary"]
+        assert result["summary_tokens"] == count_tokens(llm, result["summary"]) <= 16
+        assert result["generated_tokens"] >= result["summary_tokens"]
+    # Continuous batching: each step advanced several requests, not one at a time.
+    steps, generated = engine.stats.steps - steps, engine.stats.generated_tokens - generated
+    assert generated == sum(r["generated_tokens"] for r in results.values())
+    assert steps < generated / 3, (steps, generated)
+    assert not engine.has_unfinished_requests() and engine.block_pool.num_used == 0
+
+
+def test_stopping_early_aborts_the_requests_in_flight(llm: LLM) -> None:
+    docs = [Document("a", "One short note about caching."), Document("b", make_text(8, 3, seed=4))]
+    results = summarize(llm, docs, max_summary_tokens=4, chunk_tokens=64, concurrency=8, use_tqdm=False)
+    first = next(results)
+    assert first["id"] == "a"
+    assert llm.engine.has_unfinished_requests()  # b's chunks are running
+    results.close()  # type: ignore[attr-defined]
+    assert not llm.engine.has_unfinished_requests()
+    llm.engine.block_pool.check_invariants()
+    assert llm.engine.block_pool.num_used == 0
+
+
+def make_inputs(folder: Path) -> dict[str, str]:
+    """Five good documents and five bad inputs; returns bad file name -> expected reason."""
+    folder.mkdir()
+    topics = ["paged attention", "prefix caching", "disk tiers", "batch scheduling"]
+    for number, topic in enumerate(topics):
+        (folder / f"doc{number}.txt").write_text(f"A note on {topic}. " + make_text(1, 2, seed=number))
+    (folder / "more.jsonl").write_text('{"id": "j1", "text": "Tokens are cut into blocks of sixteen."}\n{oops\n')
+    (folder / "binary.txt").write_bytes(b"\x7fELF\x00\x01\x02")
+    (folder / "empty.md").write_text("\n  \n")
+    (folder / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    (folder / "gone.txt").symlink_to(folder / "missing-target.txt")
+    return {"binary.txt": "binary", "empty.md": "empty", "latin1.txt": "not UTF-8",
+            "gone.txt": "unreadable", "more.jsonl:2": "invalid JSON"}
+
+
+def cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "ragserve", "--log-level", "WARNING", *args]
+
+
+def test_ctrl_c_then_resume_gives_the_full_run_and_bad_files_are_skipped(llm: LLM, tmp_path: Path) -> None:
+    folder = tmp_path / "docs"
+    bad = make_inputs(folder)
+    errors: list[tuple[str, str]] = []
+    reference = {r["id"]: r for r in summarize(
+        llm, [folder], max_summary_tokens=8, use_tqdm=False, on_error=lambda s, r: errors.append((s, r))
+    )}
+    assert set(reference) == {"doc0.txt", "doc1.txt", "doc2.txt", "doc3.txt", "j1"}
+    assert len(errors) == len(bad)
+
+    out = tmp_path / "summaries.jsonl"
+    flags = ["--max-summary-tokens", "8", "--no-progress", "--kv-cache-gib", "0.25", "--out", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    first = subprocess.Popen(cli("summarize", str(folder), "--concurrency", "1", *flags), cwd=REPO,
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (out.exists() and out.read_bytes().count(b"\n") >= 1):
+        assert first.poll() is None, first.communicate()
+        assert time.monotonic() < deadline, "no result written in time"
+        time.sleep(0.05)
+    first.send_signal(signal.SIGINT)
+    _, stderr = first.communicate(timeout=60)
+    assert first.returncode == 130, stderr
+    assert "--resume" in stderr
+    for name, reason in bad.items():
+        assert f"{name}: " in stderr and reason in stderr, (name, stderr)
+    partial = read_records(out)  # strict: every line is complete JSON
+    assert 1 <= len(partial) < len(reference)
+
+    # Without --resume an existing output is refused before any work (exit 2).
+    assert ragserve_main(["summarize", str(folder), *flags]) == 2
+
+    resumed = subprocess.run(cli("summarize", str(folder), "--resume", *flags), cwd=REPO, env=env,
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 1, resumed.stderr  # the bad inputs are still bad
+    assert f"documents to summarize: {len(reference) - len(partial)} ({len(partial)} already done)" in resumed.stderr
+    final = read_records(out)
+    assert [r["id"] for r in final[: len(partial)]] == [r["id"] for r in partial]
+    assert sorted(r["id"] for r in final) == sorted(reference)  # each exactly once
+    for record in final:
+        expected = reference[record["id"]]
+        assert {k: v for k, v in record.items() if k != "seconds"} == {
+            k: v for k, v in expected.items() if k != "seconds"
+        }
