@@ -83,6 +83,10 @@ def run(args: argparse.Namespace) -> int:
     if args.concurrency is not None and args.concurrency < 1:
         raise ValueError(f"--concurrency must be >= 1, got {args.concurrency}")
     template = Path(args.prompt_template).read_text(encoding="utf-8") if args.prompt_template else None
+    slots = ["{text}"] if args.command == "summarize" else ["{document}", "{question}"]
+    for slot in slots:
+        if template is not None and template.count(slot) != 1:
+            raise ValueError(f"the prompt template {args.prompt_template} must contain {slot} exactly once")
     reporter = _Reporter(args.command)
     with JsonlWriter(args.out, resume=args.resume, overwrite=args.overwrite) as writer:
         started = time.perf_counter()

@@ -39,26 +39,29 @@ class Question:
 
 def load_questions(path: str | os.PathLike[str], on_error: ErrorHandler = log_error) -> list[Question]:
     """Questions from a JSONL file of ``{"doc", "question", "id"?}``; bad lines are reported."""
-    records: list[tuple[str, Any]] = []
+    records: list[tuple[str, int, Any]] = []
     with open(path, encoding="utf-8") as file:
         for number, line in enumerate(file, start=1):
             if not line.strip():
                 continue
             source = f"{path}:{number}"
             try:
-                records.append((source, json.loads(line)))
+                records.append((source, number, json.loads(line)))
             except json.JSONDecodeError as exc:
                 on_error(source, f"invalid JSON: {exc.msg} at column {exc.colno}")
     return parse_questions(records, on_error)
 
 
 def parse_questions(
-    records: Iterable[tuple[str, Any]], on_error: ErrorHandler = log_error
+    records: Iterable[tuple[str, int, Any]], on_error: ErrorHandler = log_error
 ) -> list[Question]:
-    """Questions from ``(source, record)`` pairs; a missing id becomes ``<doc>#<position>``."""
+    """Questions from ``(source, position, record)``; a missing id becomes ``<doc>#<position>``.
+
+    The position is the line number for a file, so ids stay put when other lines are fixed.
+    """
     questions: list[Question] = []
     seen: set[str] = set()
-    for position, (source, record) in enumerate(records, start=1):
+    for source, position, record in records:
         if isinstance(record, Question):
             question = record
         else:
@@ -114,7 +117,7 @@ class _Asked:
 def docqa(
     llm: Any,
     docs: Iterable[str | Path | Document | Mapping[str, Any]],
-    questions: Iterable[Question | Mapping[str, Any]],
+    questions: str | os.PathLike[str] | Iterable[Question | Mapping[str, Any]],
     *,
     max_tokens: int = 256,
     temperature: float = 0.0,
@@ -130,7 +133,7 @@ def docqa(
     """Answer ``questions`` about ``docs``; yields one result dict per answer as it finishes.
 
     ``docs``: paths, folders, ``Document``s or ``{"text", "id"?}`` dicts. ``questions``:
-    ``Question``s or ``{"doc", "question", "id"?}`` dicts, where ``doc`` is a document id,
+    a JSONL file, ``Question``s or ``{"doc", "question", "id"?}`` dicts, where ``doc`` is a document id,
     file name or source path. Questions whose id is in ``skip_ids`` are skipped; unknown
     documents, bad questions and failed requests go to ``on_error(source, reason)``.
     """
@@ -138,10 +141,13 @@ def docqa(
     prompts = QAPrompts(engine.tokenizer, prompt_template)
     SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p)  # validate early
     index = DocumentIndex(load_documents(docs, on_error))
-    parsed = parse_questions(
-        ((q.source if isinstance(q, Question) else f"<question {n}>", q) for n, q in enumerate(questions, 1)),
-        on_error,
-    )
+    if isinstance(questions, (str, os.PathLike)):
+        parsed = load_questions(questions, on_error)
+    else:
+        parsed = parse_questions(
+            ((q.source if isinstance(q, Question) else f"<question {n}>", n, q) for n, q in enumerate(questions, 1)),
+            on_error,
+        )
     by_document: dict[str, list[Question]] = {}
     for question in parsed:
         if question.id in skip_ids:

@@ -43,13 +43,18 @@ def load_documents(
 ) -> list[Document]:
     """Documents from paths (files or folders, walked recursively), ``Document``s or dicts.
 
-    A dict needs a non-empty ``text`` and may carry an ``id`` (default: its position).
+    One path, document or dict may be passed alone. A dict needs a non-empty ``text`` and may carry an ``id`` (default: its position).
     """
+    if isinstance(inputs, (str, os.PathLike, Document, Mapping)):
+        inputs = [inputs]  # one input, not an iterable of characters or keys
     documents: list[Document] = []
     seen: dict[str, str] = {}
     for position, item in enumerate(inputs):
         if isinstance(item, Document):
             found: Iterable[Document] = [item]
+            if not item.text.strip():
+                on_error(item.source or item.id, "empty document")
+                continue
         elif isinstance(item, Mapping):
             found = _from_mapping(item, f"<input {position}>", str(position), on_error)
         else:

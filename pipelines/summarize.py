@@ -127,11 +127,8 @@ class DocumentJob:
     _texts: list[str] = field(default_factory=list)
     _waiting: int = 0
 
-    @property
-    def done(self) -> bool:
-        return self.summary is not None or self.failed is not None
-
     def first_calls(self) -> list[Call]:
+        """The map calls: one per chunk."""
         ids = self.tokenized.token_ids
         inputs = [ids[c.token_start : c.token_end] for c in self.chunks]
         return self._level_calls([(list(x), None) for x in inputs], self.summarizer.map_frame)

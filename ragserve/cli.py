@@ -17,6 +17,7 @@ SUBCOMMAND_MODULES = (
     "ragserve.server.cli",
     "ragserve.bench.cli",
     "pipelines.cli",
+    "ragserve.commands.loadtest",
 )
 
 
@@ -34,7 +35,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"])
     group.add_argument("--block-size", type=int, default=16)
     group.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    group.add_argument("--max-num-seqs", type=int, default=64)
+    group.add_argument("--max-num-seqs", type=int, default=256)
     group.add_argument("--max-model-len", type=int, default=None)
     group.add_argument("--kv-cache-gib", type=float, default=None)
     group.add_argument("--gpu-memory-utilization", type=float, default=0.9)

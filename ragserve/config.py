@@ -15,7 +15,7 @@ class EngineConfig:
     seed: int = 0
     block_size: int = 16
     max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 64
+    max_num_seqs: int = 256
     max_model_len: int | None = None
     kv_cache_gib: float | None = None  # device KV budget; None: derived from the device
     gpu_memory_utilization: float = 0.9

@@ -42,16 +42,14 @@ def smollm_tokenizer(smollm_path: str) -> Any:
 
 @torch.inference_mode()
 def hf_greedy(model: Any, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """transformers' greedy continuation of one unpadded prompt, EOS ignored."""
+    """transformers' greedy continuation of one unpadded prompt, EOS ignored (not banned)."""
+    from transformers import GenerationConfig
+
     ids = torch.tensor([prompt])
-    out = model.generate(
-        input_ids=ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=max_new_tokens,
-        min_new_tokens=max_new_tokens,
-        do_sample=False,
-        pad_token_id=0,
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
     )
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config)
     return out[0, len(prompt) :].tolist()
 
 

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
 from ragserve import LLM, SamplingParams
 from tests.conftest import hf_greedy
+from tests.model_factory import TINY_ARCHS, make_tiny_model
 
 MAX_NEW = 10
 # RAGSERVE_TEST_DEVICE=cuda runs the same float32 comparison through the GPU kernels.
@@ -68,4 +72,20 @@ def test_greedy_matches_transformers(
     assert all(o.outputs[0].finish_reason == "length" for o in outputs)
     if "kv_cache_gib" in engine_args:
         assert llm.engine.scheduler.num_preemptions > 0, "the KV budget did not force preemption"
+    assert_engine_clean(llm)
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_tiny_models_of_each_architecture_match_transformers(tmp_path: Path, arch: str) -> None:
+    """Random-weight HF directories, loaded by our loader, batched by our engine."""
+    directory = make_tiny_model(tmp_path, arch)
+    reference = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    generator = torch.Generator().manual_seed(1)
+    lengths = [1, 3, 15, 16, 17, 33, 40, 64]  # around block boundaries (block size 16)
+    prompts = [torch.randint(3, 128, (n,), generator=generator).tolist() for n in lengths]
+    expected = [hf_greedy(reference, prompt, 12) for prompt in prompts]
+    llm = LLM(str(directory), device=DEVICE, dtype="float32", max_num_batched_tokens=48)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
     assert_engine_clean(llm)

@@ -8,18 +8,31 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 from pipelines import Document, summarize
 from pipelines.chunking import chunk_text, tokenize_with_offsets
-from pipelines.jsonl_output import read_records
+from pipelines.jsonl_output import JsonlWriter, OutputExistsError, read_records, sigint_deferred
+from pipelines.summarize import SummarizeOptions, Summarizer
 from ragserve import LLM
 from ragserve.cli import main as ragserve_main
 from tests.test_chunking import make_text
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread() -> Iterator[None]:
+    """One intra-op thread: on a small shared machine it is faster and steadier than several."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -63,9 +76,10 @@ def test_short_document_takes_one_call_and_long_one_a_reduce_tree(llm: LLM) -> N
 
 def test_stopping_early_aborts_the_requests_in_flight(llm: LLM) -> None:
     docs = [Document("a", "One short note about caching."), Document("b", make_text(8, 3, seed=4))]
-    results = summarize(llm, docs, max_summary_tokens=4, chunk_tokens=64, concurrency=8, use_tqdm=False)
+    results = summarize(llm, docs, max_summary_tokens=4, chunk_tokens=64, concurrency=8, use_tqdm=False,
+                        prompt_template="In one line, what is this about?\n{text}")
     first = next(results)
-    assert first["id"] == "a"
+    assert first["id"] == "a" and first["summary"]
     assert llm.engine.has_unfinished_requests()  # b's chunks are running
     results.close()  # type: ignore[attr-defined]
     assert not llm.engine.has_unfinished_requests()
@@ -104,7 +118,7 @@ def test_ctrl_c_then_resume_gives_the_full_run_and_bad_files_are_skipped(llm: LL
 
     out = tmp_path / "summaries.jsonl"
     flags = ["--max-summary-tokens", "8", "--no-progress", "--kv-cache-gib", "0.25", "--out", str(out)]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     first = subprocess.Popen(cli("summarize", str(folder), "--concurrency", "1", *flags), cwd=REPO,
                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
@@ -136,3 +150,52 @@ def test_ctrl_c_then_resume_gives_the_full_run_and_bad_files_are_skipped(llm: LL
         assert {k: v for k, v in record.items() if k != "seconds"} == {
             k: v for k, v in expected.items() if k != "seconds"
         }
+
+
+def test_options_are_checked_against_the_context_with_the_numbers(smollm_tokenizer: Any) -> None:
+    def build(**options: Any) -> Summarizer:
+        return Summarizer(smollm_tokenizer, 512, SummarizeOptions(**options))
+
+    default = build(max_summary_tokens=64)
+    assert default.chunk_tokens + 64 + max(len(h) + len(t) for h, t in (default.map_frame, default.reduce_frame)) == 512
+    with pytest.raises(ValueError, match=r"chunk_tokens 500 .* context of 512"):
+        build(chunk_tokens=500)
+    with pytest.raises(ValueError, match=r"at least 6\d for max_summary_tokens 32, got 60"):
+        build(max_summary_tokens=32, chunk_tokens=60)
+    with pytest.raises(ValueError, match="overlap_tokens"):
+        build(max_summary_tokens=16, chunk_tokens=96, overlap_tokens=48)
+    with pytest.raises(ValueError, match=r"\{text\} exactly once"):
+        build(map_template="Summarize this.")
+
+
+def test_resume_cuts_a_torn_last_line_and_refuses_a_damaged_one(tmp_path: Path) -> None:
+    out = tmp_path / "out.jsonl"
+    out.write_bytes(b'{"id": "a", "summary": "x"}\n{"id": "b", "summary": "y"}\n{"id": "c", "summ')
+    with pytest.raises(OutputExistsError, match="--resume"):
+        JsonlWriter(out)
+    with JsonlWriter(out, resume=True) as writer:
+        assert writer.done == {"a", "b"}
+        writer.write({"id": "c", "summary": "z"})
+    assert [r["id"] for r in read_records(out)] == ["a", "b", "c"]
+    out.write_bytes(b'{"id": "a"}\n{"id": "b"}')  # complete JSON, unterminated: kept
+    with JsonlWriter(out, resume=True) as writer:
+        assert writer.done == {"a", "b"}
+    assert [r["id"] for r in read_records(out)] == ["a", "b"]
+    out.write_bytes(b'{"id": "a"}\n{broken\n{"id": "b"}\n')
+    with pytest.raises(ValueError, match="line 2 of"):
+        JsonlWriter(out, resume=True)
+    with JsonlWriter(out, overwrite=True) as writer:
+        assert not writer.done
+    assert out.read_bytes() == b""
+
+
+def test_ctrl_c_is_held_back_until_the_line_is_written() -> None:
+    steps = []
+    with pytest.raises(KeyboardInterrupt):
+        with sigint_deferred():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)  # the signal has arrived by now, and is held
+            steps.append("line written")
+        steps.append("not reached")
+    assert steps == ["line written"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

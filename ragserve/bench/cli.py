@@ -9,6 +9,7 @@ from typing import Any
 BENCHMARKS = {
     "throughput": "ragserve.bench.throughput",
     "prefix": "ragserve.bench.prefix",
+    "summarize": "ragserve.bench.summarize",
 }
 
 
