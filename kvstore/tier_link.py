@@ -12,6 +12,7 @@ Policy (write-back by default, write-through on request):
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,7 @@ class TierTraffic:
     loaded_from_disk: int = 0
     demoted: int = 0
     persisted: int = 0
+    load_seconds: float = 0.0
 
 
 class TierLink:
@@ -41,7 +43,9 @@ class TierLink:
 
     def load(self, identity: BlockIdentity, block: int) -> bool:
         """Copy a verified block from a tier into device block ``block``."""
+        started = time.perf_counter()
         source = self.tiers.load_into(identity, self.kv_cache[block])
+        self.traffic.load_seconds += time.perf_counter() - started
         if source == "cpu":
             self.traffic.loaded_from_cpu += 1
         elif source == "disk":

@@ -429,6 +429,7 @@ def _config(args: argparse.Namespace, target: Target) -> dict[str, Any]:
         "kv_cache_gib",
         "max_num_seqs",
         "max_waiting_requests",
+        "server_args",
     )
     config = {key: getattr(args, key) for key in keys}
     config["target"] = target.url

@@ -42,6 +42,14 @@ def ask(llm: LLM, doc: list[int]) -> tuple[list[int], int]:
     return out.outputs[0].token_ids, out.num_cached_tokens
 
 
+def ingest_and_stop(smollm_path: str, doc: list[int], tiers: dict[str, Any]) -> None:
+    """An engine computes the document, writing its blocks through to disk, then shuts down."""
+    with LLM(smollm_path, **tiers) as llm:
+        llm.engine.add_request("ingest", doc, SamplingParams(max_tokens=1), persist=True)
+        while llm.engine.has_unfinished_requests():
+            llm.engine.step()
+
+
 def small_engine(smollm_path: str, **tiers: Any) -> LLM:
     return LLM(smollm_path, kv_cache_gib=DEVICE_BLOCKS * BLOCK_BYTES / 2**30, **tiers)
 
@@ -77,10 +85,7 @@ def test_restart_serves_a_persisted_document_from_disk(
     smollm_path: str, doc: list[int], reference: list[int], tmp_path: Path
 ) -> None:
     tiers = {"kv_disk_gib": 0.05, "kv_disk_dir": str(tmp_path)}
-    with LLM(smollm_path, **tiers) as first:
-        first.engine.add_request("ingest", doc, SamplingParams(max_tokens=1), persist=True)
-        while first.engine.has_unfinished_requests():
-            first.engine.step()
+    ingest_and_stop(smollm_path, doc, tiers)
     assert len(list(tmp_path.rglob("*.kv"))) + len(list(tmp_path.rglob("*"))) > len(doc) // BLOCK
 
     with LLM(smollm_path, **tiers) as second:
@@ -95,10 +100,7 @@ def test_corrupt_records_after_restart_are_recomputed_not_served(
     smollm_path: str, doc: list[int], reference: list[int], tmp_path: Path
 ) -> None:
     tiers = {"kv_disk_gib": 0.05, "kv_disk_dir": str(tmp_path)}
-    with LLM(smollm_path, **tiers) as first:
-        first.engine.add_request("ingest", doc, SamplingParams(max_tokens=1), persist=True)
-        while first.engine.has_unfinished_requests():
-            first.engine.step()
+    ingest_and_stop(smollm_path, doc, tiers)
     records = sorted(p for p in tmp_path.rglob("*") if p.is_file())
     assert records
     for record in records[::2]:  # flip a byte in the middle of every other record

@@ -10,6 +10,7 @@ BENCHMARKS = {
     "throughput": "ragserve.bench.throughput",
     "prefix": "ragserve.bench.prefix",
     "summarize": "ragserve.bench.summarize",
+    "tiers": "ragserve.bench.tiers",
 }
 
 
