@@ -76,8 +76,11 @@ class ReferenceBackend(AttentionBackend):
         query_len = query.shape[0]
         q = query.transpose(0, 1)  # [H, q, D]
         if query_len == seq_len:  # nothing cached before: attend over the new K/V directly
-            k, v = key.transpose(0, 1), value.transpose(0, 1)
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+            # NOTE: expanded K/V (not enable_gqa) keep SDPA on its fused CPU kernel.
+            group = q.shape[0] // key.shape[1]
+            k = key.transpose(0, 1).repeat_interleave(group, dim=0)
+            v = value.transpose(0, 1).repeat_interleave(group, dim=0)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
             return out.transpose(0, 1)
         context_key, context_value = gather_context(kv_layer, block_table, seq_len)
         k = context_key.transpose(0, 1).to(q.dtype)

@@ -256,6 +256,10 @@ def test_openapi_describes_every_route(server: ServerProcess) -> None:
         ("GET", "/v1/documents"),
         ("GET", "/v1/documents/{id}"),
         ("DELETE", "/v1/documents/{id}"),
+        ("POST", "/v1/pipelines/summarize"),
+        ("GET", "/v1/pipelines/summarize"),
+        ("GET", "/v1/pipelines/summarize/{id}"),
+        ("DELETE", "/v1/pipelines/summarize/{id}"),
     }
     schemas = spec["components"]["schemas"]
     assert {"messages", "documents", "max_completion_tokens"} <= set(

@@ -22,7 +22,7 @@ from typing import Any
 from aiohttp import web
 
 from ragserve.engine.async_engine import AsyncEngine
-from ragserve.server import document_routes, openai_routes, ops_routes
+from ragserve.server import document_routes, openai_routes, ops_routes, pipeline_routes
 from ragserve.server.auth import make_auth_middleware
 from ragserve.server.config import ServerConfig
 from ragserve.server.documents import DocumentService
@@ -82,6 +82,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> web.A
     app[DRAINING] = asyncio.Event()
     openai_routes.add_routes(app)
     document_routes.add_routes(app)
+    pipeline_routes.add_routes(app)
     ops_routes.add_routes(app)
     app.on_shutdown.append(_start_draining)
     app.cleanup_ctx.append(_engine_lifecycle)

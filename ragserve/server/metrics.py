@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -163,6 +163,18 @@ class ServerMetrics:
             "ragserve_request_completion_tokens",
             "Generated tokens of finished requests",
             ["endpoint"],
+            registry=self.registry,
+        )
+        self.pipeline_jobs = Counter(
+            "ragserve_pipeline_jobs",
+            "Pipeline jobs that ended, by pipeline and final status",
+            ["pipeline", "status"],
+            registry=self.registry,
+        )
+        self.pipeline_jobs_active = Gauge(
+            "ragserve_pipeline_jobs_active",
+            "Pipeline jobs queued or running",
+            ["pipeline", "status"],
             registry=self.registry,
         )
         self._engine = _EngineCollector()

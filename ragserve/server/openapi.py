@@ -8,6 +8,7 @@ from aiohttp import web
 from pydantic import BaseModel
 
 import ragserve
+from ragserve.server.pipeline_routes import SummarizeRequest
 from ragserve.server.protocol import ChatCompletionRequest, CompletionRequest, DocumentRequest
 from ragserve.server.state import CONFIG
 
@@ -130,6 +131,35 @@ OPERATIONS: dict[tuple[str, str], dict[str, Any]] = {
         "parameters": [_ID_PARAM],
         "responses": {"200": {"description": "deleted", **_OBJECT}, "400": _ERROR, "404": _ERROR},
     },
+    ("post", "/v1/pipelines/summarize"): {
+        "summary": "Start a map-reduce summarization job on texts or uploaded documents; "
+        "it runs in the background on the serving engine",
+        "requestBody": _json_body("SummarizeRequest"),
+        "responses": {
+            "202": {"description": "the job, queued or running", **_OBJECT},
+            "400": _ERROR,
+            "404": _ERROR,
+            "413": _ERROR,
+            "415": _ERROR,
+            "503": _ERROR,
+        },
+    },
+    ("get", "/v1/pipelines/summarize"): {
+        "summary": "List the caller's summarization jobs, oldest first",
+        "responses": {"200": {"description": "job list", **_OBJECT}},
+    },
+    ("get", "/v1/pipelines/summarize/{id}"): {
+        "summary": "A job's status (queued, running, succeeded, failed, cancelled), progress, "
+        "and the results of its finished documents",
+        "parameters": [_ID_PARAM],
+        "responses": {"200": {"description": "job", **_OBJECT}, "404": _ERROR},
+    },
+    ("delete", "/v1/pipelines/summarize/{id}"): {
+        "summary": "Cancel a queued or running job (its engine requests are aborted); "
+        "a finished job is returned unchanged",
+        "parameters": [_ID_PARAM],
+        "responses": {"200": {"description": "the job", **_OBJECT}, "404": _ERROR},
+    },
 }
 
 _ERROR_SCHEMA = {
@@ -173,7 +203,9 @@ def build_spec(app: web.Application) -> dict[str, Any]:
         "info": {"title": "ragserve", "version": ragserve.__version__},
         "paths": paths,
         "components": {
-            "schemas": _schemas((CompletionRequest, ChatCompletionRequest, DocumentRequest)),
+            "schemas": _schemas(
+                (CompletionRequest, ChatCompletionRequest, DocumentRequest, SummarizeRequest)
+            ),
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
         },
     }
