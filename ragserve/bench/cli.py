@@ -11,6 +11,7 @@ BENCHMARKS = {
     "prefix": "ragserve.bench.prefix",
     "summarize": "ragserve.bench.summarize",
     "tiers": "ragserve.bench.tiers",
+    "serve": "ragserve.bench.serve",
 }
 
 

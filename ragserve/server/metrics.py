@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvstore.tier import TierMetrics
 from ragserve.engine.llm_engine import LLMEngine
 from ragserve.outputs import RequestOutput
 
@@ -45,6 +46,7 @@ class EngineSnapshot:
     steps: int = 0
     preemptions: int = 0
     documents: dict[str, int] = field(default_factory=dict)
+    tiers: dict[str, TierMetrics] = field(default_factory=dict)
 
     @classmethod
     def read(cls, engine: LLMEngine) -> EngineSnapshot:
@@ -62,7 +64,14 @@ class EngineSnapshot:
             generated_tokens=engine.stats.generated_tokens,
             steps=engine.stats.steps,
             preemptions=engine.scheduler.num_preemptions,
+            tiers=_tier_metrics(engine),
         )
+
+
+def _tier_metrics(engine: LLMEngine) -> dict[str, TierMetrics]:
+    if engine.tiers is None:
+        return {}
+    return {str(name): metrics for name, metrics in engine.tiers.tiers.metrics().items()}
 
 
 class _EngineCollector(Collector):
@@ -114,6 +123,34 @@ class _EngineCollector(Collector):
         for status, count in sorted(snap.documents.items()):
             docs.add_metric([status], count)
         yield docs
+        yield from _tier_families(snap.tiers)
+
+
+# (metric suffix, TierMetrics field, help, is_counter) for the CPU and disk KV tiers.
+_TIER_FIELDS = (
+    ("capacity_bytes", "capacity_bytes", "Tier capacity", False),
+    ("used_bytes", "used_bytes", "Bytes stored in the tier", False),
+    ("blocks", "num_blocks", "Blocks stored in the tier", False),
+    ("hits", "hits", "Blocks loaded from the tier", True),
+    ("misses", "misses", "Lookups the tier could not serve", True),
+    ("read_bytes", "bytes_read", "Bytes read from the tier", True),
+    ("written_bytes", "bytes_written", "Bytes written to the tier", True),
+    ("load_seconds", "load_seconds_total", "Time spent loading blocks", True),
+    ("store_seconds", "store_seconds_total", "Time spent storing blocks", True),
+    ("dropped_demotions", "dropped_demotions", "Demotions dropped (queue full, disk full)", True),
+    ("corrupt_records", "corrupt_records", "Damaged records found and removed", True),
+    ("foreign_records", "foreign_records", "Records of another model or format removed", True),
+    ("disk_full_events", "disk_full_events", "Times the disk filled up", True),
+)
+
+
+def _tier_families(tiers: dict[str, TierMetrics]) -> Iterator[Metric]:
+    for suffix, attribute, doc, is_counter in _TIER_FIELDS:
+        family_type = CounterMetricFamily if is_counter else GaugeMetricFamily
+        family = family_type(f"ragserve_kv_tier_{suffix}", doc, labels=["tier"])
+        for name, metrics in sorted(tiers.items()):
+            family.add_metric([name], float(getattr(metrics, attribute)))
+        yield family
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
