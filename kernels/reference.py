@@ -75,19 +75,20 @@ class ReferenceBackend(AttentionBackend):
     ) -> torch.Tensor:
         query_len = query.shape[0]
         q = query.transpose(0, 1)  # [H, q, D]
+        group = q.shape[0] // key.shape[1]
         if query_len == seq_len:  # nothing cached before: attend over the new K/V directly
-            # NOTE: expanded K/V (not enable_gqa) keep SDPA on its fused CPU kernel.
-            group = q.shape[0] // key.shape[1]
-            k = key.transpose(0, 1).repeat_interleave(group, dim=0)
-            v = value.transpose(0, 1).repeat_interleave(group, dim=0)
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-            return out.transpose(0, 1)
-        context_key, context_value = gather_context(kv_layer, block_table, seq_len)
-        k = context_key.transpose(0, 1).to(q.dtype)
-        v = context_value.transpose(0, 1).to(q.dtype)
-        mask = _causal_mask(query_len, seq_len, query.device)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-        return out.transpose(0, 1)
+            k, v, mask = key, value, None
+        else:
+            k, v = gather_context(kv_layer, block_table, seq_len)
+            mask = _causal_mask(query_len, seq_len, query.device)
+        # NOTE: 4-D inputs and expanded K/V (not enable_gqa): anything else sends SDPA to its
+        # unfused math path on the CPU, which materialises every score (6x slower at 4k).
+        k = k.transpose(0, 1).to(q.dtype).repeat_interleave(group, dim=0)
+        v = v.transpose(0, 1).to(q.dtype).repeat_interleave(group, dim=0)
+        out = F.scaled_dot_product_attention(
+            q[None], k[None], v[None], attn_mask=mask, is_causal=mask is None, scale=scale
+        )
+        return out[0].transpose(0, 1)
 
     @staticmethod
     def _decode(

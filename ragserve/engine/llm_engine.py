@@ -317,15 +317,11 @@ class LLMEngine:
         self.stats.steps += 1
         self._track_kv_utilisation(batch.seqs, batch.num_new_tokens)
 
-        sampling: list[Sequence] = []
-        for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            start = seq.num_computed_tokens
-            seq.num_computed_tokens += num_new
-            self.stats.prompt_tokens_computed += max(0, min(seq.num_computed_tokens, seq.num_prompt_tokens) - start)
-            seq.prompt_tokens_computed += max(0, min(seq.num_computed_tokens, seq.num_prompt_tokens) - start)
-            self.kv_manager.commit(seq.kv, seq.token_ids, seq.num_computed_tokens)
-            if seq.num_computed_tokens == seq.num_tokens:
-                sampling.append(seq)
+        sampling = [
+            seq
+            for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True)
+            if self._advance(seq, num_new)
+        ]
         results = sample(logits, [self._sample_request(seq) for seq in sampling])
 
         now = time.monotonic()
@@ -348,6 +344,16 @@ class LLMEngine:
                 del self._requests[request.request_id]
                 self.stats.num_finished += 1
         return outputs
+
+    def _advance(self, seq: Sequence, num_new: int) -> bool:
+        """Record ``num_new`` computed tokens; True if the sequence's next token is sampled now."""
+        start = seq.num_computed_tokens
+        seq.num_computed_tokens += num_new
+        prompt_tokens = max(0, min(seq.num_computed_tokens, seq.num_prompt_tokens) - start)
+        self.stats.prompt_tokens_computed += prompt_tokens
+        seq.prompt_tokens_computed += prompt_tokens
+        self.kv_manager.commit(seq.kv, seq.token_ids, seq.num_computed_tokens)
+        return seq.num_computed_tokens == seq.num_tokens
 
     def _track_kv_utilisation(self, seqs: list[Sequence], num_new: list[int]) -> None:
         self.stats.kv_tokens_stored += sum(
