@@ -362,6 +362,11 @@ class DiskTier(KVTier):
             return False
         return True
 
+    def has_room(self) -> bool:
+        """True if a ``put`` now would be queued rather than dropped."""
+        with self._lock:
+            return self._usable() and not self._paused_locked() and not self._queue.full()
+
     def _paused_locked(self) -> bool:
         return self._full and time.monotonic() < self._full_until
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstore.block_pool import BlockIdentity
+from kvstore.block_pool import BlockIdentity, BlockPool
 from kvstore.tier_manager import TierManager
 
 
@@ -33,10 +33,14 @@ class TierTraffic:
 
 
 class TierLink:
-    def __init__(self, tiers: TierManager, kv_cache: torch.Tensor) -> None:
+    def __init__(self, tiers: TierManager, kv_cache: torch.Tensor, pool: BlockPool) -> None:
         self.tiers = tiers
         self.kv_cache = kv_cache
+        self.pool = pool
         self.traffic = TierTraffic()
+        # Write-through blocks the disk queue had no room for yet, retried every step:
+        # a document is persisted whole, however bursty its ingestion.
+        self._backlog: dict[bytes, tuple[int, BlockIdentity]] = {}
 
     def contains(self, identity: BlockIdentity) -> bool:
         return self.tiers.lookup(identity) is not None
@@ -60,12 +64,28 @@ class TierLink:
             self.traffic.demoted += 1
 
     def persist(self, block: int, identity: BlockIdentity) -> None:
-        """Write-through: store a freshly computed block on disk now (queued, never blocking)."""
+        """Write-through: queue a freshly computed block for disk now, or as soon as there is room."""
         disk = self.tiers.disk
-        if disk is not None and disk.put(identity, self.kv_cache[block]):
+        if disk is None:
+            return
+        if self._backlog or not disk.has_room():
+            self._backlog[identity.block_hash] = (block, identity)
+        elif disk.put(identity, self.kv_cache[block]):
             self.traffic.persisted += 1
 
+    def drain_backlog(self, blocking: bool = False) -> None:
+        """Queue backlogged write-through blocks still on the device (call between steps)."""
+        disk = self.tiers.disk
+        while self._backlog and disk is not None and (blocking or disk.has_room()):
+            block_hash = next(iter(self._backlog))
+            block, identity = self._backlog.pop(block_hash)
+            if self.pool.identities[block] != identity:
+                continue  # evicted meanwhile; its demotion went down the write-back path
+            if disk.put(identity, self.kv_cache[block], blocking=blocking):
+                self.traffic.persisted += 1
+
     def close(self) -> None:
-        """Wait for queued disk writes, then release the tiers."""
+        """Write the backlog, wait for queued disk writes, then release the tiers."""
+        self.drain_backlog(blocking=True)
         self.tiers.flush()
         self.tiers.close()

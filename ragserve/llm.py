@@ -149,6 +149,8 @@ class LLM:
         try:
             while engine.has_unfinished_requests():
                 for output in engine.step():
+                    if output.error:
+                        raise RuntimeError(output.error)
                     if output.finished:
                         finished[output.request_id] = output
                         generated += sum(len(c.token_ids) for c in output.outputs)

@@ -36,4 +36,5 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens served from the KV cache
+    error: str | None = None  # set when the engine gave up on the request
     metrics: dict[str, float] = field(default_factory=dict)

@@ -138,3 +138,23 @@ def test_unknown_model_path_and_engine_arguments(tmp_path: object) -> None:
         LLM(None, block_size=12)
     with pytest.raises(ValueError, match="unknown engine argument"):
         LLM(None, not_an_option=1)
+
+
+def test_pinned_documents_never_starve_requests(smollm_path: str) -> None:
+    """Pins hold at most half the KV blocks; a request they still block fails alone, clearly."""
+    block_bytes = 16 * 46080
+    llm = LLM(smollm_path, kv_cache_gib=10 * block_bytes / 2**30)  # 10 blocks of 16 tokens
+    engine = llm.engine
+    first, second = [11] * 64 + [12], [13] * 48 + [14]  # 4 and 3 full blocks
+    greedy = SamplingParams(temperature=0.0, max_tokens=1)
+    llm.generate([first, second], greedy, use_tqdm=False)
+    assert engine.pin_prefix("doc-1", first) == 64
+    assert engine.pin_prefix("doc-2", second) == 0, "4 + 3 pinned blocks exceed half of 10"
+    assert engine.kv_usage()["pinned"] == 4
+    with pytest.raises(RuntimeError, match="pinned documents hold 4 of 10 blocks"):
+        llm.generate([[15] * 100], SamplingParams(max_tokens=8), use_tqdm=False)  # needs 7 blocks
+    ok = llm.generate([[16] * 40], SamplingParams(max_tokens=8), use_tqdm=False)[0]
+    assert len(ok.outputs[0].token_ids) >= 1
+    assert engine.unpin_prefix("doc-1")
+    engine.block_pool.check_invariants()
+    assert engine.block_pool.num_used == 0

@@ -122,3 +122,18 @@ def test_unusable_disk_directory_is_a_clear_error(smollm_path: str, tmp_path: Pa
     blocker.write_text("not a directory")
     with pytest.raises(ValueError, match="KV disk directory"):
         LLM(smollm_path, kv_disk_gib=0.01, kv_disk_dir=str(blocker / "kv"))
+
+
+def test_a_document_larger_than_the_write_queue_is_persisted_whole(
+    smollm_path: str, doc: list[int], tmp_path: Path
+) -> None:
+    """Write-through never drops a document's blocks: what the queue cannot take waits."""
+    long_doc = doc * 4  # about 36 blocks, against a write queue of 64 shared with the rest
+    with LLM(smollm_path, kv_disk_gib=0.05, kv_disk_dir=str(tmp_path)) as llm:
+        assert llm.engine.tiers is not None and llm.engine.tiers.tiers.disk is not None
+        llm.engine.tiers.tiers.disk._queue.maxsize = 4  # a tiny queue, so most blocks wait
+        llm.engine.add_request("ingest", long_doc, SamplingParams(max_tokens=1), persist=True)
+        while llm.engine.has_unfinished_requests():
+            llm.engine.step()
+    records = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert len(records) == len(long_doc) // BLOCK

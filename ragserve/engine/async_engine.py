@@ -170,6 +170,7 @@ class AsyncEngine:
                 except queue.Empty:
                     command = None
             if not engine.has_unfinished_requests() or self._stopping.is_set():
+                engine.background_work()
                 continue
             try:
                 outputs = engine.step()
@@ -193,7 +194,7 @@ class AsyncEngine:
         for output in outputs:
             sink = self._sinks.get(output.request_id)
             if sink is not None:
-                sink.put(output)
+                sink.put(RequestAbortedError(output.error) if output.error else output)
             if output.finished:
                 self._sinks.pop(output.request_id, None)
 

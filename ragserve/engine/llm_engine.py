@@ -28,6 +28,9 @@ from ragserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+# Pinned documents may hold at most this share of the device KV blocks.
+MAX_PINNED_FRACTION = 0.5
+
 @dataclass
 class EngineStats:
     steps: int = 0
@@ -128,7 +131,12 @@ class LLMEngine:
             )
         except OSError as exc:
             raise ValueError(f"the KV disk directory cannot be used: {exc}") from exc
-        return TierLink(tiers, self.kv_cache)
+        return TierLink(tiers, self.kv_cache, self.block_pool)
+
+    def background_work(self) -> None:
+        """Cheap upkeep run before each step and while idle: queue pending disk writes."""
+        if self.tiers is not None:
+            self.tiers.drain_backlog()
 
     def shutdown(self) -> None:
         """Abort what is running, then flush queued disk-tier writes and close the tiers."""
@@ -277,6 +285,17 @@ class LLMEngine:
         alloc = KVAllocation(salt=self.salt_for(namespace))
         self.kv_manager.update_hashes(alloc, token_ids)
         pinned = self.kv_manager.match_prefix(alloc, token_ids, 0, leave_one=False)
+        held = {block for other in self._pins.values() for block in other.block_table}
+        limit = int(self.block_pool.num_blocks * MAX_PINNED_FRACTION)
+        if len(held | set(alloc.block_table)) > limit:
+            # NOTE: pins may never starve requests of blocks; the document stays cached
+            # (and on disk with a disk tier), just evictable.
+            self.kv_manager.free(alloc)
+            logger.warning(
+                "not pinning %s: pinned documents would hold more than %d of %d KV blocks",
+                pin_id, limit, self.block_pool.num_blocks,
+            )
+            return 0
         self._pins[pin_id] = alloc
         if self.tiers is not None:  # pinned documents persist, whoever computed their blocks
             for block in alloc.block_table:
@@ -308,10 +327,11 @@ class LLMEngine:
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """Run one batch; return the outputs of every request that advanced."""
+        self.background_work()
         batch = self.scheduler.schedule()
         if not batch:
-            if self.scheduler.has_unfinished and not self.scheduler.running:
-                raise RuntimeError("the scheduler cannot admit any waiting sequence")
+            if self.scheduler.waiting and not self.scheduler.running:
+                return [self._reject_unschedulable(self.scheduler.waiting[0])]
             return []
         logits = self.runner.execute(batch.seqs, batch.num_new_tokens)
         self.stats.steps += 1
@@ -344,6 +364,23 @@ class LLMEngine:
                 del self._requests[request.request_id]
                 self.stats.num_finished += 1
         return outputs
+
+    def _reject_unschedulable(self, seq: Sequence) -> RequestOutput:
+        """Nothing runs and the head of the queue still cannot get its blocks: fail it alone.
+
+        Validation guarantees a request fits an empty cache, so this happens only while
+        pinned documents hold the room it needs.
+        """
+        request = self._requests[seq.request_id]
+        usage = self.kv_usage()
+        output = self._make_output(request)
+        output.finished = True
+        output.error = (
+            f"no room in the KV cache: pinned documents hold {usage['pinned']} of "
+            f"{usage['total']} blocks; delete documents or raise kv_cache_gib"
+        )
+        self.abort_request(seq.request_id)
+        return output
 
     def _advance(self, seq: Sequence, num_new: int) -> bool:
         """Record ``num_new`` computed tokens; True if the sequence's next token is sampled now."""

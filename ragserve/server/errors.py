@@ -15,7 +15,7 @@ from typing import Any
 from aiohttp import web
 from pydantic import ValidationError
 
-from ragserve.engine.async_engine import EngineDeadError
+from ragserve.engine.async_engine import EngineDeadError, RequestAbortedError
 from ragserve.server.state import REQUEST_ID
 
 logger = logging.getLogger(__name__)
@@ -105,6 +105,8 @@ async def error_middleware(request: web.Request, handler: Any) -> web.StreamResp
         return error_response(from_http_exception(exc))
     except EngineDeadError as exc:
         return error_response(APIError(503, str(exc), code="engine_dead"))
+    except RequestAbortedError as exc:
+        return error_response(APIError(503, str(exc), code="request_aborted"))
     except Exception:
         request_id = request.get(REQUEST_ID, "?")
         logger.exception("request %s failed", request_id)

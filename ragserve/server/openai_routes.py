@@ -17,7 +17,7 @@ from typing import Any
 
 from aiohttp import web
 
-from ragserve.engine.async_engine import EngineDeadError
+from ragserve.engine.async_engine import EngineDeadError, RequestAbortedError
 from ragserve.outputs import RequestOutput
 from ragserve.sampling_params import SamplingParams
 from ragserve.server.body import parse_request
@@ -346,6 +346,8 @@ async def _stream(
             await _send_error(sse, exc.status, exc.message, exc.param, exc.code)
         except EngineDeadError as exc:
             await _send_error(sse, 503, str(exc), None, "engine_dead")
+        except RequestAbortedError as exc:
+            await _send_error(sse, 503, str(exc), None, "request_aborted")
         except Exception:
             logger.exception("request %s failed while streaming", request_id(request))
             message = (
