@@ -58,6 +58,12 @@ class TierLink:
 
     def demote(self, block: int, identity: BlockIdentity) -> None:
         """Eviction hook: the block's room is about to be reused on the device."""
+        waiting = self._backlog.pop(identity.block_hash, None) is not None
+        # NOTE: a write-through block still waiting for the disk queue has its last chance
+        # now, so wait for room rather than lose a document's block.
+        disk = self.tiers.disk
+        if waiting and disk is not None and disk.put(identity, self.kv_cache[block], blocking=True):
+            self.traffic.persisted += 1
         if self.contains(identity):
             return  # already below (written through, or loaded from there and unchanged)
         if self.tiers.put(identity, self.kv_cache[block]):
