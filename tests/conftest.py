@@ -14,6 +14,15 @@ torch.manual_seed(0)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """One intra-op thread: on a small shared machine it is faster and steadier than several."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def smollm_path() -> str:
     from ragserve.models.default_model import default_model_path

@@ -4,12 +4,10 @@ answers identical to one-by-one generation without any cache, and the ``docqa`` 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from pipelines import Document, docqa
 from pipelines.docqa import QAPrompts
@@ -47,13 +45,7 @@ QUESTIONS = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    """One intra-op thread: on a small shared machine it is faster and steadier than several."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
