@@ -7,8 +7,6 @@ import dataclasses
 import time
 from typing import Any
 
-import torch
-
 from ragserve.bench.common import (
     load_transformers_model,
     print_table,
@@ -109,7 +107,5 @@ def run(args: argparse.Namespace, config: Any) -> int:
           f"{conc_plain / conc_cached:.1f}x concurrent; cached TTFT / question-only TTFT "
           f"{warm_ttft / question_only:.2f}; block hashing of a 128k-token prompt "
           f"{results['hash_ms_per_1k_tokens_at_128k']:.3f} ms per 1k tokens")
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
     write_json(args.out, results)
     return 0

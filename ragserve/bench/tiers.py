@@ -10,8 +10,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ragserve.bench.common import print_table, random_prompts, write_json
 from ragserve.config import EngineConfig
 
@@ -104,6 +102,4 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
         "speedup_vs_cold": {row[0]: row[3] for row in rows},
         "restore_gbps": restore, "plain_read_gbps": plain, "page_cache_dropped": dropped,
     })
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
     return 0
