@@ -49,6 +49,9 @@ class AttentionBackend(ABC):
     """Writes new K/V into the paged cache, then attends each query over its context."""
 
     name: str
+    # True when forward reads only the metadata's device tensors (never the host lists,
+    # beyond sizing its grid), so a CUDA graph captured once replays right for new inputs.
+    supports_cuda_graphs: bool = False
 
     @abstractmethod
     def forward(

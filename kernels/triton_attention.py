@@ -42,7 +42,7 @@ LOG2_E = 1.4426950408889634
 
 # NOTE: split-K aims for this many programs per multiprocessor, with at least
 # MIN_TOKENS_PER_SPLIT context tokens each and at most MAX_SPLITS splits: the best
-# counts measured on an NVIDIA H200 (notes/kernels.md): 32 splits for one 4k-128k
+# counts measured on an NVIDIA H200 (docs/kernels.md): 32 splits for one 4k-128k
 # decode, 16 for four 128k decodes.
 SPLIT_TARGET_WAVES = 4
 MIN_TOKENS_PER_SPLIT = 128
@@ -59,7 +59,7 @@ class AttentionConfig:
     num_stages: int
 
 
-# NOTE: picked by measurement on an NVIDIA H200, bf16, head_dim 128 (notes/kernels.md).
+# NOTE: picked by measurement on an NVIDIA H200, bf16, head_dim 128 (docs/kernels.md).
 DECODE_CONFIG = AttentionConfig(block_m=16, tile_n=64, num_warps=4, num_stages=2)
 PREFILL_CONFIG = AttentionConfig(block_m=64, tile_n=64, num_warps=4, num_stages=2)
 # NOTE: fp32 dots run on FMA units, not tensor cores; small tiles keep them out of

@@ -8,14 +8,17 @@ sequences) and has at least
 - ``sdpa_min_tokens`` new tokens when it is a whole prompt (no cached context): causal
   SDPA on its own new q/k/v, exact as it stands; flash there is about twice as fast as
   the Triton kernel;
-- ``sdpa_min_chunk_tokens`` when it follows cached context: its whole context is
-  gathered from the paged cache into contiguous K/V and attended with bottom-right
-  causal alignment; only about 10% faster than Triton, and only on long chunks.
+- ``sdpa_min_chunk_tokens`` when it follows cached context: the context is gathered
+  from the paged cache into contiguous K/V; in half precision two fused passes (over the
+  context, and causally over the chunk; cuDNN's kernels, flash where missing) are merged
+  by log-sum-exp, in float32 one SDPA call with a bottom-right causal mask.
 
-Measurements on an NVIDIA H200 are in /work/notes/kernels.md.
+Measurements on an NVIDIA H200 are in BENCHMARKS.md.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +28,9 @@ from kernels.interface import AttentionBackend, AttentionMetadata
 from kernels.triton_attention import paged_attention
 from kernels.triton_kv_write import write_kv_triton
 
-# NOTE: measured on an NVIDIA H200, bf16, 32/8 heads, head_dim 128 (notes/kernels.md):
+logger = logging.getLogger(__name__)
+
+# NOTE: measured on an NVIDIA H200, bf16, 32/8 heads, head_dim 128 (docs/kernels.md):
 # SDPA wins from 512-token prompts up; over cached context it lost at a 512-token
 # chunk and won by 7-12% at 2k-8k chunks.
 DEFAULT_SDPA_MIN_TOKENS = 512
@@ -36,6 +41,7 @@ class TritonBackend(AttentionBackend):
     """Mixed prefill + decode batches in one Triton launch; long chunks through SDPA."""
 
     name = "triton"
+    supports_cuda_graphs = True
 
     def __init__(
         self,
@@ -78,10 +84,17 @@ class TritonBackend(AttentionBackend):
             begin, end = starts[seq], starts[seq + 1]
             seq_len = meta.seq_lens_host[seq]
             if end - begin == seq_len:
-                seq_key, seq_value = key[begin:end], value[begin:end]
+                out[begin:end] = _causal_sdpa(query[begin:end], key[begin:end], value[begin:end], scale)
+            elif query.dtype != torch.float32:
+                context_key, context_value = _gather_context(
+                    kv_layer, meta.block_tables[seq], seq_len - (end - begin)
+                )
+                out[begin:end] = _chunk_after_context(
+                    query[begin:end], context_key, context_value, key[begin:end], value[begin:end], scale
+                )
             else:
                 seq_key, seq_value = _gather_context(kv_layer, meta.block_tables[seq], seq_len)
-            out[begin:end] = _causal_sdpa(query[begin:end], seq_key, seq_value, scale)
+                out[begin:end] = _causal_sdpa(query[begin:end], seq_key, seq_value, scale)
         return out
 
     def _first_long_chunk(self, meta: AttentionMetadata) -> int:
@@ -109,6 +122,57 @@ def _gather_context(
     key = kv_layer[:, 0][blocks].view(num_blocks * block_size, num_kv_heads, head_dim)
     value = kv_layer[:, 1][blocks].view(num_blocks * block_size, num_kv_heads, head_dim)
     return key[:seq_len], value[:seq_len]
+
+
+def _attention_with_lse(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused attention of ``[q, H, D]`` over ``[kv, H_kv, D]``: ``(out [1, H, q, D], lse [1, H, q])``.
+
+    cuDNN's kernel first (on an NVIDIA H200 it took a 131072-token prefill from 16.1 s
+    with flash to 11.3 s, notes in BENCHMARKS.md), flash where cuDNN attention is missing.
+    """
+    global _cudnn_failed
+    q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (query, key.to(query.dtype), value.to(query.dtype)))
+    if not _cudnn_failed:
+        group = q.shape[1] // k.shape[1]
+        try:
+            result = torch.ops.aten._scaled_dot_product_cudnn_attention(
+                q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1),
+                None, True, 0.0, causal, False, scale=scale,
+            )  # fmt: skip
+            return result[0], result[1].reshape(q.shape[:3])
+        except RuntimeError as exc:
+            _cudnn_failed = True
+            logger.warning("cuDNN attention unavailable (%s); chunks use flash attention", exc)
+    # NOTE: the flash kernel takes grouped K/V heads as they are (no copy per query head).
+    result = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+    return result[0], result[1]
+
+
+_cudnn_failed = False
+
+
+def _chunk_after_context(
+    query: torch.Tensor,
+    context_key: torch.Tensor,
+    context_value: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """A chunk's ``[q, H, D]`` queries over all cached context and, causally, over themselves.
+
+    Two fused passes (full over the context, causal over the chunk's own K/V) merged by
+    their log-sum-exps: the fused kernels cannot align a causal mask bottom-right, and
+    the masked path SDPA would take instead is much slower on long contexts.
+    """
+    out_context, lse_context = _attention_with_lse(query, context_key, context_value, False, scale)
+    out_chunk, lse_chunk = _attention_with_lse(query, key, value, True, scale)
+    lse = torch.logaddexp(lse_context, lse_chunk)
+    merged = out_context.float() * torch.exp(lse_context - lse).unsqueeze(-1)
+    merged += out_chunk.float() * torch.exp(lse_chunk - lse).unsqueeze(-1)
+    return merged.to(query.dtype)[0].transpose(0, 1)
 
 
 def _causal_sdpa(

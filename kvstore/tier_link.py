@@ -64,9 +64,17 @@ class TierLink:
         disk = self.tiers.disk
         if waiting and disk is not None and disk.put(identity, self.kv_cache[block], blocking=True):
             self.traffic.persisted += 1
-        if self.contains(identity):
-            return  # already below (written through, or loaded from there and unchanged)
-        if self.tiers.put(identity, self.kv_cache[block]):
+        cpu = self.tiers.cpu
+        if cpu is not None:
+            # NOTE: a block already on disk (written through) still goes to the CPU tier,
+            # the faster of the two to load it back from.
+            if not cpu.contains(identity) and cpu.put(identity, self.kv_cache[block]):
+                self.traffic.demoted += 1
+        elif (
+            disk is not None
+            and not disk.contains(identity)
+            and disk.put(identity, self.kv_cache[block])
+        ):
             self.traffic.demoted += 1
 
     def persist(self, block: int, identity: BlockIdentity) -> None:

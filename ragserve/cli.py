@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import logging
 import sys
@@ -41,6 +42,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     group.add_argument("--no-prefix-caching", action="store_true")
     group.add_argument("--attention-backend", default=None)
+    group.add_argument("--enforce-eager", action="store_true", help="run decode steps eagerly (no CUDA graphs)")
     group.add_argument("--kv-cpu-gib", type=float, default=0.0)
     group.add_argument("--kv-disk-dir", default=None)
     group.add_argument("--kv-disk-gib", type=float, default=0.0)
@@ -62,6 +64,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=not args.no_prefix_caching,
         attention_backend=args.attention_backend,
+        enforce_eager=args.enforce_eager,
         kv_cpu_gib=args.kv_cpu_gib,
         kv_disk_dir=args.kv_disk_dir,
         kv_disk_gib=args.kv_disk_gib,
@@ -99,6 +102,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     func: Callable[[argparse.Namespace], int] = args.func
+    # NOTE: the objects alive now (every imported module: torch, transformers, ...) live
+    # as long as the process; freezing them keeps the collector's full passes, which a
+    # serving loop's allocations trigger every few steps, from walking them again and again.
+    gc.collect()
+    gc.freeze()
     try:
         return func(args)
     except (CliError, ValueError, FileNotFoundError) as exc:

@@ -25,6 +25,7 @@ class EngineConfig:
     kv_disk_dir: str | None = None
     kv_disk_gib: float = 0.0
     max_waiting_requests: int = 1024
+    enforce_eager: bool = False  # no CUDA graphs for decode batches
 
     def __post_init__(self) -> None:
         checks = {

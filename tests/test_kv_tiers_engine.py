@@ -81,6 +81,28 @@ def test_prefix_from_device_cpu_and_disk_gives_identical_outputs(
         llm.close()
 
 
+def test_a_written_through_document_is_demoted_to_the_cpu_tier_too(
+    smollm_path: str, doc: list[int], reference: list[int], tmp_path: Path
+) -> None:
+    """Already on disk is no reason to skip the CPU tier: it is the faster way back."""
+    llm = small_engine(
+        smollm_path,
+        kv_cpu_gib=64 * BLOCK_BYTES / 2**30,
+        kv_disk_gib=64 * BLOCK_BYTES / 2**30,
+        kv_disk_dir=str(tmp_path),
+    )
+    llm.engine.add_request("ingest", doc, SamplingParams(max_tokens=1), persist=True)
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    assert llm.engine.tiers is not None
+    llm.engine.tiers.tiers.flush()
+    evict_device_cache(llm)
+    assert ask(llm, doc) == (reference, len(doc) // BLOCK * BLOCK)
+    traffic = llm.engine.tiers.traffic
+    assert traffic.loaded_from_cpu >= len(doc) // BLOCK - 2 and traffic.loaded_from_disk == 0
+    llm.close()
+
+
 def test_restart_serves_a_persisted_document_from_disk(
     smollm_path: str, doc: list[int], reference: list[int], tmp_path: Path
 ) -> None:

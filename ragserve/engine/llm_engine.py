@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from dataclasses import dataclass, field
@@ -99,13 +100,16 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.loaded.model, self.kv_cache, backend, config.block_size, self.device
         )
+        if self.device.type == "cuda" and backend.supports_cuda_graphs and not config.enforce_eager:
+            self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
         self.stats = EngineStats()
         self._requests: dict[str, _Request] = {}
         self._salts: dict[str, bytes] = {}
         self._pins: dict[str, KVAllocation] = {}
         self._next_seq_id = 0
         logger.info(
-            "engine ready in %.1fs: %s on %s (%s), %d KV blocks of %d tokens (%.2f GiB), attention %s",
+            "engine ready in %.1fs: %s on %s (%s), %d KV blocks of %d tokens (%.2f GiB), "
+            "attention %s, decode %s",
             time.perf_counter() - started,
             self.model_name,
             self.device,
@@ -114,6 +118,7 @@ class LLMEngine:
             config.block_size,
             num_blocks * self.kv_spec.bytes_per_block / 2**30,
             backend.name,
+            "eager" if self.runner.decode_graphs is None else "in CUDA graphs",
         )
 
     def _open_tiers(self) -> TierLink | None:
@@ -150,6 +155,10 @@ class LLMEngine:
         if self.config.kv_cache_gib is not None:
             return self.config.kv_cache_gib * 2**30
         if self.device.type == "cuda":
+            # NOTE: an engine dropped without close() may still hold memory until the
+            # collector runs; count only what is really in use.
+            gc.collect()
+            torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(self.device)
             # Leave room for activations of the largest step and the allocator's slack.
             reserve = 2**30 + self.config.max_num_batched_tokens * 64 * 1024

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from kernels.interface import AttentionBackend, AttentionMetadata
+from ragserve.engine.cuda_graphs import DecodeGraphs
 from ragserve.engine.sequence import Sequence
 from ragserve.models.forward_context import ForwardContext, forward_context
 from ragserve.models.llama import LlamaForCausalLM
@@ -27,6 +28,15 @@ class ModelRunner:
         self.backend = backend
         self.block_size = block_size
         self.device = device
+        self.decode_graphs: DecodeGraphs | None = None
+
+    def capture_decode_graphs(self, max_batch: int, max_model_len: int) -> None:
+        """Record CUDA graphs for pure-decode batches of up to ``max_batch`` sequences."""
+        graphs = DecodeGraphs(
+            self.model, self.kv_cache, self.backend, self.block_size, max_batch, max_model_len
+        )
+        graphs.capture()
+        self.decode_graphs = graphs
 
     def prepare(
         self, seqs: Seq[Sequence], num_new_tokens: Seq[int]
@@ -79,6 +89,13 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, seqs: Seq[Sequence], num_new_tokens: Seq[int]) -> torch.Tensor:
         """Logits ([rows, vocab], float32) of the sequences whose known tokens are all computed."""
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.can_run(seqs, num_new_tokens):
+            hidden = graphs.run(seqs)
+            sampled = [i for i, seq in enumerate(seqs) if seq.num_computed_tokens + 1 == seq.num_tokens]
+            if len(sampled) < len(seqs):  # a one-token prefill chunk samples nothing yet
+                hidden = hidden[torch.tensor(sampled, device=hidden.device, dtype=torch.int64)]
+            return self.model.compute_logits(hidden)
         input_ids, positions, meta, logit_rows = self.prepare(seqs, num_new_tokens)
         context = ForwardContext(meta=meta, kv_cache=self.kv_cache, backend=self.backend)
         with forward_context(context):

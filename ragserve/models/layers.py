@@ -7,9 +7,27 @@ CPU for 8B shapes).
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+def use_fused_kernels(x: torch.Tensor) -> bool:
+    """Half-precision CUDA activations take the fused Triton kernels (``kernels/fused_ops.py``).
+
+    float32 and the CPU keep the eager torch code: the exact reference against transformers.
+    """
+    return x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)
+
+
+def fused_ops() -> ModuleType:
+    # NOTE: imported on first GPU use only: importing Triton kernels fixes their mode
+    # (compiled, or interpreted on the CPU in tests), which must stay the tests' choice.
+    from kernels import fused_ops as module
+
+    return module
 
 
 class Linear(nn.Module):
@@ -56,11 +74,25 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(size, device=device, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and use_fused_kernels(x):
+            return fused_ops().rms_norm(x, self.weight, self.eps)
         input_dtype = x.dtype
         x32 = x.to(torch.float32)
         variance = x32.pow(2).mean(-1, keepdim=True)
         x32 = x32 * torch.rsqrt(variance + self.eps)
         return self.weight * x32.to(input_dtype)
+
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(residual + x), residual + x)``: one residual add and the next layer's norm.
+
+        The fused kernel writes the sum into ``residual`` itself.
+        """
+        if use_fused_kernels(x):
+            return fused_ops().rms_norm(x, self.weight, self.eps, residual=residual), residual
+        summed = residual + x
+        return self.forward(summed), summed
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"

@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ragserve.models.forward_context import get_forward_context
-from ragserve.models.layers import Embedding, Linear, RMSNorm
-from ragserve.models.rotary import RotaryEmbedding, apply_rotary, compute_inv_freq, rope_parameters
+from ragserve.models.layers import Embedding, Linear, RMSNorm, fused_ops, use_fused_kernels
+from ragserve.models.rotary import RotaryEmbedding, Rotation, compute_inv_freq, rope_parameters
 
 # HF projection name -> (our fused projection, shard index within it)
 _FUSED_SHARDS = {
@@ -138,7 +138,7 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(shape.head_dim, eps, device=device, dtype=dtype)
             self.k_norm = RMSNorm(shape.head_dim, eps, device=device, dtype=dtype)
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, rotation: Rotation) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
@@ -146,7 +146,7 @@ class LlamaAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = rotation.rotate(q, k)
         ctx = get_forward_context()
         out = ctx.backend.forward(q, k, v, ctx.kv_cache[:, self.layer_idx], ctx.meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
@@ -170,7 +170,10 @@ class LlamaMLP(nn.Module):
         )
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(hidden).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(hidden)
+        if use_fused_kernels(gate_up):
+            return self.down_proj(fused_ops().silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -192,10 +195,22 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, eps, device=device, dtype=dtype)
         self.mlp = LlamaMLP(shape, flags, device=device, dtype=dtype)
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # NOTE: unfused residual adds in the model dtype, in HF's order, to keep numerics equal.
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, rotation: Rotation
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(mlp output, residual stream)``; the caller adds them (in the next layer's norm).
+
+        NOTE: the same additions as HF's ``hidden + sublayer(norm(hidden))``, in the model
+        dtype, only carried one step later so that each add fuses with the norm after it.
+        """
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm.add_forward(hidden, residual)
+        hidden = self.self_attn(hidden, rotation)
+        hidden, residual = self.post_attention_layernorm.add_forward(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -225,10 +240,13 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb(positions)
+        rotation = self.rotary_emb(positions)
+        residual: torch.Tensor | None = None
         for layer in self.layers:
-            hidden = layer(hidden, cos, sin)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, rotation)
+        if residual is None:  # a model without layers
+            return self.norm(hidden)
+        return self.norm.add_forward(hidden, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

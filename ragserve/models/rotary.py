@@ -9,10 +9,13 @@ forward pass only gathers rows by position.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+
+from ragserve.models.layers import fused_ops, use_fused_kernels
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -156,9 +159,29 @@ class RotaryEmbedding(nn.Module):
         cos, sin = self._tables(self.cos.device, self.cos.dtype)
         self.cos, self.sin = cos, sin
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(cos, sin)`` rows of ``positions [T]``, each ``[T, 1, head_dim // 2]`` for ``apply_rotary``."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+    def forward(self, positions: torch.Tensor) -> Rotation:
+        """The rotation of a batch's tokens at ``positions [T]``, shared by every layer."""
+        if use_fused_kernels(self.cos):
+            return Rotation(positions, self.cos, self.sin, fused=True)
+        # Eager: gather the rows once per forward, not once per layer.
+        return Rotation(positions, self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
+
+
+@dataclass(frozen=True)
+class Rotation:
+    """cos/sin rows ``[T, 1, head_dim // 2]`` (eager), or the whole tables (``fused``)."""
+
+    positions: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    fused: bool = False
+
+    def rotate(self, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated ``query [T, H, D]`` and ``key [T, H_kv, D]`` (in place when fused)."""
+        if self.fused:
+            fused_ops().rotary_inplace(query, key, self.cos, self.sin, self.positions)
+            return query, key
+        return apply_rotary(query, self.cos, self.sin), apply_rotary(key, self.cos, self.sin)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,189 @@
+"""Fused element-wise kernels of the decoder layer for half-precision GPU runs.
+
+Eagerly, a Llama layer spends about forty small kernels on element-wise work (the
+RMSNorm's float32 round trip, rotary's halves and concatenation, SiLU and the gate
+product, the residual adds), each reading and writing the whole activation. At a decode
+batch that is a third of the GPU time, and in prefill about a fifth. These kernels do
+each group in one pass.
+
+Each one repeats the rounding steps of the eager torch code it replaces (every
+intermediate the eager code stores in the model dtype is rounded to it here too), so
+results match eager torch except where a float32 reduction sums in another order.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _add_rms_norm_kernel(
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    stride_x,
+    stride_residual,
+    stride_out,
+    size,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < size
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    dtype = x.dtype
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_ptr + row * stride_residual + offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + residual.to(tl.float32)).to(dtype)
+        tl.store(residual_ptr + row * stride_residual + offs, x, mask=mask)
+    x32 = x.to(tl.float32)
+    variance = tl.sum(x32 * x32, axis=0) / size
+    normed = (x32 * tl.math.rsqrt(variance + eps)).to(dtype)
+    weight = tl.load(weight_ptr + offs, mask=mask, other=0.0)
+    out = (weight.to(tl.float32) * normed.to(tl.float32)).to(dtype)
+    tl.store(out_ptr + row * stride_out + offs, out, mask=mask)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """RMSNorm of ``x [T, size]``; with ``residual``, of ``x + residual``, stored into ``residual``.
+
+    The in-place update of ``residual`` is what lets a layer carry its residual stream
+    without a separate add kernel.
+    """
+    if x.dim() != 2 or x.stride(-1) != 1:
+        raise ValueError(f"x must be [tokens, size] with a unit last stride, got {tuple(x.shape)}")
+    if residual is not None and (residual.shape != x.shape or residual.stride(-1) != 1):
+        raise ValueError(f"residual {tuple(residual.shape)} does not match x {tuple(x.shape)}")
+    out = torch.empty_like(x)
+    num_tokens, size = x.shape
+    if num_tokens:
+        _add_rms_norm_kernel[(num_tokens,)](
+            x, residual if residual is not None else x, weight, out,
+            x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
+            size, eps,
+            HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(size),
+            num_warps=8 if size >= 4096 else 4,
+        )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _silu_and_mul_kernel(gate_up_ptr, out_ptr, stride_in, stride_out, size, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < size
+    gate = tl.load(gate_up_ptr + row * stride_in + offs, mask=mask, other=0.0)
+    up = tl.load(gate_up_ptr + row * stride_in + size + offs, mask=mask, other=0.0)
+    gate32 = gate.to(tl.float32)
+    activated = (gate32 / (1.0 + tl.exp(-gate32))).to(gate.dtype)
+    out = (activated.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
+    tl.store(out_ptr + row * stride_out + offs, out, mask=mask)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of ``gate_up [T, 2 * size]`` (gate first): ``[T, size]``."""
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2 or gate_up.stride(-1) != 1:
+        raise ValueError(f"gate_up must be [tokens, 2 * size], got {tuple(gate_up.shape)}")
+    num_tokens, size = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty((num_tokens, size), dtype=gate_up.dtype, device=gate_up.device)
+    block = min(2048, triton.next_power_of_2(size))
+    if num_tokens:
+        _silu_and_mul_kernel[(num_tokens, triton.cdiv(size, block))](
+            gate_up, out, gate_up.stride(0), out.stride(0), size, BLOCK=block, num_warps=4
+        )
+    return out
+
+
+@triton.jit
+def _rotate_heads(
+    x_ptr,
+    tok,
+    stride_tok,
+    stride_head,
+    cos,
+    sin,
+    num_heads,
+    HEADS_PAD: tl.constexpr,
+    HALF: tl.constexpr,
+):
+    offs_h = tl.arange(0, HEADS_PAD)
+    offs_d = tl.arange(0, HALF)
+    mask = (offs_h < num_heads)[:, None]
+    first = x_ptr + tok * stride_tok + offs_h[:, None] * stride_head + offs_d[None, :]
+    x1 = tl.load(first, mask=mask, other=0.0)
+    x2 = tl.load(first + HALF, mask=mask, other=0.0)
+    dtype = x1.dtype
+    x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
+    # NOTE: each product rounded to the model dtype before the sum, as eager torch does.
+    a = (x1 * cos).to(dtype).to(tl.float32)
+    b = (x2 * sin).to(dtype).to(tl.float32)
+    c = (x2 * cos).to(dtype).to(tl.float32)
+    d = (x1 * sin).to(dtype).to(tl.float32)
+    tl.store(first, (a - b).to(dtype), mask=mask)
+    tl.store(first + HALF, (c + d).to(dtype), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    q_ptr,
+    k_ptr,
+    cos_ptr,
+    sin_ptr,
+    positions_ptr,
+    stride_q_tok,
+    stride_q_head,
+    stride_k_tok,
+    stride_k_head,
+    num_q_heads,
+    num_k_heads,
+    Q_HEADS_PAD: tl.constexpr,
+    K_HEADS_PAD: tl.constexpr,
+    HALF: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + tok).to(tl.int64)
+    offs_d = tl.arange(0, HALF)
+    cos = tl.load(cos_ptr + pos * HALF + offs_d).to(tl.float32)[None, :]
+    sin = tl.load(sin_ptr + pos * HALF + offs_d).to(tl.float32)[None, :]
+    _rotate_heads(q_ptr, tok, stride_q_tok, stride_q_head, cos, sin, num_q_heads, Q_HEADS_PAD, HALF)
+    _rotate_heads(k_ptr, tok, stride_k_tok, stride_k_head, cos, sin, num_k_heads, K_HEADS_PAD, HALF)
+
+
+def rotary_inplace(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+    positions: torch.Tensor,
+) -> None:
+    """Rotate ``query [T, H, D]`` and ``key [T, H_kv, D]`` in place (HF's half-split RoPE).
+
+    ``cos_table``/``sin_table`` are ``[max_positions, D // 2]`` in the model dtype, rows
+    picked by ``positions [T]``. Any token and head strides; unit stride on ``D``.
+    """
+    num_tokens, num_q_heads, head_dim = query.shape
+    half = head_dim // 2
+    if key.shape[0] != num_tokens or key.shape[2] != head_dim or head_dim % 2:
+        raise ValueError(f"query {tuple(query.shape)} and key {tuple(key.shape)} do not pair up")
+    if cos_table.shape[-1] != half or cos_table.stride(0) != half or sin_table.stride(0) != half:
+        raise ValueError(f"rotary tables must be contiguous [positions, {half}]")
+    if half & (half - 1):
+        raise ValueError(f"head_dim {head_dim} must be twice a power of two")
+    if query.stride(-1) != 1 or key.stride(-1) != 1:
+        raise ValueError("query and key need a unit stride on head_dim")
+    if num_tokens:
+        _rotary_kernel[(num_tokens,)](
+            query, key, cos_table, sin_table, positions,
+            query.stride(0), query.stride(1), key.stride(0), key.stride(1),
+            num_q_heads, key.shape[1],
+            Q_HEADS_PAD=triton.next_power_of_2(num_q_heads),
+            K_HEADS_PAD=triton.next_power_of_2(key.shape[1]),
+            HALF=half, num_warps=4,
+        )  # fmt: skip
