@@ -1,4 +1,7 @@
-"""Turns last-token logits into next tokens: greedy, temperature, top-k, top-p, seeds."""
+"""Turns last-token logits into next tokens: greedy, temperature, top-k, top-p, seeds.
+
+The whole batch is sampled on the logits' device; the host reads the chosen ids once.
+"""
 
 from __future__ import annotations
 
@@ -26,41 +29,67 @@ class SampleResult:
     top_logprobs: dict[int, Logprob] | None
 
 
-def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    if top_k > 0 and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
-        # Keep the smallest set whose probability reaches top_p (always the top token).
-        remove = cumulative - torch.softmax(sorted_logits, dim=-1) >= top_p
-        sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
-        logits = torch.empty_like(logits).scatter_(0, order, sorted_logits)
-    return logits
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Rows of ``logits`` with everything outside each row's top-k and top-p set to -inf.
+
+    ``top_k [rows]`` (0: off) and ``top_p [rows]`` (1.0: off). Top-p keeps the smallest set
+    of most likely tokens whose probability reaches ``top_p``, always the top token.
+    """
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab, device=logits.device)
+    keep_k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab))
+    remove = ranks[None, :] >= keep_k[:, None]
+    probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
+    remove |= probs.cumsum(dim=-1) - probs >= top_p[:, None]
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _sample_rows(logits: torch.Tensor, requests: list[SampleRequest]) -> torch.Tensor:
+    """One draw per row (all non-greedy), as token ids on the device: no host sync.
+
+    Exponential race: ``argmax(p / E)`` with ``E ~ Exp(1)`` per token is a draw from ``p``;
+    each row's noise comes from its own generator, so a seeded request draws the same
+    tokens whatever else shares its batch.
+    """
+    device = logits.device
+    params = [r.params for r in requests]
+    temperature = torch.tensor([p.temperature for p in params], device=device)
+    scaled = logits / temperature[:, None]
+    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+        top_k = torch.tensor([p.top_k for p in params], device=device)
+        top_p = torch.tensor([p.top_p for p in params], device=device)
+        scaled = _filter_top_k_top_p(scaled, top_k, top_p)
+    probs = scaled.softmax(dim=-1)
+    noise = torch.empty_like(probs)
+    for row, request in enumerate(requests):
+        noise[row].exponential_(generator=request.generator)
+    return (probs / noise).argmax(dim=-1)
 
 
 def sample(logits: torch.Tensor, requests: list[SampleRequest]) -> list[SampleResult]:
-    """One token per row of ``logits`` ([num_seqs, vocab], float32)."""
+    """One token per row of ``logits`` ([num_seqs, vocab], float32); one host sync in all."""
     if not requests:
         return []
     logits = logits.float()
-    for row, request in enumerate(requests):
-        if request.banned_token_ids:
-            logits[row, request.banned_token_ids] = float("-inf")
-    greedy_tokens = logits.argmax(dim=-1).tolist()
+    banned_rows = [row for row, r in enumerate(requests) for _ in r.banned_token_ids]
+    if banned_rows:
+        banned_ids = [token for r in requests for token in r.banned_token_ids]
+        logits[banned_rows, banned_ids] = float("-inf")
+    tokens = logits.argmax(dim=-1)
+    sampled = [row for row, r in enumerate(requests) if not r.params.greedy]
+    if sampled:
+        rows = torch.tensor(sampled, device=logits.device)
+        tokens[rows] = _sample_rows(logits[rows], [requests[row] for row in sampled])
+    token_ids = tokens.tolist()
     want_logprobs = any(r.params.logprobs is not None for r in requests)
     logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
 
     results = []
     for row, request in enumerate(requests):
         params = request.params
-        if params.greedy:
-            token = int(greedy_tokens[row])
-        else:
-            filtered = _filter_top_k_top_p(logits[row] / params.temperature, params.top_k, params.top_p)
-            probs = torch.softmax(filtered, dim=-1)
-            token = int(torch.multinomial(probs, 1, generator=request.generator).item())
+        token = int(token_ids[row])
         if logprobs is None or params.logprobs is None:
             results.append(SampleResult(token, None, None))
             continue
