@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import sys
 from typing import Any
 
 BENCHMARKS = {
@@ -12,6 +13,7 @@ BENCHMARKS = {
     "summarize": "ragserve.bench.summarize",
     "tiers": "ragserve.bench.tiers",
     "serve": "ragserve.bench.serve",
+    "ttft": "ragserve.bench.ttft",
 }
 
 
@@ -28,7 +30,7 @@ def add_parser(subparsers: Any) -> None:
         sub.add_argument(
             "--model-shape",
             default=None,
-            help="random weights of a real shape (e.g. llama-3.1-8b) instead of --model",
+            help="random weights of a named shape (llama-3.1-8b, tiny-llama) instead of --model",
         )
         sub.set_defaults(func=_runner(module))
 
@@ -38,8 +40,13 @@ def _runner(module: Any) -> Any:
         from ragserve.bench.shapes import write_shape_config
         from ragserve.cli import engine_config_from_args
 
+        # NOTE: tables must show up as they are measured when stdout is a pipe or a file.
+        if hasattr(sys.stdout, "reconfigure"):
+            sys.stdout.reconfigure(line_buffering=True)
         if args.model_shape:
-            args.model = write_shape_config(args.model_shape)
+            # A benchmark may need sequences longer than the shape's limit (128k + a question).
+            needed = getattr(module, "required_model_len", None)
+            args.model = write_shape_config(args.model_shape, needed(args) if needed else None)
             args.load_format = "dummy"
         return int(module.run(args, engine_config_from_args(args)))
 

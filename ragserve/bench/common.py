@@ -6,7 +6,8 @@ import json
 import os
 import platform
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +70,83 @@ def transformers_generate(
     return time.perf_counter() - started, produced
 
 
+@dataclass
+class RequestTiming:
+    """Wall-clock times of one request run alone through the engine's step loop."""
+
+    ttft_s: float
+    token_times_s: list[float] = field(default_factory=list)  # since submission, one per token
+    num_cached_tokens: int = 0
+
+    @property
+    def decode_ms_per_token(self) -> float | None:
+        """Mean time between tokens after the first; None with fewer than two tokens."""
+        times = self.token_times_s
+        if len(times) < 2:
+            return None
+        return (times[-1] - times[0]) / (len(times) - 1) * 1e3
+
+
+def time_request(
+    engine: Any,
+    prompt: list[int],
+    max_tokens: int,
+    *,
+    request_id: str,
+    persist: bool = False,
+    on_first_token: Callable[[], None] | None = None,
+) -> RequestTiming:
+    """Submit one greedy request (EOS ignored) and step the engine until it finishes.
+
+    Each engine step ends with the sampled tokens on the host (one sync), so the clock
+    read after a step that produced a token is when that token exists.
+    ``on_first_token`` runs right after the first token (e.g. to read peak device memory
+    before decoding starts).
+    """
+    from ragserve import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    started = time.perf_counter()
+    engine.add_request(request_id, prompt, params, persist=persist)
+    timing = RequestTiming(ttft_s=0.0)
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.request_id != request_id:
+                continue
+            if output.error:
+                raise RuntimeError(f"request {request_id} failed: {output.error}")
+            now = time.perf_counter() - started
+            produced = len(output.outputs[0].token_ids)
+            if produced and not timing.token_times_s:
+                timing.ttft_s = now
+                timing.num_cached_tokens = output.num_cached_tokens
+                if on_first_token is not None:
+                    on_first_token()
+            timing.token_times_s.extend([now] * (produced - len(timing.token_times_s)))
+    return timing
+
+
+def weight_bytes(model: Any) -> int:
+    """Bytes of a module's parameters (a tied matrix counts once)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def release_device_memory() -> None:
+    """Return freed blocks to the device after an engine or model is dropped."""
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def add_peak_arguments(parser: Any) -> None:
+    """The hardware peaks the floors use (defaults: one NVIDIA H200, bf16 dense matmul)."""
+    parser.add_argument("--peak-tflops", type=float, default=791.0, help="matmul ceiling, TFLOP/s")
+    parser.add_argument("--peak-tbps", type=float, default=4.25, help="memory bandwidth, TB/s")
+
+
 def machine_description() -> str:
     if torch.cuda.is_available():
         return torch.cuda.get_device_name(0)
@@ -83,20 +161,27 @@ def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence[Any]]
         print("  ".join(cell.rjust(width) for cell, width in zip(row, widths, strict=True)))
         if index == 0:
             print("  ".join("-" * width for width in widths))
+    print(end="", flush=True)
 
 
 def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
     if isinstance(value, float):
         return f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"
     return str(value)
 
 
-def write_json(path: str | Path, payload: dict[str, Any]) -> Path:
+def write_json(path: str | Path, payload: dict[str, Any], quiet: bool = False) -> Path:
+    """Write the results (called after each phase too, so a later failure keeps them)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"machine": machine_description(), "torch": torch.__version__, **payload}
-    path.write_text(json.dumps(payload, indent=2) + "\n")
-    print(f"\nwrote {path}")
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    tmp.replace(path)
+    if not quiet:
+        print(f"\nwrote {path}", flush=True)
     return path
 
 

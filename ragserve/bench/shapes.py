@@ -1,4 +1,5 @@
-"""Real model shapes for benchmarks with random weights (``load_format="dummy"``)."""
+"""Real model shapes for benchmarks with random weights (``load_format="dummy"``), and the
+hardware floors derived from a shape: FLOPs of a prefill, bytes read by a decode step."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import json
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from ragserve.models.llama import ModelShape
 
 LLAMA_3_1_8B: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"],
@@ -36,13 +39,80 @@ LLAMA_3_1_8B: dict[str, Any] = {
     "torch_dtype": "bfloat16",
 }
 
-SHAPES = {"llama-3.1-8b": LLAMA_3_1_8B}
+# The 8B's structure (GQA, llama3 RoPE, untied head) at a size that runs in seconds on a CPU:
+# the GPU benchmark commands are tested end to end with it.
+TINY_LLAMA: dict[str, Any] = LLAMA_3_1_8B | {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 512,
+    "max_position_embeddings": 8192,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "rope_scaling": LLAMA_3_1_8B["rope_scaling"] | {"original_max_position_embeddings": 1024},
+}
+
+SHAPES = {"llama-3.1-8b": LLAMA_3_1_8B, "tiny-llama": TINY_LLAMA}
 
 
-def write_shape_config(name: str) -> str:
-    """A directory holding only ``config.json`` of the named shape."""
+def write_shape_config(name: str, min_model_len: int | None = None) -> str:
+    """A directory holding only ``config.json`` of the named shape.
+
+    ``min_model_len`` raises ``max_position_embeddings`` when a benchmark needs longer
+    sequences than the shape allows (a 131,072-token prompt plus its question or decode
+    tokens). With llama3 RoPE the frequencies depend only on
+    ``original_max_position_embeddings``, so nothing else about the model changes.
+    """
     if name not in SHAPES:
         raise ValueError(f"unknown model shape {name!r}; known: {sorted(SHAPES)}")
+    config = dict(SHAPES[name])
+    if min_model_len is not None and min_model_len > config["max_position_embeddings"]:
+        config["max_position_embeddings"] = -(-min_model_len // 1024) * 1024
     directory = Path(tempfile.mkdtemp(prefix=f"ragserve-{name}-"))
-    (directory / "config.json").write_text(json.dumps(SHAPES[name], indent=2))
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
     return str(directory)
+
+
+def non_embedding_params(shape: ModelShape) -> int:
+    """Parameters of the decoder layers and the final norm: the matrices every token passes.
+
+    Excludes the input embedding (a lookup) and the LM head (run for one token per prefill;
+    counted separately by the callers that need it).
+    """
+    q_out = shape.num_heads * shape.head_dim
+    kv_out = shape.num_kv_heads * shape.head_dim
+    attention = shape.hidden_size * (q_out + 2 * kv_out) + q_out * shape.hidden_size
+    mlp = 3 * shape.hidden_size * shape.intermediate_size
+    return shape.num_layers * (attention + mlp + 2 * shape.hidden_size) + shape.hidden_size
+
+
+def prefill_flops(shape: ModelShape, tokens: int, context: int = 0) -> float:
+    """FLOPs to prefill ``tokens`` new tokens after ``context`` cached ones, one logits row.
+
+    2 x non-embedding params per token, plus causal attention: each new token at position
+    p attends to p + 1 keys with one QK^T and one PV product of ``head_dim`` each.
+    """
+    linear = 2.0 * non_embedding_params(shape) * tokens
+    # sum over new positions of (context + i + 1), i in [0, tokens)
+    key_visits = tokens * context + tokens * (tokens + 1) / 2
+    attention = 4.0 * key_visits * shape.num_heads * shape.head_dim * shape.num_layers
+    head = 2.0 * shape.vocab_size * shape.hidden_size
+    return linear + attention + head
+
+
+def generate_flops(shape: ModelShape, input_len: int, output_len: int) -> float:
+    """FLOPs of one request: its prefill, then ``output_len - 1`` decode steps with logits."""
+    steps = max(0, output_len - 1)
+    per_token = 2.0 * non_embedding_params(shape) + 2.0 * shape.vocab_size * shape.hidden_size
+    # decode step s (1-based) attends to input_len + s keys
+    key_visits = steps * input_len + steps * (steps + 1) / 2
+    attention = 4.0 * key_visits * shape.num_heads * shape.head_dim * shape.num_layers
+    return prefill_flops(shape, input_len) + steps * per_token + attention
+
+
+def decode_floor_s(weight_bytes: int, kv_bytes: int, peak_tbps: float) -> float:
+    """One batch-1 decode step must read every weight and the sequence's KV once."""
+    return (weight_bytes + kv_bytes) / (peak_tbps * 1e12)

@@ -1,0 +1,108 @@
+"""The GPU benchmark commands, run end to end on the CPU with the tiny-llama shape.
+
+Each test runs the real command (engine, transformers baseline, tiers on real files) and
+checks the JSON it writes: the fields the GPU runs report, with sane values.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ragserve.bench.shapes import LLAMA_3_1_8B, TINY_LLAMA, generate_flops, prefill_flops
+from ragserve.cli import main
+from ragserve.models.llama import ModelShape
+
+
+@pytest.fixture(autouse=True)
+def _single_thread(one_torch_thread: None) -> Iterator[None]:
+    yield
+
+
+def _bench(tmp_path: Path, name: str, *extra: str) -> tuple[int, dict[str, Any]]:
+    out = tmp_path / f"{name}.json"
+    code = main(["bench", name, "--model-shape", "tiny-llama", "--out", str(out), *extra])
+    return code, json.loads(out.read_text())
+
+
+def test_ttft_chunked_prefill_then_decode_against_transformers(tmp_path: Path) -> None:
+    code, result = _bench(tmp_path, "ttft", "--lengths", "64,300", "--decode-tokens", "4",
+                          "--max-num-batched-tokens", "64")
+    assert code == 0 and result["errors"] == []
+    rows = result["rows"]
+    assert set(rows) == {"64", "300"}
+    assert rows["300"]["ragserve_chunks"] == 5
+    for row in rows.values():
+        assert row["ragserve_s"] > 0 and row["transformers_s"] > 0
+        assert row["ragserve_cached_tokens"] == 0  # cold: nothing reused from the warm-up
+        assert row["floor_s"] == pytest.approx(row["flops"] / 791e12)
+    assert rows["300"]["flops"] > 4 * rows["64"]["flops"]
+    decode = result["decode"]
+    assert decode["context"] == 300 and decode["tokens"] == 4
+    assert decode["ragserve_ms_per_token"] > 0 and decode["transformers_ms_per_token"] > 0
+    assert result["memory"]["weights_bytes"] == result["workload"]["weight_bytes"] > 0
+
+
+def test_ttft_longest_prompt_may_exceed_the_shape_limit(tmp_path: Path) -> None:
+    """The shape's max_position_embeddings (8192) is raised so 8192 tokens + decode fit."""
+    code, result = _bench(tmp_path, "ttft", "--lengths", "8192", "--decode-tokens", "2",
+                          "--max-num-batched-tokens", "4096", "--skip-transformers")
+    assert code == 0
+    assert result["rows"]["8192"]["ragserve_chunks"] == 2
+    assert result["decode"]["ragserve_ms_per_token"] > 0
+    assert "transformers_s" not in result["rows"]["8192"]
+
+
+def test_throughput_variable_with_a_transformers_subset(tmp_path: Path) -> None:
+    code, result = _bench(tmp_path, "throughput", "--variable", "--num-prompts", "6",
+                          "--hf-max-prompts", "2", "--hf-batch-size", "2", "--hf-sort")
+    assert code == 0 and result["errors"] == []
+    ours, theirs = result["ragserve"], result["transformers"]
+    assert ours["output_tokens"] == result["workload"]["output_tokens"]
+    assert 0.9 <= ours["kv_utilisation"] <= 1.0
+    assert theirs["num_prompts"] == 2 and theirs["sorted_by_length"]
+    assert result["speedup_vs_transformers"] == pytest.approx(ours["output_tok_s"] / theirs["output_tok_s"])
+    floor = result["floor"]
+    assert floor["seconds"] == max(floor["compute_s"], floor["weights_read_s"]) > 0
+
+
+def test_tiers_report_bytes_rates_and_references(tmp_path: Path) -> None:
+    code, result = _bench(tmp_path, "tiers", "--doc-tokens", "400", "--question-tokens", "8",
+                          "--max-num-batched-tokens", "128", "--disk-dir", str(tmp_path / "disk"))
+    assert code == 0 and result["errors"] == []
+    tiers = result["tiers"]
+    doc_blocks = 400 // 16
+    assert tiers["device tier"]["cached_tokens"] == doc_blocks * 16
+    assert tiers["device tier"]["bytes_moved"] == 0
+    cpu = tiers["CPU tier"]
+    assert cpu["blocks_moved"] == doc_blocks and cpu["cached_tokens"] == doc_blocks * 16
+    assert cpu["bytes_moved"] == result["document_kv_bytes"] and cpu["gbps"] > 0
+    disk = next(v for k, v in tiers.items() if k.startswith("disk tier"))
+    assert disk["blocks_moved"] == doc_blocks and disk["gbps"] > 0
+    refs = result["references"]
+    assert refs["disk_record_files"] >= doc_blocks and refs["disk_read_gbps"] > 0
+    assert disk["ratio_to_reference"] == pytest.approx(disk["gbps"] / refs["disk_read_gbps"])
+    assert result["page_cache_drop"] in ("drop_caches", "fadvise", "none")
+    assert not any((tmp_path / "disk").iterdir())  # records removed after the run
+
+
+def test_tiers_refuse_a_tier_smaller_than_the_document(tmp_path: Path) -> None:
+    out = tmp_path / "t.json"
+    code = main(["bench", "tiers", "--model-shape", "tiny-llama", "--doc-tokens", "400",
+                 "--tier-gib", "0.0001", "--out", str(out)])
+    assert code == 2  # a ValueError with the sizes, before any measurement
+
+
+def test_floors_of_the_8b_shape_match_the_issue() -> None:
+    shape = ModelShape(32, 32, 8, 128, 4096, 14336, 128256)
+    assert LLAMA_3_1_8B["hidden_size"] == shape.hidden_size and TINY_LLAMA["num_hidden_layers"] == 2
+    # 6.98 G non-embedding params; causal attention on top.
+    assert prefill_flops(shape, 32768) / 791e12 == pytest.approx(0.934, rel=0.01)
+    assert prefill_flops(shape, 131072) / 791e12 == pytest.approx(8.01, rel=0.01)
+    one_request = generate_flops(shape, 512, 128)
+    assert one_request == pytest.approx(
+        prefill_flops(shape, 512) + sum(prefill_flops(shape, 1, 512 + s - 1) for s in range(1, 128)))
