@@ -2,35 +2,55 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-from kernels.interface import AttentionBackend, AttentionMetadata, write_kv
+from kernels.cpu_paged_attention import (
+    ContextPlan,
+    GatherWorkspace,
+    attend,
+    group_queries,
+    plan_decode,
+    plan_prefill,
+    ungroup_output,
+)
+from kernels.interface import AttentionBackend, AttentionMetadata, slot_rows
 
 
-def gather_context(
-    kv_layer: torch.Tensor, block_table: torch.Tensor, seq_len: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of one sequence's first ``seq_len`` tokens, each ``[seq_len, kv_heads, head_dim]``."""
-    block_size = kv_layer.shape[2]
-    blocks = block_table[: -(-seq_len // block_size)].long()
-    # NOTE: gathering K and V separately makes each result contiguous, so the reshape is free.
-    key = kv_layer[:, 0][blocks].reshape(-1, *kv_layer.shape[-2:])[:seq_len]
-    value = kv_layer[:, 1][blocks].reshape(-1, *kv_layer.shape[-2:])[:seq_len]
-    return key, value
+@dataclass(frozen=True)
+class _PrefillChunk:
+    rows: slice  # its query rows in the flat batch
+    plan: ContextPlan | None  # None: nothing cached before, attend over the new K/V only
 
 
-def _causal_mask(query_len: int, seq_len: int, device: torch.device) -> torch.Tensor:
-    """Bottom-right aligned causal mask: query i sits at position seq_len - query_len + i."""
-    query_pos = torch.arange(seq_len - query_len, seq_len, device=device)[:, None]
-    key_pos = torch.arange(seq_len, device=device)[None, :]
-    return key_pos <= query_pos
+@dataclass(frozen=True)
+class _StepPlan:
+    """Everything about one forward pass that does not depend on the layer."""
+
+    meta: AttentionMetadata
+    layout: tuple[object, ...]  # kv_layer shape and block stride, query head count and dtype
+    key_rows: torch.Tensor  # rows of ``slot_rows(kv_layer)`` the new keys go to
+    value_rows: torch.Tensor
+    prefills: list[_PrefillChunk]
+    decode_rows: torch.Tensor | None  # None: every row is a decode (a pure decode step)
+    decode: ContextPlan | None
 
 
 class ReferenceBackend(AttentionBackend):
-    """Loops over prefill chunks; batches all single-token decodes into one padded SDPA call."""
+    """Loops over prefill chunks; batches all single-token decodes into one padded SDPA call.
+
+    The first layer of a forward pass plans it (KV write rows, block lists, masks); the other
+    layers reuse the plan. Context K/V are gathered into a workspace this backend owns (see
+    ``kernels/cpu_paged_attention.py``), so one instance serves one forward pass at a time.
+    """
 
     name = "reference"
+
+    def __init__(self) -> None:
+        self._workspace = GatherWorkspace()
+        self._plan: _StepPlan | None = None
 
     def forward(
         self,
@@ -41,8 +61,52 @@ class ReferenceBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        write_kv(key, value, kv_layer, meta.slot_mapping)
+        plan = self._plan
+        layout = (*kv_layer.shape, kv_layer.stride(0), query.shape[1], query.dtype)
+        if plan is None or plan.meta is not meta or plan.layout != layout:
+            plan = self._plan = self._make_plan(meta, layout, kv_layer, query)
+        rows = slot_rows(kv_layer)
+        width = rows.shape[1]
+        rows.index_copy_(0, plan.key_rows, key.reshape(-1, width).to(kv_layer.dtype))
+        rows.index_copy_(0, plan.value_rows, value.reshape(-1, width).to(kv_layer.dtype))
+
+        kv_heads = kv_layer.shape[3]
+        if plan.decode is not None and plan.decode_rows is None:
+            return self._decode(query, kv_layer, plan.decode, scale)
         output = torch.empty_like(query)
+        for chunk in plan.prefills:
+            q = query[chunk.rows]
+            if chunk.plan is None:
+                output[chunk.rows] = _causal_self_attention(q, key[chunk.rows], value[chunk.rows], scale)
+            else:
+                out = attend(group_queries(q, kv_heads)[None], kv_layer, chunk.plan, scale, self._workspace)
+                output[chunk.rows] = ungroup_output(out[0], q.shape[0])
+        if plan.decode is not None:
+            assert plan.decode_rows is not None
+            output[plan.decode_rows] = self._decode(query[plan.decode_rows], kv_layer, plan.decode, scale)
+        return output
+
+    def _decode(
+        self, query: torch.Tensor, kv_layer: torch.Tensor, plan: ContextPlan, scale: float
+    ) -> torch.Tensor:
+        n, heads, dim = query.shape
+        kv_heads = kv_layer.shape[3]
+        # NOTE: one query token per sequence: a kv head's query heads are its "query rows".
+        grouped = query.view(n, kv_heads, heads // kv_heads, dim)
+        return attend(grouped, kv_layer, plan, scale, self._workspace).reshape(n, heads, dim)
+
+    @staticmethod
+    def _make_plan(
+        meta: AttentionMetadata, layout: tuple[object, ...], kv_layer: torch.Tensor, query: torch.Tensor
+    ) -> _StepPlan:
+        block_size, kv_heads = kv_layer.shape[2], kv_layer.shape[3]
+        group = query.shape[1] // kv_heads
+        # Same arithmetic as interface.write_kv: the rows are equal for every layer's view.
+        rows_per_block = kv_layer.stride(0) // (kv_heads * kv_layer.shape[4])
+        blocks = torch.div(meta.slot_mapping, block_size, rounding_mode="floor")
+        key_rows = blocks * rows_per_block + meta.slot_mapping % block_size
+
+        prefills: list[_PrefillChunk] = []
         decode_rows: list[int] = []
         decode_seqs: list[int] = []
         start = 0
@@ -53,66 +117,36 @@ class ReferenceBackend(AttentionBackend):
                 decode_rows.append(start)
                 decode_seqs.append(seq)
             else:
-                chunk = slice(start, start + query_len)
-                output[chunk] = self._prefill(
-                    query[chunk], key[chunk], value[chunk], kv_layer, meta.block_tables[seq], seq_len, scale
-                )
+                context = None
+                if query_len != seq_len:
+                    table = meta.block_tables[seq]
+                    context = plan_prefill(table, seq_len, query_len, group, block_size, query.dtype)
+                prefills.append(_PrefillChunk(slice(start, start + query_len), context))
             start += query_len
-        if decode_rows:
-            rows = torch.tensor(decode_rows, device=query.device)
-            output[rows] = self._decode(query[rows], kv_layer, meta, decode_seqs, scale)
-        return output
 
-    @staticmethod
-    def _prefill(
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_layer: torch.Tensor,
-        block_table: torch.Tensor,
-        seq_len: int,
-        scale: float,
-    ) -> torch.Tensor:
-        query_len = query.shape[0]
-        q = query.transpose(0, 1)  # [H, q, D]
-        group = q.shape[0] // key.shape[1]
-        if query_len == seq_len:  # nothing cached before: attend over the new K/V directly
-            k, v, mask = key, value, None
-        else:
-            k, v = gather_context(kv_layer, block_table, seq_len)
-            mask = _causal_mask(query_len, seq_len, query.device)
-        # NOTE: 4-D inputs and expanded K/V (not enable_gqa): anything else sends SDPA to its
-        # unfused math path on the CPU, which materialises every score (6x slower at 4k).
-        k = k.transpose(0, 1).to(q.dtype).repeat_interleave(group, dim=0)
-        v = v.transpose(0, 1).to(q.dtype).repeat_interleave(group, dim=0)
-        out = F.scaled_dot_product_attention(
-            q[None], k[None], v[None], attn_mask=mask, is_causal=mask is None, scale=scale
-        )
-        return out[0].transpose(0, 1)
+        decode = None
+        rows_tensor = None
+        if decode_seqs:
+            seq_lens = [meta.seq_lens_host[s] for s in decode_seqs]
+            if len(decode_seqs) == meta.num_seqs:
+                tables = meta.block_tables
+            else:
+                device = meta.block_tables.device
+                tables = meta.block_tables[torch.tensor(decode_seqs, device=device)]
+                rows_tensor = torch.tensor(decode_rows, device=device)
+            decode = plan_decode(tables, seq_lens, block_size, query.dtype)
+        return _StepPlan(meta, layout, key_rows, key_rows + block_size, prefills, rows_tensor, decode)
 
-    @staticmethod
-    def _decode(
-        query: torch.Tensor,  # [n, H, D]
-        kv_layer: torch.Tensor,
-        meta: AttentionMetadata,
-        seqs: list[int],
-        scale: float,
-    ) -> torch.Tensor:
-        block_size, kv_heads, head_dim = kv_layer.shape[2:]
-        n, num_heads, _ = query.shape
-        seq_lens = [meta.seq_lens_host[s] for s in seqs]
-        max_blocks = -(-max(seq_lens) // block_size)
-        index = torch.tensor(seqs, device=query.device)
-        tables = meta.block_tables[index, :max_blocks].long()  # [n, nb]
-        length = max_blocks * block_size
-        key = kv_layer[:, 0][tables].view(n, length, kv_heads, head_dim).transpose(1, 2)
-        value = kv_layer[:, 1][tables].view(n, length, kv_heads, head_dim).transpose(1, 2)
-        lens = torch.tensor(seq_lens, device=query.device)
-        mask = torch.arange(length, device=query.device)[None, :] < lens[:, None]
-        # NOTE: a kv head's query heads become its "query rows", so GQA needs no K/V copies.
-        group = num_heads // kv_heads
-        q = query.view(n, kv_heads, group, head_dim)
-        out = F.scaled_dot_product_attention(
-            q, key.to(q.dtype), value.to(q.dtype), attn_mask=mask[:, None, None, :], scale=scale
-        )
-        return out.reshape(n, num_heads, head_dim)
+
+def _causal_self_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Causal attention of a chunk with nothing cached before it, over its own new K/V."""
+    q = query.transpose(0, 1)  # [H, q, D]
+    group = q.shape[0] // key.shape[1]
+    # NOTE: 4-D inputs and expanded K/V (not enable_gqa): anything else sends SDPA to its
+    # unfused math path on the CPU, which materialises every score (6x slower at 4k).
+    k = key.transpose(0, 1).to(q.dtype).repeat_interleave(group, dim=0)
+    v = value.transpose(0, 1).to(q.dtype).repeat_interleave(group, dim=0)
+    out = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scale)
+    return out[0].transpose(0, 1)
