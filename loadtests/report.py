@@ -45,6 +45,8 @@ class ServerSnapshot:
     generation_tokens: float
     cache_queried_tokens: float
     cache_hit_tokens: float
+    queued_work: float = 0.0  # tokens the server's admission still counts as outstanding
+    queue_s: float = 0.0  # the server's expected seconds to finish that work
 
     @classmethod
     def from_metrics(
@@ -71,12 +73,16 @@ class ServerSnapshot:
             generation_tokens=get("ragserve_generation_tokens_total"),
             cache_queried_tokens=get("ragserve_prefix_cache_queried_tokens_total"),
             cache_hit_tokens=get("ragserve_prefix_cache_hit_tokens_total"),
+            queued_work=get('ragserve_admission_outstanding_tokens{kind="prompt"}')
+            + get('ragserve_admission_outstanding_tokens{kind="answer"}'),
+            queue_s=get("ragserve_admission_expected_seconds"),
         )
 
     @property
     def idle(self) -> bool:
-        """Nothing in flight and no block held by a request."""
-        return self.running == 0 and self.waiting == 0 and self.active == 0 and self.kv_used == 0
+        """Nothing in flight, no block held by a request, no work counted by admission."""
+        in_flight = self.running or self.waiting or self.active or self.kv_used
+        return not in_flight and self.queued_work == 0
 
 
 @dataclass(frozen=True)
@@ -104,6 +110,10 @@ def after_load_problems(
         problems.append(
             f"requests stuck {drain_timeout:.0f} s after the load: running={after.running} "
             f"waiting={after.waiting} admitted={after.active}"
+        )
+    if after.queued_work:
+        problems.append(
+            f"admission still counts {after.queued_work:.0f} tokens of work after the load (want 0)"
         )
     if after.kv_used:
         problems.append(
@@ -380,12 +390,14 @@ def plot(history_path: Path, samples: Sequence[ServerSnapshot], out: Path) -> No
             continue
         middle.plot(xs, [p[1] for p in points], color=color, label=kind)
         middle.plot(xs, [p[2] for p in points], color=color, linestyle="--")
+    times = [s.time - start for s in samples]
+    middle.plot(
+        times, [s.queue_s * 1000 for s in samples], color="black", label="server: expected queue"
+    )
     middle.set_ylabel("ms")
     middle.set_title("chat completions by user kind: p50 (solid), p95 (dashed), TTFT p50 (dotted)")
-    if history["latency"]:
-        middle.legend(loc="upper left", fontsize="small")
+    middle.legend(loc="upper left", fontsize="small")
 
-    times = [s.time - start for s in samples]
     bottom.plot(times, [s.kv_used for s in samples], label="KV blocks used")
     bottom.plot(times, [s.kv_pinned for s in samples], label="KV blocks pinned")
     bottom.plot(times, [s.running for s in samples], label="running")

@@ -22,7 +22,6 @@ import json
 import os
 import re
 import shlex
-import signal
 import subprocess
 import sys
 import threading
@@ -47,6 +46,7 @@ from loadtests.report import (
     write_samples,
     write_summary,
 )
+from ragserve.server.process import ServerProcess
 
 REPO = Path(__file__).resolve().parents[1]
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
@@ -54,7 +54,6 @@ USER_CLASSES = ("DocQAUser", "ChatUser", "SummarizeUser", "IngestUser")
 MAX_DURATION_S = 3600.0
 MAX_USERS = 1000
 SERVER_START_TIMEOUT_S = 300.0
-_SERVER_URL = re.compile(r"ragserve serving .* at (http://\S+)/v1")
 _ENGINE_READY = re.compile(
     r"engine ready in .* on (\S+) \(.*?\), \d+ KV blocks of \d+ tokens \(([\d.]+) GiB\)"
 )
@@ -80,6 +79,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     target.add_argument("--max-num-seqs", type=int, default=None)
     target.add_argument("--max-num-batched-tokens", type=int, default=512)
     target.add_argument("--max-waiting-requests", type=int, default=None)
+    target.add_argument(
+        "--max-queue-seconds",
+        type=float,
+        default=None,
+        help="the server's budget for a new request's expected time to finish (503 past it)",
+    )
     target.add_argument("--server-args", default="", help="more `ragserve serve` flags, quoted")
     work = parser.add_argument_group("workload")
     work.add_argument("--max-tokens", type=int, default=16)
@@ -128,70 +133,50 @@ def _bounded(flag: str, value: float, low: float, high: float) -> None:
 # -- the server ----------------------------------------------------------------------------
 @dataclass
 class Target:
+    """The server under load: our own ``server`` (None for ``--host``) or a given URL."""
+
     url: str
     pid: int | None
-    process: subprocess.Popen[bytes] | None = None
-    log_path: Path | None = None
+    server: ServerProcess | None = None
     # NOTE: a CPU server's KV pages become resident as blocks are first used (calloc), so
     # RSS may grow by up to the KV budget without leaking: the RSS check allows for it.
     lazy_kv_mib: float = 0.0
 
     def check_alive(self) -> None:
         """RuntimeError if our own server has exited."""
-        if self.process is not None and self.process.poll() is not None:
-            raise RuntimeError(
-                f"the server exited with code {self.process.returncode}; see {self.log_path}"
-            )
+        if self.server is not None:
+            self.server.check_alive()
 
-    def stop(self, timeout: float = 30.0) -> None:
+    def stop(self) -> None:
         """SIGTERM our own server (graceful), SIGKILL if it lingers."""
-        if self.process is None or self.process.poll() is not None:
-            return
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        if self.server is not None:
+            self.server.stop()
 
 
-def server_command(args: argparse.Namespace) -> list[str]:
+def server_args(args: argparse.Namespace) -> list[str]:
+    """``ragserve serve`` flags for our own server (host and port are the helper's)."""
     waiting = args.overload_limit if args.overload else args.max_waiting_requests
-    command = [sys.executable, "-m", "ragserve", "serve", "--host", "127.0.0.1", "--port", "0"]
-    command += ["--kv-cache-gib", str(args.kv_cache_gib)]
-    command += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    flags = ["--kv-cache-gib", str(args.kv_cache_gib)]
+    flags += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     if args.model:
-        command += ["--model", args.model]
+        flags += ["--model", args.model]
     if args.max_num_seqs is not None:
-        command += ["--max-num-seqs", str(args.max_num_seqs)]
+        flags += ["--max-num-seqs", str(args.max_num_seqs)]
     if waiting is not None:
-        command += ["--max-waiting-requests", str(waiting)]
-    return command + shlex.split(args.server_args)
+        flags += ["--max-waiting-requests", str(waiting)]
+    if args.max_queue_seconds is not None:
+        flags += ["--max-queue-seconds", str(args.max_queue_seconds)]
+    return flags + shlex.split(args.server_args)
 
 
-def start_server(command: list[str], log_path: Path) -> Target:
-    """Start ``ragserve serve`` on port 0 and read the URL it logs."""
-    env = {**os.environ, "PYTHONPATH": _pythonpath(), "TOKENIZERS_PARALLELISM": "false"}
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
-    target = Target("", process.pid, process, log_path)
-    deadline = time.monotonic() + SERVER_START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        text = log_path.read_text(errors="replace")
-        match = _SERVER_URL.search(text)
-        if match:
-            target.url = require_loopback(match.group(1))
-            engine = _ENGINE_READY.search(text)
-            if engine is not None and engine.group(1) == "cpu":
-                target.lazy_kv_mib = float(engine.group(2)) * 1024
-            return target
-        if process.poll() is not None:
-            raise RuntimeError(f"the server exited with {process.returncode}; see {log_path}")
-        time.sleep(0.2)
-    target.stop()
-    raise RuntimeError(
-        f"the server did not start in {SERVER_START_TIMEOUT_S:.0f} s; see {log_path}"
-    )
+def start_server(flags: list[str], log_path: Path) -> Target:
+    """Start ``ragserve serve`` on loopback port 0; RuntimeError (quoting its log) on failure."""
+    server = ServerProcess(flags, log_path, start_timeout=SERVER_START_TIMEOUT_S).start()
+    target = Target(require_loopback(server.url), server.pid, server)
+    engine = _ENGINE_READY.search(server.log())
+    if engine is not None and engine.group(1) == "cpu":
+        target.lazy_kv_mib = float(engine.group(2)) * 1024
+    return target
 
 
 def _pythonpath() -> str:
@@ -350,7 +335,7 @@ def run(args: argparse.Namespace) -> int:
     if args.host is not None:
         target = Target(args.host, args.server_pid)
     else:
-        target = start_server(server_command(args), out / "server.log")
+        target = start_server(server_args(args), out / "server.log")
     try:
         return _measure(target, args, out)
     finally:
@@ -429,11 +414,12 @@ def _config(args: argparse.Namespace, target: Target) -> dict[str, Any]:
         "kv_cache_gib",
         "max_num_seqs",
         "max_waiting_requests",
+        "max_queue_seconds",
         "server_args",
     )
     config = {key: getattr(args, key) for key in keys}
     config["target"] = target.url
-    config["own_server"] = target.process is not None
+    config["own_server"] = target.server is not None
     return config
 
 

@@ -1,21 +1,11 @@
-"""A real ``ragserve serve`` in a subprocess on loopback, and helpers to talk to it.
-
-The server binds port 0 and logs the URL it got, so parallel test runs never race for a
-port. Its log goes to a file (a pipe nobody drains would block it) and is shown when
-something goes wrong.
-"""
+"""A real ``ragserve serve`` in a subprocess on loopback (see
+:mod:`ragserve.server.process`), and helpers to talk to it."""
 
 from __future__ import annotations
 
-import os
-import re
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,65 +13,29 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
+from ragserve.server.process import ServerProcess as _BaseServerProcess
+
 REPO = Path(__file__).resolve().parents[1]
 BLOCK_SIZE = 16
 # Small KV cache: plenty for the tests, light on a shared machine.
 BASE_ARGS = ("--kv-cache-gib", "0.25", "--max-num-batched-tokens", "512")
-_URL = re.compile(r"ragserve serving .* at (http://\S+)/v1")
 
 
-@dataclass
-class ServerProcess:
-    process: subprocess.Popen[bytes]
-    url: str
-    log_path: Path
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def stop(self, timeout: float = 30.0) -> int:
-        """SIGTERM (graceful shutdown); SIGKILL if it is still there after ``timeout``."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        return self.process.returncode
+class ServerProcess(_BaseServerProcess):
+    """The shared server helper plus what the tests read from a running server."""
 
     def metrics(self) -> dict[str, float]:
         return parse_metrics(requests.get(f"{self.url}/metrics", timeout=30).text)
 
 
 def start_server(*args: str, log_path: Path, timeout: float = 180.0) -> ServerProcess:
-    command = [sys.executable, "-m", "ragserve", "serve", "--port", "0", *BASE_ARGS, *args]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        match = _URL.search(log_path.read_text(errors="replace"))
-        if match:
-            return ServerProcess(process, match.group(1), log_path)
-        if process.poll() is not None:
-            raise RuntimeError(
-                f"the server exited with {process.returncode}:\n{log_path.read_text()[-4000:]}"
-            )
-        time.sleep(0.2)
-    process.kill()
-    raise RuntimeError(
-        f"the server did not start in {timeout:.0f} s:\n{log_path.read_text()[-4000:]}"
-    )
+    return ServerProcess([*BASE_ARGS, *args], log_path, start_timeout=timeout).start()
 
 
 @contextmanager
 def running_server(*args: str, log_path: Path) -> Iterator[ServerProcess]:
-    server = start_server(*args, log_path=log_path)
-    try:
+    with start_server(*args, log_path=log_path) as server:
         yield server
-    finally:
-        server.stop()
 
 
 def module_server(*args: str, api_key_file: str | None = None) -> Any:

@@ -238,6 +238,8 @@ def test_after_load_verdict_names_each_problem() -> None:
         base, snapshot(running=1, waiting=2, active=3), client(), limits, 30
     )
     assert stuck == ["requests stuck 30 s after the load: running=1 waiting=2 admitted=3"]
+    queued = after_load_problems(base, snapshot(queued_work=12), client(), limits, 30)
+    assert queued == ["admission still counts 12 tokens of work after the load (want 0)"]
     held = after_load_problems(base, snapshot(kv_used=7), client(), limits, 30)
     assert held and held[0].startswith("7 KV blocks still held by requests")
     grown = after_load_problems(base, snapshot(rss_bytes=1300 * MIB), client(), limits, 30)

@@ -1,7 +1,7 @@
 """Bad input, overload, disconnects and shutdown against a real ``ragserve serve``.
 
 The server has a short context (1024), a 64 KiB body limit and room for 3 requests in
-flight, so every limit is cheap to reach.
+flight (and no limit on queued work), so every limit is cheap to reach.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ server = module_server(
     "--served-model-name", MODEL,
     "--max-model-len", str(MAX_MODEL_LEN),
     "--max-waiting-requests", str(MAX_WAITING),
+    "--max-queue-seconds", "0",  # the count limit alone (work admission: test_server_admission)
     "--max-request-bytes", "65536",
     "--shutdown-timeout", "2",
 )  # fmt: skip
@@ -453,10 +454,10 @@ def test_sigterm_shuts_down_gracefully(server: ServerProcess) -> None:
     """Runs last: stops the module's server."""
     stream = OpenStream(server)
     stream.read_events(1)
-    server.process.send_signal(signal.SIGTERM)
+    server.send_signal(signal.SIGTERM)
     assert wait_for(lambda: _refuses_connections(server), 5)
     rest = stream.read_rest()  # cut after --shutdown-timeout (2 s)
-    assert server.process.wait(30) == 0
+    assert server.wait(30) == 0
     assert b"[DONE]" not in rest or b'"error"' in rest
     log = server.log()
     assert "shutting down: 1 engine requests in flight" in log and "engine stopped" in log

@@ -17,7 +17,9 @@ from ragserve.server.summarize_jobs import PrioritySlots
 KEY_A, KEY_B = "key-summaries-a", "key-summaries-b"
 A = {"Authorization": f"Bearer {KEY_A}"}
 B = {"Authorization": f"Bearer {KEY_B}"}
-server = module_server("--api-key", KEY_A, "--api-key", KEY_B)
+# NOTE: no limit on queued work here: these tests fill the job queue on purpose (work
+# admission of jobs: test_server_admission.py).
+server = module_server("--api-key", KEY_A, "--api-key", KEY_B, "--max-queue-seconds", "0")
 
 PATH = "/v1/pipelines/summarize"
 USED = 'ragserve_kv_blocks{state="used"}'
@@ -335,8 +337,8 @@ def test_shutdown_cancels_running_jobs(server: ServerProcess) -> None:
         await wait_job(http, job["id"], lambda j: j["progress"]["calls_total"] > 0)
 
     run(server, body)
-    server.process.send_signal(signal.SIGTERM)
-    assert server.process.wait(30) == 0
+    server.send_signal(signal.SIGTERM)
+    assert server.wait(30) == 0
     log = server.log()
     assert "cancelled 1 unfinished summarization jobs" in log and "engine stopped" in log
     assert "Traceback" not in log

@@ -8,27 +8,26 @@ import dataclasses
 import json
 import os
 import random
-import re
+import select
 import signal
 import statistics
 import subprocess
 import sys
-import threading
+import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import Any, TypeVar
+from typing import Any
 
 import aiohttp
 
 from ragserve.bench.common import print_table, write_json
 from ragserve.cli import CliError
 from ragserve.config import EngineConfig
-
-T = TypeVar("T")
+from ragserve.server.process import ServerProcess, ServerStartError
 
 HOST = "127.0.0.1"
 OVERHEAD_TARGET = 1.2
@@ -39,7 +38,6 @@ MIN_DOC_TOKENS = 32
 # design and the server reports the exact count on upload.
 TOKENS_PER_LINE = 28
 OVERHEAD_QUESTION = "In one word: is this document a maintenance manual?"
-_SERVING = re.compile(r"ragserve serving .* at http://127\.0\.0\.1:(\d+)/v1")
 _PARTS = ("bearing", "seal", "impeller", "shaft", "gasket", "rotor", "coupling", "sensor")
 _PERIODS = ("days", "weeks", "months")
 
@@ -51,7 +49,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests-per-level", type=int, default=32)
     parser.add_argument("--doc-tokens", type=int, default=2000, help="approximate document size")
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens generated per answer")
-    parser.add_argument("--overhead-repeats", type=int, default=20)
+    parser.add_argument(
+        "--overhead-repeats", type=int, default=60, help="timed HTTP/offline pairs, interleaved"
+    )
+    parser.add_argument("--overhead-warmup", type=int, default=5, help="untimed pairs first")
+    parser.add_argument(
+        "--overhead-only", action="store_true", help="measure the overhead, skip the load levels"
+    )
+    parser.add_argument(
+        "--server-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="environment for the server and the offline engine alike (e.g. OMP_NUM_THREADS=1)",
+    )
     parser.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request")
     parser.add_argument("--server-timeout", type=float, default=300.0, help="seconds to start")
     parser.add_argument("--out", default="bench-results/serve.json")
@@ -77,13 +88,26 @@ def validate(args: argparse.Namespace) -> list[int]:
         "--doc-tokens": (args.doc_tokens, MIN_DOC_TOKENS, 10_000_000),
         "--max-tokens": (args.max_tokens, 1, 65_536),
         "--overhead-repeats": (args.overhead_repeats, 1, 10_000),
+        "--overhead-warmup": (args.overhead_warmup, 0, 1000),
         "--request-timeout": (args.request_timeout, 1, 3600),
         "--server-timeout": (args.server_timeout, 1, 3600),
     }
     for flag, (value, low, high) in bounds.items():
         if not low <= value <= high:
             raise ValueError(f"{flag} must be in [{low}, {high}], got {value}")
+    server_env(args.server_env)
     return concurrency_levels(args.concurrency)
+
+
+def server_env(pairs: list[str]) -> dict[str, str]:
+    """``["A=1", "B=x"]`` → ``{"A": "1", "B": "x"}``; ValueError for an entry without ``=``."""
+    env: dict[str, str] = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not name:
+            raise ValueError(f"--server-env takes NAME=VALUE, got {pair!r}")
+        env[name] = value
+    return env
 
 
 # -- workload ------------------------------------------------------------------------------
@@ -128,68 +152,27 @@ def engine_flags(config: EngineConfig) -> list[str]:
         value = getattr(config, item.name)
         if item.name == "enable_prefix_caching":
             flags += [] if value else ["--no-prefix-caching"]
+        elif isinstance(value, bool):  # store_true switches
+            flags += [f"--{item.name.replace('_', '-')}"] if value else []
         elif value is not None:
             flags += [f"--{item.name.replace('_', '-')}", str(value)]
     return flags
 
 
-def server_command(config: EngineConfig) -> list[str]:
-    command = [sys.executable, "-m", "ragserve", "--log-level", "INFO", "serve"]
-    return command + ["--host", HOST, "--port", "0", *engine_flags(config)]
-
-
-@dataclass
-class ServerProcess:
-    process: subprocess.Popen[bytes]
-    url: str
-    log_path: Path
-
-    def stop(self, timeout: float = 30.0) -> int:
-        """SIGTERM (graceful); SIGKILL if it is still there after ``timeout`` or on Ctrl-C."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                pass
-            finally:
-                if self.process.poll() is None:
-                    self.process.kill()
-                    self.process.wait()
-        return self.process.returncode
-
-
-def start_server(command: list[str], log_path: Path, timeout: float) -> ServerProcess:
-    """Start the server on port 0 and read the loopback port it logs; stopped on any failure.
-
-    Raises CliError (with the end of its log) when it exits or does not start in time.
-    """
-    package_root = str(Path(__file__).resolve().parents[2])
-    pythonpath = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "PYTHONPATH": pythonpath, "TOKENIZERS_PARALLELISM": "false"}
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-    server = ServerProcess(process, "", log_path)
+def start_server(
+    config: EngineConfig, log_path: Path, timeout: float, env: dict[str, str]
+) -> ServerProcess:
+    """``ragserve serve`` with ``config``'s flags on loopback; CliError (quoting its log) on failure."""
+    # NOTE: no work-based admission: each level is a fixed number of closed-loop clients,
+    # and what it measures is how the engine serves them, not which ones a budget refuses.
+    flags = [*engine_flags(config), "--max-queue-seconds", "0"]
+    server = ServerProcess(
+        flags, log_path, host=HOST, log_level="INFO", env=env, start_timeout=timeout
+    )
     try:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            match = _SERVING.search(log_path.read_text(errors="replace"))
-            if match:
-                server.url = f"http://{HOST}:{match.group(1)}"
-                return server
-            if process.poll() is not None:
-                raise CliError(
-                    f"the server exited with {process.returncode}:\n{_log_tail(log_path)}"
-                )
-            time.sleep(0.2)
-        raise CliError(f"the server did not start in {timeout:.0f} s:\n{_log_tail(log_path)}")
-    except BaseException:
-        server.stop()
-        raise
-
-
-def _log_tail(log_path: Path, chars: int = 3000) -> str:
-    return log_path.read_text(errors="replace")[-chars:]
+        return server.start()
+    except ServerStartError as exc:
+        raise CliError(str(exc)) from None
 
 
 @contextmanager
@@ -350,33 +333,64 @@ async def run_level(
     return LevelResult(concurrency, time.perf_counter() - started, results)
 
 
-async def http_overhead(
-    session: aiohttp.ClientSession, url: str, body: dict[str, Any], repeats: int
-) -> tuple[list[float], dict[str, Any]]:
-    """Round-trip seconds of ``repeats`` identical requests after one that caches the prompt."""
-    timings: list[float] = []
-    usage: dict[str, Any] = {}
-    for attempt in range(repeats + 1):
-        started = time.perf_counter()
-        async with session.post(f"{url}/v1/chat/completions", json=body) as response:
-            payload = await response.json()
-            if response.status != 200:
-                raise RuntimeError(f"overhead request failed with {response.status}: {payload}")
-        if attempt:
-            timings.append(time.perf_counter() - started)
-        usage = payload["usage"]
-    return timings, usage
+async def http_once(
+    session: aiohttp.ClientSession, url: str, body: dict[str, Any]
+) -> tuple[float, dict[str, Any]]:
+    """Round-trip seconds and usage of one non-streamed chat."""
+    started = time.perf_counter()
+    async with session.post(f"{url}/v1/chat/completions", json=body) as response:
+        payload = await response.json()
+        if response.status != 200:
+            raise RuntimeError(f"overhead request failed with {response.status}: {payload}")
+    return time.perf_counter() - started, payload["usage"]
+
+
+@dataclass
+class OverheadRun:
+    """Interleaved timings of the same ``max_tokens=1`` prompt on both paths."""
+
+    http_s: list[float] = field(default_factory=list)
+    offline_s: list[float] = field(default_factory=list)
+    http_usage: dict[str, Any] = field(default_factory=dict)
+    offline_usage: dict[str, Any] = field(default_factory=dict)
+
+
+async def measure_overhead(
+    session: aiohttp.ClientSession,
+    url: str,
+    body: dict[str, Any],
+    offline: OfflineWorker,
+    repeats: int,
+    warmup: int,
+) -> OverheadRun:
+    """``warmup`` untimed pairs, then ``repeats`` timed pairs, alternating which path goes
+    first so that slow drift of the machine falls on both alike."""
+    run = OverheadRun()
+    for index in range(warmup + repeats):
+        for path in ("http", "offline") if index % 2 == 0 else ("offline", "http"):
+            if path == "http":
+                seconds, run.http_usage = await http_once(session, url, body)
+            else:
+                seconds, run.offline_usage = offline.run_once()
+            if index >= warmup:
+                (run.http_s if path == "http" else run.offline_s).append(seconds)
+    return run
 
 
 @dataclass
 class HttpRun:
     document: dict[str, Any]
-    overhead_s: list[float]
-    overhead_usage: dict[str, Any]
+    overhead: OverheadRun
     levels: list[LevelResult]
 
 
-async def measure_http(url: str, text: str, levels: list[int], args: argparse.Namespace) -> HttpRun:
+async def measure_http(
+    url: str,
+    text: str,
+    levels: list[int],
+    args: argparse.Namespace,
+    offline: OfflineWorker,
+) -> HttpRun:
     connector = aiohttp.TCPConnector(limit=max(levels))
     timeout = aiohttp.ClientTimeout(total=args.request_timeout)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
@@ -385,78 +399,98 @@ async def measure_http(url: str, text: str, levels: list[int], args: argparse.Na
         document = await upload_document(session, url, text, args.request_timeout)
         document["ingest_s"] = time.perf_counter() - started
         doc_id = document["id"]
+        offline.start()
         overhead_body = chat_body(doc_id, OVERHEAD_QUESTION, 1, stream=False)
-        timings, usage = await http_overhead(session, url, overhead_body, args.overhead_repeats)
+        overhead = await measure_overhead(
+            session, url, overhead_body, offline, args.overhead_repeats, args.overhead_warmup
+        )
+        offline.close()
         results = []
-        for index, concurrency in enumerate(levels):
+        for index, concurrency in enumerate([] if args.overhead_only else levels):
             first = index * args.requests_per_level
             bodies = [
                 chat_body(doc_id, question(first + n), args.max_tokens, stream=True)
                 for n in range(args.requests_per_level)
             ]
             results.append(await run_level(session, url, bodies, concurrency))
-    return HttpRun(document, timings, usage, results)
+    return HttpRun(document, overhead, results)
 
 
 # -- the offline engine --------------------------------------------------------------------
-@dataclass
-class OfflineRun:
-    timings_s: list[float]
-    prompt_tokens: int
-    cached_tokens: int
+class OfflineWorker:
+    """:mod:`ragserve.bench.serve_offline` in a subprocess: one timed generate per call.
 
-
-def offline_overhead(config: EngineConfig, text: str, repeats: int) -> OfflineRun:
-    """The overhead prompt's exact token ids through ``LLM.generate``: run once, then timed.
-
-    As in the server, the engine is built on this thread and steps on a worker thread.
-    NOTE: on the CPU, torch's intra-op threads behave differently on the thread that first
-    ran a parallel op; on a busy two-core machine one 9-token step took 4.7 s there and
-    0.15 s on a later thread (OpenMP spin-waiting), so the offline steps must run where the
-    server's do for the ratio to measure HTTP and not the thread pool.
+    It gets the server's engine flags and environment, so the two sides differ only by
+    the HTTP service. Its log (stderr) goes to ``log_path``.
     """
-    from ragserve import LLM, SamplingParams
-    from ragserve.server.prompts import PromptBuilder
 
-    llm = LLM.from_config(config)
-    builder = PromptBuilder(llm.get_tokenizer())
-    try:
-        messages = [{"role": "user", "content": OVERHEAD_QUESTION}]
-        ids = builder.chat_ids(messages, [builder.document_ids(text)])
-        params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    def __init__(
+        self,
+        config: EngineConfig,
+        text: str,
+        log_path: Path,
+        env: dict[str, str],
+        timeout: float,
+    ) -> None:
+        self._tempdir = tempfile.TemporaryDirectory(prefix="ragserve-bench-")
+        self.doc_path = Path(self._tempdir.name) / "document.txt"
+        self.doc_path.write_text(text, encoding="utf-8")
+        self.log_path = log_path
+        self.command = [sys.executable, "-m", "ragserve.bench.serve_offline"]
+        self.command += [str(self.doc_path), OVERHEAD_QUESTION, *engine_flags(config)]
+        package_root = str(Path(__file__).resolve().parents[2])
+        pythonpath = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
+        self.env = {
+            **os.environ, "PYTHONPATH": pythonpath, "TOKENIZERS_PARALLELISM": "false", **env
+        }
+        self.timeout = timeout
+        self.process: subprocess.Popen[str] | None = None
+        self.prompt_tokens = 0
 
-        def timed() -> OfflineRun:
-            llm.generate([ids], params, use_tqdm=False)
-            timings: list[float] = []
-            for _ in range(repeats):
-                started = time.perf_counter()
-                output = llm.generate([ids], params, use_tqdm=False)[0]
-                timings.append(time.perf_counter() - started)
-            return OfflineRun(timings, len(ids), output.num_cached_tokens)
+    def start(self) -> None:
+        with self.log_path.open("w") as log:
+            self.process = subprocess.Popen(
+                self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+                text=True, env=self.env,
+            )  # fmt: skip
+        self.prompt_tokens = int(self._read()["prompt_tokens"])
 
-        return on_worker_thread(timed)
-    finally:
-        builder.close()
-        llm.close()
+    def run_once(self) -> tuple[float, dict[str, Any]]:
+        """Seconds of one ``LLM.generate`` and its usage (prompt and cached tokens)."""
+        assert self.process is not None and self.process.stdin is not None
+        self.process.stdin.write("run\n")
+        self.process.stdin.flush()
+        reply = self._read()
+        usage = {"prompt_tokens": reply["prompt_tokens"], "cached_tokens": reply["cached_tokens"]}
+        return float(reply["seconds"]), usage
 
+    def _read(self) -> dict[str, Any]:
+        assert self.process is not None and self.process.stdout is not None
+        ready, _, _ = select.select([self.process.stdout], [], [], self.timeout)
+        line = self.process.stdout.readline() if ready else ""
+        if not line:
+            self.close()
+            tail = self.log_path.read_text(errors="replace")[-3000:]
+            raise CliError(f"the offline engine did not answer within {self.timeout:.0f} s:\n{tail}")
+        reply: dict[str, Any] = json.loads(line)
+        if "error" in reply:
+            raise CliError(f"the offline engine failed: {reply['error']}")
+        return reply
 
-def on_worker_thread(fn: Callable[[], T]) -> T:
-    """``fn()`` on a fresh daemon thread (so Ctrl-C is not held up by it); re-raises its error."""
-    outcome: list[T] = []
-    failure: list[BaseException] = []
-
-    def target() -> None:
+    def close(self) -> None:
+        """Stop the subprocess (end of input, then SIGKILL after 30 s); idempotent."""
+        process = self.process
+        if process is None or process.poll() is not None:
+            self._tempdir.cleanup()
+            return
+        assert process.stdin is not None
+        process.stdin.close()
         try:
-            outcome.append(fn())
-        except BaseException as exc:  # handed to the caller
-            failure.append(exc)
-
-    thread = threading.Thread(target=target, name="ragserve-bench-offline", daemon=True)
-    thread.start()
-    thread.join()
-    if failure:
-        raise failure[0]
-    return outcome[0]
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        self._tempdir.cleanup()
 
 
 # -- the whole run -------------------------------------------------------------------------
@@ -466,47 +500,57 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
     Steps:
 
     1. Start ``ragserve serve`` in a subprocess on 127.0.0.1 (port 0, a free port) with this
-       command's engine flags, wait for ``/health``, upload one deterministic long document and
-       wait until it is ready (its blocks are pinned).
-    2. Overhead: a non-streamed ``max_tokens=1`` chat on one cached prompt, median of
-       ``--overhead-repeats`` round trips (after one untimed run that caches it).
-    3. Load: for each ``--concurrency`` level, ``--requests-per-level`` streamed chats from that
-       many concurrent clients, every one a distinct question on the document (so only the
-       document is a shared prefix). Per level: requests/s, time to first token p50/p99,
-       output tokens/s, cached-token ratio (``cached_tokens / prompt_tokens`` from the usage
-       chunk) and failures.
-    4. Stop the server, then time the same ``max_tokens=1`` prompt (the same token ids) on the
-       offline engine in this process, and report HTTP median / offline median (target 1.2x).
-       NOTE: the offline part runs only after the server has exited, so the two never compete
-       for the cores or the accelerator.
+       command's engine flags (and ``--server-env``; ``--max-queue-seconds 0``: the levels
+       are closed loops of fixed size, not offered load), wait for ``/health``, upload one
+       deterministic long document and wait until it is ready (its blocks are pinned).
+    2. Overhead: start the offline engine (:mod:`ragserve.bench.serve_offline`) in a second
+       subprocess with the same flags and environment; it builds exactly the token ids the
+       server builds for the chat. Then ``--overhead-warmup`` untimed and
+       ``--overhead-repeats`` timed pairs, interleaved: a non-streamed ``max_tokens=1`` chat
+       over HTTP (client round trip) and one ``LLM.generate`` of the same ids (timed inside
+       the offline process), each with the same cached prefix. Reported: median, p10/p90 and
+       min of each side, the ratio of medians (target 1.2x) and the median of the per-pair
+       ratios. Only one of the two processes works at any time; the other is idle.
+    3. Load (unless ``--overhead-only``): for each ``--concurrency`` level,
+       ``--requests-per-level`` streamed chats from that many concurrent clients, every one a
+       distinct question on the document (so only the document is a shared prefix). Per
+       level: requests/s, time to first token p50/p99, output tokens/s, cached-token ratio
+       (``cached_tokens / prompt_tokens`` from the usage chunk) and failures.
 
-    Traffic goes only to the loopback address the server is bound to. The server is always
-    stopped (SIGTERM, SIGKILL if it lingers): on success, errors, Ctrl-C and SIGTERM.
-    Exit code 1 when any request failed, else 0; the overhead target is reported, not enforced.
+    Traffic goes only to the loopback address the server is bound to. Both subprocesses are
+    always stopped: on success, errors, Ctrl-C and SIGTERM. Exit code 1 when any request
+    failed, else 0; the overhead target is reported, not enforced.
     """
+    from ragserve.server.cli import thread_policy_env
+
     levels = validate(args)
+    # NOTE: the server sets its own thread policy at start; the offline engine gets the same.
+    env = {**thread_policy_env(config.device), **server_env(args.server_env)}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     log_path = out.with_suffix(".server.log")
     text = document_text(args.doc_tokens)
-    command = server_command(config)
+    offline_log = out.with_suffix(".offline.log")
+    offline = OfflineWorker(config, text, offline_log, env, args.request_timeout)
     with sigterm_as_exit():
-        server = start_server(command, log_path, args.server_timeout)
+        server = start_server(config, log_path, args.server_timeout, env)
         try:
-            served = asyncio.run(measure_http(server.url, text, levels, args))
+            served = asyncio.run(measure_http(server.url, text, levels, args, offline))
         finally:
+            offline.close()
             server.stop()
-        offline = offline_overhead(config, text, args.overhead_repeats)
     summaries = [level.summary() for level in served.levels]
-    overhead = overhead_summary(served, offline)
+    overhead = overhead_summary(served.overhead)
     report(args, served.document, summaries, overhead)
     workload = {k: v for k, v in vars(args).items() if k != "func"}
     write_json(
         out,
         {
             "workload": workload,
-            "server_command": command,
+            "server_command": server.command,
+            "server_env": env,
             "server_log": str(log_path),
+            "offline_log": str(offline_log),
             "document": served.document,
             "levels": summaries,
             "overhead": overhead,
@@ -515,23 +559,33 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
     return 1 if any(s["failures"] for s in summaries) else 0
 
 
-def overhead_summary(served: HttpRun, offline: OfflineRun) -> dict[str, Any]:
-    http_s = statistics.median(served.overhead_s)
-    offline_s = statistics.median(offline.timings_s)
-    ratio = http_s / offline_s
+def spread(values: list[float]) -> dict[str, float]:
     return {
-        "http_median_s": http_s,
-        "http_min_s": min(served.overhead_s),
-        "offline_median_s": offline_s,
-        "offline_min_s": min(offline.timings_s),
+        "median": statistics.median(values),
+        "p10": percentile(values, 0.10),
+        "p90": percentile(values, 0.90),
+        "min": min(values),
+    }
+
+
+def overhead_summary(run: OverheadRun) -> dict[str, Any]:
+    http, offline = spread(run.http_s), spread(run.offline_s)
+    ratio = http["median"] / offline["median"]
+    pair_ratios = [h / o for h, o in zip(run.http_s, run.offline_s, strict=True)]
+    return {
+        "http_s": http,
+        "offline_s": offline,
         "ratio": ratio,
+        "pair_ratio": spread(pair_ratios),
         "target_ratio": OVERHEAD_TARGET,
         "within_target": ratio <= OVERHEAD_TARGET,
-        "http_prompt_tokens": served.overhead_usage["prompt_tokens"],
-        "http_cached_tokens": served.overhead_usage["prompt_tokens_details"]["cached_tokens"],
-        "offline_prompt_tokens": offline.prompt_tokens,
-        "offline_cached_tokens": offline.cached_tokens,
-        "repeats": len(offline.timings_s),
+        "http_prompt_tokens": run.http_usage["prompt_tokens"],
+        "http_cached_tokens": run.http_usage["prompt_tokens_details"]["cached_tokens"],
+        "offline_prompt_tokens": run.offline_usage["prompt_tokens"],
+        "offline_cached_tokens": run.offline_usage["cached_tokens"],
+        "repeats": len(run.http_s),
+        "http_timings_s": run.http_s,
+        "offline_timings_s": run.offline_s,
     }
 
 
@@ -544,34 +598,45 @@ def report(
     def ms(value: float | None) -> float | str:
         return "-" if value is None else value * 1000
 
-    print_table(
-        f"serve: document QA over HTTP, {document['tokens']}-token document "
-        f"(ingested in {document['ingest_s']:.2f} s), {args.max_tokens} new tokens per answer",
-        ["concurrency", "requests", "failures", "req/s", "TTFT p50 ms", "TTFT p99 ms",
-         "out tok/s", "cached ratio"],
-        [
-            [s["concurrency"], s["requests"], s["failures"], s["requests_per_s"],
-             ms(s["ttft_p50_s"]), ms(s["ttft_p99_s"]), s["output_tokens_per_s"],
-             "-" if s["cached_token_ratio"] is None else s["cached_token_ratio"]]
-            for s in levels
-        ],
-    )
+    if levels:
+        print_table(
+            f"serve: document QA over HTTP, {document['tokens']}-token document "
+            f"(ingested in {document['ingest_s']:.2f} s), {args.max_tokens} new tokens per answer",
+            ["concurrency", "requests", "failures", "req/s", "TTFT p50 ms", "TTFT p99 ms",
+             "out tok/s", "cached ratio"],
+            [
+                [s["concurrency"], s["requests"], s["failures"], s["requests_per_s"],
+                 ms(s["ttft_p50_s"]), ms(s["ttft_p99_s"]), s["output_tokens_per_s"],
+                 "-" if s["cached_token_ratio"] is None else s["cached_token_ratio"]]
+                for s in levels
+            ],
+        )  # fmt: skip
+    rows = []
+    for name, key, prefix in (
+        ("HTTP (non-streamed chat)", "http_s", "http"),
+        ("offline LLM.generate", "offline_s", "offline"),
+    ):
+        t = overhead[key]
+        rows.append(
+            [name, ms(t["median"]), ms(t["p10"]), ms(t["p90"]), ms(t["min"]),
+             overhead[f"{prefix}_prompt_tokens"], overhead[f"{prefix}_cached_tokens"]]
+        )  # fmt: skip
     print_table(
         f"server overhead: max_tokens=1 on a cached {overhead['http_prompt_tokens']}-token "
-        f"prompt, median of {overhead['repeats']}",
-        ["path", "median ms", "min ms", "prompt tokens", "cached tokens"],
-        [
-            ["HTTP (non-streamed chat)", ms(overhead["http_median_s"]), ms(overhead["http_min_s"]),
-             overhead["http_prompt_tokens"], overhead["http_cached_tokens"]],
-            ["offline LLM.generate", ms(overhead["offline_median_s"]),
-             ms(overhead["offline_min_s"]), overhead["offline_prompt_tokens"],
-             overhead["offline_cached_tokens"]],
-        ],
+        f"prompt, {overhead['repeats']} interleaved pairs",
+        ["path", "median ms", "p10 ms", "p90 ms", "min ms", "prompt tokens", "cached tokens"],
+        rows,
     )
     verdict = "within" if overhead["within_target"] else "OVER"
-    print(f"\nHTTP / offline = {overhead['ratio']:.2f}x ({verdict} the {OVERHEAD_TARGET}x target)")
+    pairs = overhead["pair_ratio"]
+    print(
+        f"\nHTTP / offline = {overhead['ratio']:.2f}x ({verdict} the {OVERHEAD_TARGET}x target); "
+        f"per pair: median {pairs['median']:.2f}x, p10 {pairs['p10']:.2f}x, p90 {pairs['p90']:.2f}x"
+    )
     if overhead["http_prompt_tokens"] != overhead["offline_prompt_tokens"]:
         print("warning: the HTTP and offline prompts differ in length (unequal work)")
+    if overhead["http_cached_tokens"] != overhead["offline_cached_tokens"]:
+        print("warning: the HTTP and offline prompts differ in cached tokens (unequal work)")
     for s in levels:
         for error in s["errors"]:
             print(f"concurrency {s['concurrency']}: {error}")

@@ -23,13 +23,16 @@ from aiohttp import web
 
 from ragserve.engine.async_engine import AsyncEngine
 from ragserve.server import document_routes, openai_routes, ops_routes, pipeline_routes
-from ragserve.server.auth import make_auth_middleware
+from ragserve.server.admission import WorkAdmission
+from ragserve.server.auth import make_auth_middleware, tenant_name
 from ragserve.server.config import ServerConfig
+from ragserve.server.document_store import DocumentStore
 from ragserve.server.documents import DocumentService
 from ragserve.server.errors import error_middleware
 from ragserve.server.metrics import ServerMetrics, make_metrics_middleware
 from ragserve.server.prompts import PromptBuilder
 from ragserve.server.state import (
+    ADMISSION,
     CONFIG,
     DOCUMENTS,
     DRAINING,
@@ -72,11 +75,13 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> web.A
         ],
     )
     prompts = PromptBuilder(engine.tokenizer)
+    admission = WorkAdmission(config.max_queue_seconds)
     app[ENGINE] = engine
+    app[ADMISSION] = admission
     app[CONFIG] = config
     app[METRICS] = metrics
     app[PROMPTS] = prompts
-    app[DOCUMENTS] = DocumentService(engine, prompts)
+    app[DOCUMENTS] = DocumentService(engine, prompts, admission, document_store(engine))
     app[MODEL_NAME] = config.served_model_name or engine.model_name
     app[STARTED_AT] = int(time.time())
     app[DRAINING] = asyncio.Event()
@@ -99,7 +104,24 @@ async def _start_draining(app: web.Application) -> None:
     )
 
 
+def document_store(engine: AsyncEngine) -> DocumentStore | None:
+    """The registry file's home: the disk KV tier's directory, when the engine has one."""
+    config = engine.engine.config
+    if engine.engine.tiers is None or config.kv_disk_gib <= 0:
+        return None
+    from kvstore.disk_tier import default_disk_dir
+
+    directory = config.kv_disk_dir or default_disk_dir()
+    return DocumentStore(directory, engine.engine.loaded.fingerprint)
+
+
 async def _engine_lifecycle(app: web.Application) -> AsyncIterator[None]:
+    keys = app[CONFIG].api_keys
+    tenants = {tenant_name(key) for key in keys} if keys else {""}
+    try:
+        await app[DOCUMENTS].restore(tenants)
+    except Exception:  # NOTE: a registry problem must never stop the server starting
+        logger.exception("stored documents could not be restored")
     yield
     await app[DOCUMENTS].close()
     app[PROMPTS].close()

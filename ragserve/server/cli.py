@@ -6,6 +6,8 @@ import argparse
 import asyncio
 import dataclasses
 import logging
+import os
+import sys
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -36,6 +38,13 @@ def add_parser(subparsers: Any) -> None:
         default=1024,
         help="requests in flight before new ones get 503 with Retry-After",
     )
+    server.add_argument(
+        "--max-queue-seconds",
+        type=float,
+        default=20.0,
+        help="503 with Retry-After when a new request's expected time to finish (queued "
+        "tokens over the measured token rate) exceeds this; 0 turns it off",
+    )
     server.add_argument("--max-request-bytes", type=int, default=32 * 2**20)
     server.add_argument(
         "--shutdown-timeout",
@@ -47,6 +56,36 @@ def add_parser(subparsers: Any) -> None:
     parser.set_defaults(func=run)
 
 
+# NOTE: measured with ``ragserve bench serve`` on two shared cores: OpenMP workers that
+# spin between parallel regions (libgomp's default) compete with the event loop and the
+# other processes; sleeping at once made the cached max_tokens=1 round trip faster and
+# far steadier (BENCHMARKS.md, "Serve overhead").
+CPU_THREAD_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def thread_policy_env(device: str) -> dict[str, str]:
+    """Environment the server wants on the CPU that is not set yet (the user's own
+    settings win). Empty on an accelerator."""
+    import torch
+
+    on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+    if not on_cpu:
+        return {}
+    return {name: value for name, value in CPU_THREAD_ENV.items() if name not in os.environ}
+
+
+def _restart_with(env: dict[str, str]) -> None:
+    """Replace this process with the same command under ``env`` (same pid, same output).
+
+    NOTE: OpenMP reads its settings when torch loads, before any of our code can run;
+    restarting the interpreter is the only way to apply them to ``ragserve serve`` itself.
+    """
+    logger.info("restarting with %s", " ".join(f"{k}={v}" for k, v in sorted(env.items())))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], {**os.environ, **env})
+
+
 def run(args: argparse.Namespace) -> int:
     from ragserve.cli import CliError, engine_config_from_args
     from ragserve.engine.async_engine import AsyncEngine
@@ -54,6 +93,9 @@ def run(args: argparse.Namespace) -> int:
     from ragserve.server.auth import read_api_key_file
     from ragserve.server.config import ServerConfig
 
+    missing = thread_policy_env(args.device)
+    if missing:
+        _restart_with(missing)
     api_keys = list(args.api_key)
     if args.api_key_file:
         api_keys += read_api_key_file(args.api_key_file)
@@ -63,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
         api_keys=tuple(api_keys),
         served_model_name=args.served_model_name,
         max_waiting_requests=args.max_waiting_requests,
+        max_queue_seconds=args.max_queue_seconds,
         max_request_bytes=args.max_request_bytes,
         shutdown_timeout=args.shutdown_timeout,
     )

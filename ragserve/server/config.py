@@ -18,6 +18,9 @@ class ServerConfig:
     api_keys: tuple[str, ...] = ()
     served_model_name: str | None = None  # None: the engine's model name
     max_waiting_requests: int = 1024  # engine requests in flight before answering 503
+    # 503 when a new request's expected time to finish exceeds this (0: no such check);
+    # see ragserve.server.admission.
+    max_queue_seconds: float = 20.0
     max_request_bytes: int = 32 * 2**20
     max_n: int = 16
     max_documents_per_request: int = 16
@@ -30,6 +33,8 @@ class ServerConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be >= 1, got {self.max_waiting_requests}")
+        if not self.max_queue_seconds >= 0:  # NOTE: also refuses NaN
+            raise ValueError(f"max_queue_seconds must be >= 0, got {self.max_queue_seconds}")
         if self.max_request_bytes < 1024:
             raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
         if self.max_n < 1 or self.max_documents_per_request < 1:

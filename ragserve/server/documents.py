@@ -5,8 +5,14 @@ finds the existing document and computes nothing. Ingestion prefills the documen
 prompt prefix (see :mod:`ragserve.server.prompts`) with a one-token greedy request, then
 pins its full blocks so they are never evicted while the document exists. A question on a
 document still ingesting does not wait: the engine makes it share the blocks being
-computed. Documents live in memory; a restarted server forgets them (their blocks may
-still be found in the CPU or disk tiers when re-uploaded).
+computed.
+
+With a :class:`~ragserve.server.document_store.DocumentStore` (a server with a disk KV
+tier) the registry is saved on every upload and delete, and :meth:`DocumentService.restore`
+brings it back at start-up: each stored document of a current tenant is registered again
+and re-ingested in the background, which is cheap because its blocks come back from the
+disk tier. Documents of tenants the server no longer has a key for stay in the file,
+untouched, until a server with that key starts.
 """
 
 from __future__ import annotations
@@ -24,8 +30,11 @@ import xxhash
 
 from ragserve.engine.async_engine import AsyncEngine
 from ragserve.sampling_params import SamplingParams
+from ragserve.server.admission import WorkAdmission
+from ragserve.server.document_store import DocumentStore, StoredDocument
 from ragserve.server.engine_access import call_engine
 from ragserve.server.errors import APIError, bad_request
+from ragserve.server.generation import check_work
 from ragserve.server.prompts import PromptBuilder
 
 logger = logging.getLogger(__name__)
@@ -67,6 +76,9 @@ class Document:
     def pin_id(self) -> str:
         return f"doc-{self.id}"
 
+    def stored(self) -> StoredDocument:
+        return StoredDocument(self.id, self.namespace, self.token_ids, self.metadata, self.created)
+
     def to_json(self, block_size: int) -> dict[str, Any]:
         return {
             "id": self.id,
@@ -83,14 +95,30 @@ class Document:
 
 
 class DocumentService:
-    """Owns every tenant's documents and their ingestion tasks. Event-loop only."""
+    """Owns every tenant's documents and their ingestion tasks. Event-loop only.
 
-    def __init__(self, engine: AsyncEngine, prompts: PromptBuilder) -> None:
+    ``admission``: ingestion counts as work there, and an upload that would wait too long
+    gets a 503. ``store``: where the registry persists (None: in memory only).
+    """
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        prompts: PromptBuilder,
+        admission: WorkAdmission | None = None,
+        store: DocumentStore | None = None,
+    ) -> None:
         self.engine = engine
         self.prompts = prompts
+        self.admission = admission
+        self.store = store
         self.block_size: int = engine.engine.config.block_size
         self._docs: dict[tuple[str, str], Document] = {}
         self._ids = itertools.count()
+        self._dormant: list[StoredDocument] = []  # stored, of tenants not configured now
+        self._changes = 0  # registry changes so far
+        self._saved_changes = 0  # changes the file on disk holds
+        self._save_lock = asyncio.Lock()
 
     def get(self, namespace: str, doc_id: str, param: str = "id") -> Document:
         doc = self._docs.get((namespace, check_document_id(doc_id, param)))
@@ -114,6 +142,22 @@ class DocumentService:
         """The documents' tokens, in order, for a prompt; 404 for any id the tenant lacks."""
         return [self.get(namespace, doc_id, "documents").token_ids for doc_id in doc_ids]
 
+    def cached_prefix_tokens(self, namespace: str, doc_ids: list[str]) -> int:
+        """Leading prompt tokens a request on ``doc_ids`` can count on finding cached: its
+        first document's pinned tokens, or its full blocks while its ingestion (whose own
+        work is counted) computes them; 0 otherwise.
+
+        NOTE: a ready document that could not be pinned (pins are capped) may have been
+        evicted, so it counts as computed again: better to overestimate the work."""
+        if not doc_ids:
+            return 0
+        doc = self._docs.get((namespace, doc_ids[0]))
+        if doc is None or doc.status == "failed":
+            return 0
+        if doc.status == "ready":
+            return doc.pinned_tokens
+        return len(doc.prefix_ids) // self.block_size * self.block_size
+
     def existing(self, namespace: str, text: str) -> Document | None:
         """The live document holding exactly this text, if any (a failed one does not count)."""
         doc = self._docs.get((namespace, document_id(namespace, text)))
@@ -132,12 +176,19 @@ class DocumentService:
         existing = self.existing(namespace, text)  # another upload may have won the race
         if existing is not None:
             return existing, False
+        if self.admission is not None:
+            check_work(self.admission, len(prefix_ids), 1)
         doc_id = document_id(namespace, text)
         doc = Document(doc_id, namespace, token_ids, prefix_ids, metadata, int(time.time()))
-        self._docs[(namespace, doc_id)] = doc
-        doc.task = asyncio.create_task(self._ingest(doc), name=f"ingest-{doc_id}")
+        self._register(doc)
         logger.info("document %s: %d tokens, ingesting", doc_id, len(token_ids))
+        await self._save()
         return doc, True
+
+    def _register(self, doc: Document) -> None:
+        self._docs[(doc.namespace, doc.id)] = doc
+        doc.task = asyncio.create_task(self._ingest(doc), name=f"ingest-{doc.id}")
+        self._changes += 1
 
     def _check_fits(self, num_tokens: int, num_prefix_tokens: int) -> None:
         max_len = self.engine.max_model_len
@@ -161,11 +212,18 @@ class DocumentService:
         params = SamplingParams(max_tokens=1, temperature=0.0)
         request_id = f"ingest-{doc.id[:16]}-{next(self._ids)}"
         started = time.perf_counter()
+        admission = self.admission
+        ticket = admission.admit(len(doc.prefix_ids), 1) if admission is not None else None
         try:
             stream = self.engine.generate(doc.prefix_ids, params, request_id, doc.namespace)
             async with contextlib.aclosing(stream):  # type: ignore[type-var]
-                async for _ in stream:
-                    pass
+                async for output in stream:
+                    if admission is not None and ticket is not None and output.finished:
+                        computed = len(output.prompt_token_ids) - output.num_cached_tokens
+                        generated = len(output.outputs[0].token_ids) if output.outputs else 0
+                        admission.progress(
+                            ticket, prompt=len(doc.prefix_ids), computed=computed, generated=generated
+                        )
             prefix_ids, namespace, pin_id = doc.prefix_ids, doc.namespace, doc.pin_id
             pinned = await call_engine(
                 self.engine, lambda engine: engine.pin_prefix(pin_id, prefix_ids, namespace)
@@ -176,6 +234,9 @@ class DocumentService:
             doc.status, doc.error = "failed", str(exc)
             logger.warning("document %s: ingestion failed: %s", doc.id, exc)
             return
+        finally:
+            if admission is not None and ticket is not None:
+                admission.release(ticket)
         doc.status, doc.pinned_tokens = "ready", pinned
         logger.info(
             "document %s: ready in %.2fs, %d tokens pinned",
@@ -187,6 +248,7 @@ class DocumentService:
     async def remove(self, namespace: str, doc_id: str) -> Document:
         doc = self.get(namespace, doc_id)
         del self._docs[(namespace, doc.id)]
+        self._changes += 1
         if doc.task is not None and not doc.task.done():
             doc.task.cancel()
             await asyncio.gather(doc.task, return_exceptions=True)
@@ -195,7 +257,59 @@ class DocumentService:
             # NOTE: commands run in order on the engine thread, so this unpin also undoes a
             # pin that a just-cancelled ingestion had already queued.
             await call_engine(self.engine, lambda engine: engine.unpin_prefix(pin_id))
+        await self._save()
         return doc
+
+    # -- persistence -----------------------------------------------------------------------
+    async def restore(self, tenants: set[str]) -> int:
+        """Register and re-ingest the stored documents of ``tenants``; returns how many.
+
+        Never raises for a bad file or entry (see :mod:`ragserve.server.document_store`).
+        """
+        if self.store is None:
+            return 0
+        stored = await asyncio.get_running_loop().run_in_executor(None, self.store.load)
+        restored = 0
+        for entry in stored:
+            if entry.namespace not in tenants or (entry.namespace, entry.id) in self._docs:
+                self._dormant.append(entry)
+                continue
+            prefix_ids = self.prompts.document_prefix(entry.token_ids)
+            try:
+                self._check_fits(len(entry.token_ids), len(prefix_ids))
+            except APIError as exc:
+                logger.warning("stored document %s not restored: %s", entry.id, exc.message)
+                self._dormant.append(entry)
+                continue
+            doc = Document(
+                entry.id, entry.namespace, entry.token_ids, prefix_ids, entry.metadata, entry.created
+            )
+            self._register(doc)
+            restored += 1
+        if stored:
+            logger.info(
+                "document registry %s: %d documents restored, %d kept for other tenants",
+                self.store.path, restored, len(stored) - restored,
+            )  # fmt: skip
+        self._saved_changes = self._changes  # the file already says this
+        return restored
+
+    async def _save(self) -> None:
+        """Write the registry if it changed; later callers share one write. Errors are logged."""
+        if self.store is None:
+            return
+        wanted = self._changes
+        async with self._save_lock:
+            if self._saved_changes >= wanted:
+                return
+            snapshot = self._changes
+            docs = [doc.stored() for doc in self._docs.values()] + self._dormant
+            try:
+                await asyncio.get_running_loop().run_in_executor(None, self.store.save, docs)
+            except OSError as exc:
+                logger.warning("document registry %s not saved: %s", self.store.path, exc)
+                return
+            self._saved_changes = snapshot
 
     async def close(self) -> None:
         tasks = [doc.task for doc in self._docs.values() if doc.task is not None]

@@ -12,7 +12,7 @@ import contextlib
 import json
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
@@ -20,6 +20,7 @@ from aiohttp import web
 from ragserve.engine.async_engine import AsyncEngine
 from ragserve.outputs import RequestOutput
 from ragserve.sampling_params import SamplingParams
+from ragserve.server.admission import UNBOUNDED_ANSWER_TOKENS, Ticket, WorkAdmission
 from ragserve.server.config import ServerConfig
 from ragserve.server.errors import APIError, bad_request
 from ragserve.server.metrics import ServerMetrics
@@ -35,6 +36,8 @@ class GenerationJob:
     prompts: list[list[int]]
     params: SamplingParams
     namespace: str
+    # Per prompt: (prompt tokens to compute, answer tokens), for the server's WorkAdmission.
+    work: tuple[list[int], list[int]] | None = None
 
 
 def make_sampling_params(**kwargs: Any) -> SamplingParams:
@@ -45,9 +48,18 @@ def make_sampling_params(**kwargs: Any) -> SamplingParams:
 
 
 def check_admission(
-    engine: AsyncEngine, config: ServerConfig, num_requests: int, draining: bool
+    engine: AsyncEngine,
+    config: ServerConfig,
+    num_requests: int,
+    draining: bool,
+    admission: WorkAdmission | None = None,
+    prompt_tokens: int = 0,
+    decode_steps: int = 0,
+    sequences: int = 1,
 ) -> None:
-    """503 with Retry-After when shutting down or when too many requests are in flight."""
+    """503 with Retry-After when shutting down, when too many requests are in flight, or
+    when the new request would take longer than ``config.max_queue_seconds`` to finish
+    (see :mod:`ragserve.server.admission`)."""
     retry = {"Retry-After": str(config.retry_after_seconds)}
     if draining:
         raise APIError(503, "the server is shutting down", code="shutting_down", headers=retry)
@@ -60,6 +72,44 @@ def check_admission(
             code="overloaded",
             headers=retry,
         )
+    if admission is not None:
+        check_work(admission, prompt_tokens, decode_steps, sequences)
+
+
+def check_work(
+    admission: WorkAdmission, prompt_tokens: int, decode_steps: int, sequences: int = 1
+) -> None:
+    """503 with Retry-After when the new request would take too long to finish."""
+    verdict = admission.check(prompt_tokens, decode_steps, sequences)
+    if verdict is not None:
+        raise APIError(
+            503,
+            f"the server is at capacity: this request ({prompt_tokens} prompt tokens to compute, "
+            f"up to {decode_steps} tokens to generate) would take about "
+            f"{verdict.expected_s:.0f} s with the work ahead of it "
+            f"({admission.prompt_outstanding} prompt tokens, {admission.sequences_answering} "
+            f"answers being generated), over the {admission.max_queue_seconds:.0f} s budget; "
+            "retry later",
+            code="overloaded",
+            headers={"Retry-After": str(verdict.retry_after_s)},
+        )
+
+
+def estimate_work(
+    prompt_lengths: list[int], cached_prefix: int, params: SamplingParams, max_model_len: int
+) -> tuple[list[int], list[int]]:
+    """Per prompt: (prompt tokens to compute, tokens it may generate over its ``n`` choices).
+
+    ``cached_prefix``: leading tokens expected to be cached (a document's pinned prefix).
+    At least one prompt token is always computed.
+    """
+    prompt = [max(1, length - cached_prefix) for length in prompt_lengths]
+    answer = []
+    for length in prompt_lengths:
+        room = max_model_len - length
+        bound = UNBOUNDED_ANSWER_TOKENS if params.max_tokens is None else params.max_tokens
+        answer.append(min(room, bound) * params.n)
+    return prompt, answer
 
 
 def check_context(
@@ -91,15 +141,25 @@ def check_context(
 
 
 async def run_job(
-    engine: AsyncEngine, job: GenerationJob, metrics: ServerMetrics, endpoint: str
+    engine: AsyncEngine,
+    job: GenerationJob,
+    metrics: ServerMetrics,
+    endpoint: str,
+    admission: WorkAdmission | None = None,
 ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
     """Cumulative outputs of every prompt, tagged with the prompt's index.
 
     Engine rejections (ValueError) come out as 400s. The caller must close this iterator
-    (``contextlib.aclosing``); closing it aborts every unfinished engine request.
+    (``contextlib.aclosing``); closing it aborts every unfinished engine request and
+    releases the job's ticket from ``admission``.
     """
     started = time.perf_counter()
     last_seen: dict[int, tuple[float, int]] = {}
+    ticket = None
+    if admission is not None and job.work is not None:
+        sequences = len(job.prompts) * job.params.n
+        ticket = admission.admit(sum(job.work[0]), sum(job.work[1]), sequences)
+    counted = Progress()
     streams = [
         engine.generate(prompt, job.params, f"{job.request_id}-{index}", job.namespace)
         for index, prompt in enumerate(job.prompts)
@@ -120,9 +180,42 @@ async def run_job(
                 last_seen[index] = (now, num_tokens)
             if output.finished:
                 metrics.record_finished(endpoint, output)
+            if admission is not None and ticket is not None and job.work is not None:
+                counted.update(admission, ticket, job.work[0][index], index, output, num_tokens)
             yield index, output
     except ValueError as exc:
         raise bad_request(str(exc)) from None
+    finally:
+        if admission is not None and ticket is not None:
+            admission.release(ticket)
+
+
+@dataclass
+class Progress:
+    """What a job has already reported to admission, per prompt index."""
+
+    prompt_seen: set[int] = field(default_factory=set)
+    generated: dict[int, int] = field(default_factory=dict)
+
+    def update(
+        self,
+        admission: WorkAdmission,
+        ticket: Ticket,
+        prompt_estimate: int,
+        index: int,
+        output: RequestOutput,
+        num_tokens: int,
+    ) -> None:
+        computed = 0
+        estimate_done = 0
+        if (num_tokens or output.finished) and index not in self.prompt_seen:
+            self.prompt_seen.add(index)
+            computed = len(output.prompt_token_ids) - output.num_cached_tokens
+            estimate_done = prompt_estimate
+        new = num_tokens - self.generated.get(index, 0)
+        self.generated[index] = num_tokens
+        if computed or estimate_done or new:
+            admission.progress(ticket, prompt=estimate_done, computed=computed, generated=new)
 
 
 async def _merge(

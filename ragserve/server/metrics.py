@@ -21,6 +21,7 @@ from prometheus_client.registry import Collector
 from kvstore.tier import TierMetrics
 from ragserve.engine.llm_engine import LLMEngine
 from ragserve.outputs import RequestOutput
+from ragserve.server.admission import WorkAdmission
 
 logger = logging.getLogger(__name__)
 
@@ -214,8 +215,40 @@ class ServerMetrics:
             ["pipeline", "status"],
             registry=self.registry,
         )
+        self.queued_work = Gauge(
+            "ragserve_admission_outstanding_tokens",
+            "Estimated tokens of admitted work not done yet, by kind",
+            ["kind"],
+            registry=self.registry,
+        )
+        self.token_cost = Gauge(
+            "ragserve_admission_token_seconds",
+            "Measured engine seconds per prompt token computed / answer token generated "
+            "(0: not measured yet)",
+            ["kind"],
+            registry=self.registry,
+        )
+        self.answering = Gauge(
+            "ragserve_admission_answering_sequences",
+            "Admitted sequences past their prompt, generating their answer",
+            registry=self.registry,
+        )
+        self.queue_seconds = Gauge(
+            "ragserve_admission_expected_seconds",
+            "Expected seconds to finish the outstanding work alone (0: not measured yet)",
+            registry=self.registry,
+        )
         self._engine = _EngineCollector()
         self.registry.register(self._engine)
+
+    def record_admission(self, admission: WorkAdmission) -> None:
+        self.queued_work.labels("prompt").set(admission.prompt_outstanding)
+        self.queued_work.labels("answer").set(admission.answer_outstanding)
+        costs = admission.costs()
+        self.token_cost.labels("prompt").set(costs.prompt_s if costs else 0.0)
+        self.token_cost.labels("answer").set(costs.answer_s if costs else 0.0)
+        self.answering.set(admission.sequences_answering)
+        self.queue_seconds.set(admission.drain_seconds() or 0.0)
 
     def record_finished(self, endpoint: str, output: RequestOutput) -> None:
         self.prompt_tokens.labels(endpoint).inc(len(output.prompt_token_ids))

@@ -27,6 +27,7 @@ from ragserve.server.generation import (
     SSEWriter,
     check_admission,
     check_context,
+    estimate_work,
     make_sampling_params,
     run_job,
 )
@@ -40,6 +41,7 @@ from ragserve.server.responses import (
     usage,
 )
 from ragserve.server.state import (
+    ADMISSION,
     CONFIG,
     DOCUMENTS,
     DRAINING,
@@ -137,13 +139,32 @@ async def _prepare(request: web.Request, body: GenerationRequest) -> tuple[str, 
 
 
 def _job(
-    request: web.Request, prefix: str, prompts: list[list[int]], params: SamplingParams
+    request: web.Request,
+    prefix: str,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    doc_ids: list[str] | None,
 ) -> GenerationJob:
+    """Admit the request (503 past the limits) and count its work until it ends."""
     app = request.app
-    check_admission(app[ENGINE], app[CONFIG], len(prompts), app[DRAINING].is_set())
+    engine, admission = app[ENGINE], app[ADMISSION]
+    cached = app[DOCUMENTS].cached_prefix_tokens(tenant(request), doc_ids or [])
+    prompt_work, answer_work = estimate_work(
+        [len(ids) for ids in prompts], cached, params, engine.max_model_len
+    )
+    check_admission(
+        engine,
+        app[CONFIG],
+        len(prompts),
+        app[DRAINING].is_set(),
+        admission,
+        sum(prompt_work),
+        max(answer_work) // params.n,
+        len(prompts) * params.n,
+    )
     # NOTE: a client may reuse an X-Request-Id; engine ids must still be unique.
     engine_id = f"{prefix}-{request_id(request)}-{uuid.uuid4().hex[:8]}"
-    return GenerationJob(engine_id, prompts, params, tenant(request))
+    return GenerationJob(engine_id, prompts, params, tenant(request), (prompt_work, answer_work))
 
 
 # -- /v1/chat/completions ------------------------------------------------------------------
@@ -159,7 +180,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     check_context([len(ids)], max_tokens, app[ENGINE].max_model_len, "messages", param)
     top_n = body.top_logprobs or 0
     params = _sampling_params(body, max_tokens, top_n if body.logprobs else None)
-    job = _job(request, "chatcmpl", [ids], params)
+    job = _job(request, "chatcmpl", [ids], params, body.documents)
     public_id = f"chatcmpl-{request_id(request)}"
     created = int(time.time())
     text_of = TokenText(prompts.tokenizer)
@@ -238,7 +259,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         max_tokens = min(app[CONFIG].completion_default_max_tokens, room)
     top_n = body.logprobs or 0
     params = _sampling_params(body, max_tokens, body.logprobs)
-    job = _job(request, "cmpl", ids_list, params)
+    job = _job(request, "cmpl", ids_list, params, body.documents)
     public_id = f"cmpl-{request_id(request)}"
     text_of = TokenText(prompts.tokenizer)
     base = {
@@ -302,7 +323,7 @@ async def _collect(request: web.Request, job: GenerationJob, endpoint: str) -> l
     app = request.app
     started = time.perf_counter()
     finals: dict[int, RequestOutput] = {}
-    stream = run_job(app[ENGINE], job, app[METRICS], endpoint)
+    stream = run_job(app[ENGINE], job, app[METRICS], endpoint, app[ADMISSION])
     async with contextlib.aclosing(stream):
         async for index, output in stream:
             if output.finished:
@@ -325,7 +346,7 @@ async def _stream(
     app = request.app
     started = time.perf_counter()
     state = StreamState()
-    stream = run_job(app[ENGINE], job, app[METRICS], endpoint)
+    stream = run_job(app[ENGINE], job, app[METRICS], endpoint, app[ADMISSION])
     async with contextlib.aclosing(stream):
         # NOTE: wait for the first output before sending headers, so a request the engine
         # rejects still gets its 4xx status.

@@ -10,7 +10,7 @@ from ragserve.engine.async_engine import EngineDeadError
 from ragserve.server.engine_access import call_engine
 from ragserve.server.metrics import CONTENT_TYPE, EngineSnapshot
 from ragserve.server.openapi import build_spec
-from ragserve.server.state import DOCUMENTS, DRAINING, ENGINE, METRICS
+from ragserve.server.state import ADMISSION, DOCUMENTS, DRAINING, ENGINE, METRICS
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +43,7 @@ async def metrics(request: web.Request) -> web.Response:
         snapshot = EngineSnapshot()
     snapshot.active_requests = engine.num_active_requests
     snapshot.documents = app[DOCUMENTS].count_by_status()
+    app[METRICS].record_admission(app[ADMISSION])
     body = app[METRICS].render(snapshot)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 

@@ -19,7 +19,16 @@ from ragserve.server.body import parse_request
 from ragserve.server.errors import bad_request
 from ragserve.server.generation import check_admission
 from ragserve.server.prompts import DOCUMENT_CLOSE, DOCUMENT_OPEN
-from ragserve.server.state import CONFIG, DOCUMENTS, DRAINING, ENGINE, METRICS, PROMPTS, tenant
+from ragserve.server.state import (
+    ADMISSION,
+    CONFIG,
+    DOCUMENTS,
+    DRAINING,
+    ENGINE,
+    METRICS,
+    PROMPTS,
+    tenant,
+)
 from ragserve.server.summarize_jobs import ENDPOINT, SummarizeJobs
 
 SUMMARIZE_JOBS: web.AppKey[SummarizeJobs] = web.AppKey("summarize_jobs")
@@ -66,8 +75,8 @@ class SummarizeRequest(BaseModel):
 
 
 def add_routes(app: web.Application) -> None:
-    """Register the routes and the job registry (needs ENGINE, PROMPTS and METRICS set)."""
-    app[SUMMARIZE_JOBS] = SummarizeJobs(app[ENGINE], app[PROMPTS], app[METRICS])
+    """Register the routes and the job registry (needs ENGINE, PROMPTS, METRICS, ADMISSION)."""
+    app[SUMMARIZE_JOBS] = SummarizeJobs(app[ENGINE], app[PROMPTS], app[METRICS], app[ADMISSION])
     app.router.add_post(ENDPOINT, create_summarize_job)
     app.router.add_get(ENDPOINT, list_summarize_jobs)
     app.router.add_get(ENDPOINT + "/{id}", get_summarize_job)

@@ -9,6 +9,7 @@ from aiohttp import web
 
 if TYPE_CHECKING:
     from ragserve.engine.async_engine import AsyncEngine
+    from ragserve.server.admission import WorkAdmission
     from ragserve.server.config import ServerConfig
     from ragserve.server.documents import DocumentService
     from ragserve.server.metrics import ServerMetrics
@@ -17,6 +18,7 @@ if TYPE_CHECKING:
 ENGINE: web.AppKey[AsyncEngine] = web.AppKey("engine")
 CONFIG: web.AppKey[ServerConfig] = web.AppKey("config")
 METRICS: web.AppKey[ServerMetrics] = web.AppKey("metrics")
+ADMISSION: web.AppKey[WorkAdmission] = web.AppKey("admission")
 DOCUMENTS: web.AppKey[DocumentService] = web.AppKey("documents")
 PROMPTS: web.AppKey[PromptBuilder] = web.AppKey("prompts")
 MODEL_NAME: web.AppKey[str] = web.AppKey("model_name", str)

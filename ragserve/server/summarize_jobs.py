@@ -32,7 +32,9 @@ from typing import Any, Literal
 from pipelines.documents import Document
 from pipelines.summarize import Call, DocumentJob, SummarizeOptions, Summarizer
 from ragserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestAbortedError
+from ragserve.server.admission import Ticket, WorkAdmission
 from ragserve.server.errors import APIError, bad_request
+from ragserve.server.generation import check_work
 from ragserve.server.metrics import ServerMetrics
 from ragserve.server.prompts import PromptBuilder
 
@@ -162,6 +164,7 @@ class SummarizeJobs:
         engine: AsyncEngine,
         prompts: PromptBuilder,
         metrics: ServerMetrics,
+        admission: WorkAdmission | None = None,
         *,
         max_jobs: int = 100,
         max_queued: int = 64,
@@ -176,6 +179,8 @@ class SummarizeJobs:
         self.engine = engine
         self.prompts = prompts
         self.metrics = metrics
+        self.admission = admission
+        self._tickets: dict[str, Ticket] = {}  # job id -> its work in ``admission``
         self.max_jobs = max_jobs
         self.max_queued = max_queued
         self.concurrency = min(concurrency, engine.engine.config.max_num_seqs)
@@ -237,6 +242,11 @@ class SummarizeJobs:
                 code="too_many_jobs",
                 headers=retry,
             )
+        prompt_work, answer_work = estimate_job_work(documents, summarizer)
+        if self.admission is not None:
+            # NOTE: a job's calls answer in parallel, then each reduce after its inputs:
+            # two summaries one after the other, as one sequence's steps.
+            check_work(self.admission, prompt_work, 2 * summarizer.max_summary_tokens)
         job = SummarizeJob(
             id=uuid.uuid4().hex,
             namespace=namespace,
@@ -246,6 +256,8 @@ class SummarizeJobs:
             results=[None] * len(documents),
         )
         self._jobs[job.id] = job
+        if self.admission is not None:
+            self._tickets[job.id] = self.admission.admit(prompt_work, answer_work)
         self.metrics.pipeline_jobs_active.labels(PIPELINE, "queued").inc()
         job.task = asyncio.create_task(self._run(job), name=f"summarize-{job.id}")
         logger.info("summarize job %s: %d documents queued", job.id, len(documents))
@@ -300,6 +312,9 @@ class SummarizeJobs:
         self.metrics.pipeline_jobs.labels(PIPELINE, status).inc()
         job.status, job.error, job.finished_at = status, error, int(time.time())
         job.documents = []  # NOTE: kept jobs hold results only, never their (large) inputs
+        ticket = self._tickets.pop(job.id, None)
+        if self.admission is not None and ticket is not None:
+            self.admission.release(ticket)  # what the estimate left over was never work
 
     # -- running -----------------------------------------------------------------------------
     async def _run(self, job: SummarizeJob) -> None:
@@ -376,6 +391,29 @@ class SummarizeJobs:
         assert final is not None and final.finished, "a stream ends with its finished output"
         completion = final.outputs[0]
         self.metrics.record_finished(ENDPOINT, final)
+        ticket = self._tickets.get(job.id)
+        if self.admission is not None and ticket is not None:
+            computed = len(final.prompt_token_ids) - final.num_cached_tokens
+            generated = len(completion.token_ids)
+            self.admission.progress(ticket, prompt=computed, computed=computed, generated=generated)
         job.calls_done += 1
         job.generated_tokens += len(completion.token_ids)
         return call, completion.text, len(completion.token_ids), completion.finish_reason
+
+
+def estimate_job_work(documents: list[Document], summarizer: Summarizer) -> tuple[int, int]:
+    """(prompt tokens, answer tokens) a job is expected to take, for admission: every
+    document's tokens prefilled once by its map calls, and a summary per chunk plus one
+    per reduce (whose prompts, the summaries, are counted too).
+
+    NOTE: tokens are guessed from characters (about 4 a token in English) so that the
+    estimate costs nothing; the real counts are reported call by call as they finish.
+    """
+    prompt = answer = 0
+    for document in documents:
+        tokens = len(document.text) // 4 + 1
+        chunks = -(-tokens // max(1, summarizer.chunk_tokens))
+        summaries = summarizer.max_summary_tokens * (chunks + 1)
+        prompt += tokens + summaries
+        answer += summaries
+    return prompt, answer
