@@ -142,6 +142,8 @@ def _attention_with_lse(
                 None, True, 0.0, causal, False, scale=scale,
             )  # fmt: skip
             return result[0], result[1].reshape(q.shape[:3])
+        except torch.OutOfMemoryError:
+            raise  # no reason to give up on cuDNN for good
         except RuntimeError as exc:
             _cudnn_failed = True
             logger.warning("cuDNN attention unavailable (%s); chunks use flash attention", exc)
