@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu_decode_attention import attend_decode
 from kernels.cpu_paged_attention import (
     ContextPlan,
     GatherWorkspace,
@@ -39,7 +40,8 @@ class _StepPlan:
 
 
 class ReferenceBackend(AttentionBackend):
-    """Loops over prefill chunks; batches all single-token decodes into one padded SDPA call.
+    """Loops over prefill chunks; batches all single-token decodes into one padded SDPA call
+    (or, for long bf16 CPU contexts, per-sequence products: ``kernels/cpu_decode_attention.py``).
 
     The first layer of a forward pass plans it (KV write rows, block lists, masks); the other
     layers reuse the plan. Context K/V are gathered into a workspace this backend owns (see
@@ -93,7 +95,7 @@ class ReferenceBackend(AttentionBackend):
         kv_heads = kv_layer.shape[3]
         # NOTE: one query token per sequence: a kv head's query heads are its "query rows".
         grouped = query.view(n, kv_heads, heads // kv_heads, dim)
-        return attend(grouped, kv_layer, plan, scale, self._workspace).reshape(n, heads, dim)
+        return attend_decode(grouped, kv_layer, plan, scale, self._workspace).reshape(n, heads, dim)
 
     @staticmethod
     def _make_plan(

@@ -164,7 +164,9 @@ def _attend_tile(
     return acc, m_new, l_i
 
 
-@triton.jit
+# NOTE: integers that change from step to step are not specialised (Triton would compile
+# a variant per "== 1" / "divisible by 16" case, each about a second, mid-serving).
+@triton.jit(do_not_specialize=["num_seqs", "num_splits", "stride_table"])
 def _paged_attention_kernel(
     out_ptr,
     q_ptr,
@@ -276,7 +278,7 @@ def _paged_attention_kernel(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(
     out_ptr,
     part_acc_ptr,

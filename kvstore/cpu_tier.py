@@ -1,4 +1,10 @@
-"""Host-memory KV tier: one preallocated tensor of block slots, LRU eviction."""
+"""Host-memory KV tier: one preallocated tensor of block slots, LRU eviction.
+
+Batched loads (``load_rows_into`` / ``load_many_into``) issue every host-to-device copy
+with ``non_blocking=True`` from the pinned slots, queued on the destination device's
+current stream, and return without waiting: the copies stream back to back, overlapped
+with the host's next work, instead of one synchronous round trip per block.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +12,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -25,6 +31,10 @@ logger = logging.getLogger(__name__)
 
 EvictCallback = Callable[[BlockLike, torch.Tensor], None]
 
+# NOTE: a merged run is issued once it reaches this size, so the first copies of a batch
+# start while later blocks are still being verified.
+MAX_RUN_BYTES = 64 << 20
+
 
 class CpuTier(KVTier):
     """``capacity_bytes // block_nbytes`` slots in one (pinned when CUDA is available) tensor.
@@ -33,7 +43,13 @@ class CpuTier(KVTier):
     one ``put`` call. The index's order is LRU first. ``on_evict(meta, slot_view)``
     runs before an evicted slot is reused and must copy what it needs before returning
     (the manager hands it to the disk tier, whose ``put`` copies synchronously).
-    Thread-safe; copies run under the tier's lock so a slot is never read while refilled.
+    Thread-safe: the index, the free list and every load are handled under one lock.
+
+    Asynchronous copies: a batched load records an event per destination device after its
+    copies; before a slot is handed out again (``put``, eviction) or the tier closes, the
+    recorded events are waited for, under the lock. So a slot an in-flight copy may still
+    read is never rewritten. Work that uses the destination blocks on the same stream is
+    ordered after the copies by the stream itself.
     """
 
     def __init__(
@@ -67,6 +83,8 @@ class CpuTier(KVTier):
         self._lock = threading.RLock()
         self._metrics = TierMetrics(capacity_bytes=num_slots * self.block_nbytes)
         self._closed = False
+        # Events after batched loads whose copies may still read slots (CUDA only).
+        self._reads_in_flight: list[torch.cuda.Event] = []
 
     def __len__(self) -> int:
         return len(self._index)
@@ -110,6 +128,7 @@ class CpuTier(KVTier):
         return copied
 
     def _take_slot_locked(self) -> int | None:
+        self._wait_for_reads_locked()  # the slot handed out is refilled at once
         if self._free:
             return self._free.pop()
         if not self._index:
@@ -127,25 +146,140 @@ class CpuTier(KVTier):
     def load_into(self, meta: BlockLike, dest: torch.Tensor) -> bool:
         self.check_block(dest, "destination")
         start = time.perf_counter()
-        key = record_key(meta)
         with self._lock:
-            entry = self._index.get(key)
-            if entry is None or self._closed:
-                self._metrics.misses += 1
-                return False
-            slot, stored = entry
-            if not same_block(stored, meta):
-                # NOTE: same hash and fingerprint, other tokens: a collision; never serve it.
-                self._metrics.mismatched_records += 1
-                self._metrics.misses += 1
+            slot = self._hit_slot_locked(meta)
+            if slot is None:
                 return False
             dest.copy_(self._storage[slot])
-            self._index.move_to_end(key)
-            self._metrics.hits += 1
-            self._metrics.bytes_read += self.block_nbytes
-            self._metrics.load_count += 1
-            self._metrics.load_seconds_total += time.perf_counter() - start
+            self._count_loads_locked(1, time.perf_counter() - start)
             return True
+
+    def load_rows_into(
+        self, metas: Sequence[BlockLike], cache: torch.Tensor, rows: Sequence[int]
+    ) -> list[bool]:
+        """Load ``metas[i]`` into ``cache[rows[i]]`` (any device) as one batch.
+
+        ``cache`` is a block-major tensor ``[n, *block_shape]`` (the device KV cache); the
+        rows must be distinct. Hits are copied asynchronously from the pinned slots, a run
+        of consecutive rows stored in consecutive slots as one copy; the call returns once
+        they are queued (see the class docstring). Misses leave their rows unspecified.
+        """
+        if len(rows) != len(metas):
+            raise ValueError(f"{len(metas)} blocks to load but {len(rows)} destination rows")
+        if tuple(cache.shape[1:]) != self.block_shape or cache.dtype != self.dtype:
+            raise ValueError(
+                f"the destination must hold blocks of {self.block_shape} {self.dtype}, "
+                f"got {tuple(cache.shape)} {cache.dtype}"
+            )
+
+        def copy_run(first: int, slot: int, length: int) -> None:
+            cache[rows[first] : rows[first] + length].copy_(
+                self._storage[slot : slot + length], non_blocking=True
+            )
+
+        def contiguous(index: int, first: int, length: int) -> bool:
+            return rows[index] == rows[first] + length
+
+        return self._load_batch(metas, copy_run, contiguous, [cache.device])
+
+    def load_many_into(
+        self, metas: Sequence[BlockLike], dests: torch.Tensor | Sequence[torch.Tensor]
+    ) -> list[bool]:
+        """Batched ``load_into`` (see ``load_rows_into``): asynchronous copies."""
+        self.check_batch(metas, dests)
+        if isinstance(dests, torch.Tensor):
+            return self.load_rows_into(metas, dests, range(len(metas)))
+        for dest in dests:
+            self.check_block(dest, "destination")
+
+        def copy_one(first: int, slot: int, length: int) -> None:
+            assert length == 1, "separate destinations are never merged"
+            dests[first].copy_(self._storage[slot], non_blocking=True)
+
+        return self._load_batch(metas, copy_one, lambda *_: False, [d.device for d in dests])
+
+    def _load_batch(
+        self,
+        metas: Sequence[BlockLike],
+        copy_run: Callable[[int, int, int], None],
+        contiguous: Callable[[int, int, int], bool],
+        devices: Iterable[torch.device],
+    ) -> list[bool]:
+        """Verify each meta and queue the hits' copies run by run, under the lock.
+
+        ``copy_run(first, slot, length)`` copies slots ``slot..slot+length-1`` into the
+        destinations of metas ``first..first+length-1``; ``contiguous(index, first,
+        length)`` says whether meta ``index``'s destination directly follows that run's.
+        """
+        start = time.perf_counter()
+        found = [False] * len(metas)
+        max_run = max(1, MAX_RUN_BYTES // self.block_nbytes)
+        with self._lock:
+            run: tuple[int, int, int] | None = None  # (first meta, first slot, length)
+            try:
+                for index, meta in enumerate(metas):
+                    slot = self._hit_slot_locked(meta)
+                    if slot is None:
+                        continue
+                    found[index] = True
+                    if run is not None:
+                        first, first_slot, length = run
+                        if (
+                            index == first + length
+                            and slot == first_slot + length
+                            and length < max_run
+                            and contiguous(index, first, length)
+                        ):
+                            run = (first, first_slot, length + 1)
+                            continue
+                        copy_run(*run)
+                    run = (index, slot, 1)
+                if run is not None:
+                    copy_run(*run)
+            finally:
+                # NOTE: even when a copy raised: earlier copies may still read slots.
+                self._track_reads_locked(devices)
+            hits = sum(found)
+            self._count_loads_locked(hits, time.perf_counter() - start)
+        return found
+
+    def _hit_slot_locked(self, meta: BlockLike) -> int | None:
+        """The slot holding exactly ``meta`` (now most recently used), or None, counted."""
+        key = record_key(meta)
+        entry = None if self._closed else self._index.get(key)
+        if entry is None:
+            self._metrics.misses += 1
+            return None
+        slot, stored = entry
+        if not same_block(stored, meta):
+            # NOTE: same hash and fingerprint, other tokens: a collision; never serve it.
+            self._metrics.mismatched_records += 1
+            self._metrics.misses += 1
+            return None
+        self._index.move_to_end(key)
+        return slot
+
+    def _track_reads_locked(self, devices: Iterable[torch.device]) -> None:
+        """Remember the batch's copies; a slot is reused only after they have completed."""
+        self._reads_in_flight = [event for event in self._reads_in_flight if not event.query()]
+        for device in set(devices):
+            if device.type == "cuda":
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(device))
+                self._reads_in_flight.append(event)
+
+    def _wait_for_reads_locked(self) -> None:
+        for event in self._reads_in_flight:
+            event.synchronize()
+        self._reads_in_flight.clear()
+
+    def _count_loads_locked(self, hits: int, seconds: float) -> None:
+        if not hits:
+            return
+        self._metrics.hits += hits
+        self._metrics.bytes_read += hits * self.block_nbytes
+        self._metrics.load_count += hits
+        self._metrics.load_seconds_total += seconds
 
     def discard(self, meta: BlockLike) -> bool:
         with self._lock:
@@ -170,5 +304,6 @@ class CpuTier(KVTier):
 
     def close(self) -> None:
         with self._lock:
+            self._wait_for_reads_locked()
             self._closed = True
             self._index.clear()

@@ -76,6 +76,46 @@ def default_disk_dir() -> Path:
     return Path(base) / "ragserve" / "kv"
 
 
+class _StagingRing:
+    """A reader thread's pinned host buffers for records bound for a GPU, used in turn.
+
+    ``copy_out`` starts the copy of the buffer last taken to its destination and records
+    an event; ``take`` waits for that buffer's previous copy before handing it out again,
+    so a buffer is never overwritten while a copy may still read it.
+    """
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, depth: int = 2) -> None:
+        pin = torch.cuda.is_available()
+        self._buffers = [torch.empty(shape, dtype=dtype, pin_memory=pin) for _ in range(depth)]
+        self._events: list[torch.cuda.Event | None] = [None] * depth
+        self._next = 0
+
+    def take(self) -> torch.Tensor:
+        event = self._events[self._next]
+        if event is not None:
+            event.synchronize()
+            self._events[self._next] = None
+        return self._buffers[self._next]
+
+    def copy_out(self, dest: torch.Tensor) -> torch.cuda.Event | None:
+        """Copy the buffer last taken into ``dest``; its event if the copy is asynchronous."""
+        index = self._next
+        self._next = (index + 1) % len(self._buffers)
+        if dest.device.type != "cuda":
+            dest.copy_(self._buffers[index])
+            return None
+        dest.copy_(self._buffers[index], non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(dest.device))
+        self._events[index] = event
+        return event
+
+
+def _wait(copies: list[torch.cuda.Event]) -> None:
+    for event in copies:
+        event.synchronize()
+
+
 @dataclass
 class _PendingWrite:
     key: BlockRecordKey
@@ -101,7 +141,7 @@ class DiskTier(KVTier):
         *,
         num_writers: int = 2,
         max_pending_writes: int = 64,
-        num_readers: int = 4,
+        num_readers: int = 8,  # NOTE: deep enough a queue for NVMe drives; threads mostly wait
         disk_full_retry_s: float = 30.0,
         fsync: bool = True,
         disable_on_error: bool = False,
@@ -235,15 +275,29 @@ class DiskTier(KVTier):
 
     def load_into(self, meta: BlockLike, dest: torch.Tensor) -> bool:
         self.check_block(dest, "destination")
-        if not self.contains(meta):
+        copies: list[torch.cuda.Event] = []
+        try:
+            return self._read(meta, dest, copies)
+        finally:
+            _wait(copies)
+
+    def _read(self, meta: BlockLike, dest: torch.Tensor, copies: list[torch.cuda.Event]) -> bool:
+        """Read, verify and deliver one record; a copy to a GPU may still run on return.
+
+        A contiguous CPU ``dest`` is read into directly. Otherwise the record is read into
+        this thread's pinned staging buffer and, once verified, copied out asynchronously;
+        the copy's event is appended to ``copies`` and the caller must wait for it before
+        using ``dest``. Unverified bytes never reach ``dest`` through staging.
+        """
+        key = record_key(meta)
+        if not self._usable():
             self._count(misses=1)
             return False
-        start = time.perf_counter()
-        key = record_key(meta)
         path = self._path(key)
-        direct = dest.device.type == "cpu" and dest.is_contiguous()
-        target = dest if direct else self._staging()
+        start = time.perf_counter()
         try:
+            # NOTE: no index check first: a record another process wrote is found by the
+            # open itself, and a stale index entry by its failure (one syscall, not two).
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
             self._forget(key)
@@ -253,6 +307,9 @@ class DiskTier(KVTier):
             self._warn_once(f"read-{exc.errno}", "cannot open KV record %s: %s", path, exc)
             self._count(misses=1)
             return False
+        direct = dest.device.type == "cpu" and dest.is_contiguous()
+        staging = None if direct else self._staging()
+        target = dest if staging is None else staging.take()
         try:
             info = os.fstat(fd)
             read_record_into(fd, info.st_size, meta, self.dtype, self.block_shape, target)
@@ -265,24 +322,27 @@ class DiskTier(KVTier):
             return False
         finally:
             os.close(fd)
-        if not direct:
-            dest.copy_(target)
+        if staging is not None:
+            event = staging.copy_out(dest)
+            if event is not None:
+                copies.append(event)
         elapsed = time.perf_counter() - start
         with self._lock:
             if key in self._index:
                 self._index.move_to_end(key)
+            else:  # NOTE: written by another process (or an earlier run) since our scan
+                self._used += info.st_size
+                self._index[key] = info.st_size
             self._metrics.hits += 1
             self._metrics.bytes_read += info.st_size
             self._metrics.load_count += 1
             self._metrics.load_seconds_total += elapsed
         return True
 
-    def _staging(self) -> torch.Tensor:
-        staging: torch.Tensor | None = getattr(self._local, "staging", None)
+    def _staging(self) -> _StagingRing:
+        staging: _StagingRing | None = getattr(self._local, "staging", None)
         if staging is None:
-            staging = torch.empty(
-                self.block_shape, dtype=self.dtype, pin_memory=torch.cuda.is_available()
-            )
+            staging = _StagingRing(self.block_shape, self.dtype)
             self._local.staging = staging
         return staging
 
@@ -318,20 +378,30 @@ class DiskTier(KVTier):
         """Restore ``metas[i]`` into ``dests[i]`` with ``num_readers`` parallel reads.
 
         Meant for restoring many blocks at once (prefix loads, restore benchmarks): each
-        record is one ``preadv`` straight into its row of a preallocated CPU tensor.
+        record is one ``preadv`` straight into its destination when that is a contiguous
+        CPU tensor, else into the reader's pinned staging buffers, from which verified
+        records are copied to the GPU asynchronously while the reader goes on reading.
+        Returns after every copy has completed.
         """
         self.check_batch(metas, dests)
-        if len(metas) <= 1 or self._num_readers == 1:
-            return [self.load_into(meta, dests[i]) for i, meta in enumerate(metas)]
-        if self._readers is None:
-            with self._lock:
-                if self._readers is None:
-                    self._readers = ThreadPoolExecutor(
-                        self._num_readers, thread_name_prefix="kv-disk-reader"
-                    )
-        return list(
-            self._readers.map(lambda i: self.load_into(metas[i], dests[i]), range(len(metas)))
-        )
+        for dest in dests:
+            self.check_block(dest, "destination")
+        copies: list[torch.cuda.Event] = []
+        try:
+            if len(metas) <= 1 or self._num_readers == 1:
+                return [self._read(meta, dests[i], copies) for i, meta in enumerate(metas)]
+            if self._readers is None:
+                with self._lock:
+                    if self._readers is None:
+                        self._readers = ThreadPoolExecutor(
+                            self._num_readers, thread_name_prefix="kv-disk-reader"
+                        )
+            # NOTE: list.append is atomic, so the readers share ``copies`` without a lock.
+            return list(
+                self._readers.map(lambda i: self._read(metas[i], dests[i], copies), range(len(metas)))
+            )
+        finally:
+            _wait(copies)
 
     # ----------------------------------------------------------------- writes
     def put(self, meta: BlockLike, block: torch.Tensor, *, blocking: bool = False) -> bool:

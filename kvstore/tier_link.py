@@ -6,13 +6,14 @@ Policy (write-back by default, write-through on request):
 - a block of a request marked ``persist`` (documents ingested through the document API)
   is written to disk as soon as it is computed, so it survives a crash or restart even
   if it is never evicted;
-- a prefix lookup that runs out of device hits continues in the tiers, loading each hit
-  into a fresh device block.
+- a prefix lookup that runs out of device hits continues in the tiers: a run of
+  consecutive tier hits is loaded into fresh device blocks as one batch (``load_many``).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,10 +24,17 @@ from kvstore.tier_manager import TierManager
 
 @dataclass
 class TierTraffic:
-    """Blocks moved by the link, per direction and tier."""
+    """Blocks moved by the link, per direction and tier.
+
+    ``loaded_from_*`` count blocks served (the leading run of a batch, up to its first
+    miss); ``discarded_loads`` counts blocks loaded past a miss of their batch and dropped.
+    ``load_seconds`` is the host's wall time in load calls, verification included (CPU-tier
+    copies may still be running when a call returns).
+    """
 
     loaded_from_cpu: int = 0
     loaded_from_disk: int = 0
+    discarded_loads: int = 0
     demoted: int = 0
     persisted: int = 0
     load_seconds: float = 0.0
@@ -42,19 +50,38 @@ class TierLink:
         # a document is persisted whole, however bursty its ingestion.
         self._backlog: dict[bytes, tuple[int, BlockIdentity]] = {}
 
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one device block (what one load moves)."""
+        return self.kv_cache[0].nbytes
+
     def contains(self, identity: BlockIdentity) -> bool:
         return self.tiers.lookup(identity) is not None
 
     def load(self, identity: BlockIdentity, block: int) -> bool:
         """Copy a verified block from a tier into device block ``block``."""
+        return self.load_many([identity], [block]) == 1
+
+    def load_many(self, identities: Sequence[BlockIdentity], blocks: Sequence[int]) -> int:
+        """Load ``identities[i]`` into device block ``blocks[i]`` as one batch.
+
+        Returns how many leading blocks were loaded and verified: the caller uses
+        ``blocks[:n]`` and must treat the rest (from the first miss on) as garbage, even
+        where a later block happened to load. The copies are queued on the device's current
+        stream, so work queued there afterwards (the forward pass) sees the loaded blocks.
+        """
+        if len(identities) != len(blocks):
+            raise ValueError(f"{len(identities)} blocks to load but {len(blocks)} device blocks")
+        if not identities:
+            return 0
         started = time.perf_counter()
-        source = self.tiers.load_into(identity, self.kv_cache[block])
+        sources = self.tiers.load_rows_into(identities, self.kv_cache, blocks)
         self.traffic.load_seconds += time.perf_counter() - started
-        if source == "cpu":
-            self.traffic.loaded_from_cpu += 1
-        elif source == "disk":
-            self.traffic.loaded_from_disk += 1
-        return source is not None
+        loaded = next((i for i, source in enumerate(sources) if source is None), len(sources))
+        self.traffic.loaded_from_cpu += sources[:loaded].count("cpu")
+        self.traffic.loaded_from_disk += sources[:loaded].count("disk")
+        self.traffic.discarded_loads += sum(source is not None for source in sources[loaded:])
+        return loaded
 
     def demote(self, block: int, identity: BlockIdentity) -> None:
         """Eviction hook: the block's room is about to be reused on the device."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import torch
@@ -107,20 +107,48 @@ class TierManager:
     def load_many_into(
         self, metas: Sequence[BlockLike], dests: torch.Tensor | Sequence[torch.Tensor]
     ) -> list[TierName | None]:
-        """``load_into`` for many blocks; the disk misses of the CPU tier are read in parallel."""
+        """``load_into`` for many blocks: one batch from the CPU tier, its misses from disk
+        with parallel readers. Copies to a device may still run on return (see ``CpuTier``)."""
         if len(dests) != len(metas):
             raise ValueError(f"{len(metas)} blocks to load but {len(dests)} destinations")
         sources: list[TierName | None] = [None] * len(metas)
         if self.cpu is not None:
-            for i, meta in enumerate(metas):
-                if self.cpu.load_into(meta, dests[i]):
-                    sources[i] = "cpu"
-        rest = [i for i, source in enumerate(sources) if source is None]
-        if self.disk is not None and rest:
-            found = self.disk.load_many_into([metas[i] for i in rest], [dests[i] for i in rest])
-            for i, hit in zip(rest, found, strict=True):
-                sources[i] = "disk" if hit else None
+            found = self.cpu.load_many_into(metas, dests)
+            sources = ["cpu" if hit else None for hit in found]
+        self._load_rest_from_disk(metas, lambda i: dests[i], sources)
         return sources
+
+    def load_rows_into(
+        self, metas: Sequence[BlockLike], cache: torch.Tensor, rows: Sequence[int]
+    ) -> list[TierName | None]:
+        """Load ``metas[i]`` into ``cache[rows[i]]`` (the device KV cache); the tier each
+        block came from, or None on a miss (that row's contents are then unspecified).
+
+        CPU hits are one batch of asynchronous copies (merged where rows and slots are
+        consecutive); the CPU misses are read from disk by parallel readers. Copies to the
+        device are queued on its current stream and may still run on return.
+        """
+        if len(rows) != len(metas):
+            raise ValueError(f"{len(metas)} blocks to load but {len(rows)} destination rows")
+        sources: list[TierName | None] = [None] * len(metas)
+        if self.cpu is not None:
+            found = self.cpu.load_rows_into(metas, cache, rows)
+            sources = ["cpu" if hit else None for hit in found]
+        self._load_rest_from_disk(metas, lambda i: cache[rows[i]], sources)
+        return sources
+
+    def _load_rest_from_disk(
+        self,
+        metas: Sequence[BlockLike],
+        dest: Callable[[int], torch.Tensor],
+        sources: list[TierName | None],
+    ) -> None:
+        rest = [i for i, source in enumerate(sources) if source is None]
+        if self.disk is None or not rest:
+            return
+        found = self.disk.load_many_into([metas[i] for i in rest], [dest(i) for i in rest])
+        for i, hit in zip(rest, found, strict=True):
+            sources[i] = "disk" if hit else None
 
     def metrics(self) -> dict[TierName, TierMetrics]:
         result: dict[TierName, TierMetrics] = {}

@@ -43,9 +43,21 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-prefix-caching", action="store_true")
     group.add_argument("--attention-backend", default=None)
     group.add_argument("--enforce-eager", action="store_true", help="run decode steps eagerly (no CUDA graphs)")
+    group.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="launch each decode step before reading the previous one's tokens (default: on CUDA)",
+    )
     group.add_argument("--kv-cpu-gib", type=float, default=0.0)
     group.add_argument("--kv-disk-dir", default=None)
     group.add_argument("--kv-disk-gib", type=float, default=0.0)
+    group.add_argument(
+        "--kv-load-gib-per-step",
+        type=float,
+        default=1.0,
+        help="KV a sequence may load from the CPU/disk tiers per step (the rest streams in later steps)",
+    )
     group.add_argument("--seed", type=int, default=0)
 
 
@@ -65,9 +77,11 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=not args.no_prefix_caching,
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
         kv_cpu_gib=args.kv_cpu_gib,
         kv_disk_dir=args.kv_disk_dir,
         kv_disk_gib=args.kv_disk_gib,
+        kv_load_gib_per_step=args.kv_load_gib_per_step,
         seed=args.seed,
     )
 

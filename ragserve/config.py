@@ -24,8 +24,12 @@ class EngineConfig:
     kv_cpu_gib: float = 0.0
     kv_disk_dir: str | None = None
     kv_disk_gib: float = 0.0
+    kv_load_gib_per_step: float = 1.0  # tier-to-device loads a sequence starts per step
     max_waiting_requests: int = 1024
     enforce_eager: bool = False  # no CUDA graphs for decode batches
+    # Launch the next decode step before reading this one's tokens (host work overlaps
+    # the device's). None: on CUDA only; on the CPU it only adds work.
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         checks = {
@@ -52,5 +56,7 @@ class EngineConfig:
             raise ValueError(
                 f"load_format must be auto, safetensors, gguf or dummy, got {self.load_format!r}"
             )
+        if self.kv_load_gib_per_step <= 0:
+            raise ValueError(f"kv_load_gib_per_step must be > 0, got {self.kv_load_gib_per_step}")
         if self.kv_cpu_gib < 0 or self.kv_disk_gib < 0:
             raise ValueError("kv_cpu_gib and kv_disk_gib must be >= 0")

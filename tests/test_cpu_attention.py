@@ -7,7 +7,14 @@ import math
 import pytest
 import torch
 
-from kernels.cpu_paged_attention import GatherWorkspace, decode_attention, prefill_attention
+from kernels.cpu_decode_attention import (
+    MIN_CONTEXT_FOR_PRODUCTS,
+    block_diagonal_queries,
+    decode_attention,
+    decode_attention_by_products,
+    use_products,
+)
+from kernels.cpu_paged_attention import GatherWorkspace, plan_decode, prefill_attention
 from kernels.interface import AttentionMetadata
 from kernels.reference import ReferenceBackend
 
@@ -18,18 +25,20 @@ LAYER = 1
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 
 
-def make_cache(kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+def make_cache(
+    kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int, num_blocks: int = NUM_BLOCKS
+) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
-    shape = (NUM_BLOCKS, NUM_LAYERS, 2, BLOCK_SIZE, kv_heads, head_dim)
+    shape = (num_blocks, NUM_LAYERS, 2, BLOCK_SIZE, kv_heads, head_dim)
     return torch.randn(shape, generator=generator).to(dtype)
 
 
-def make_table(num_blocks: int, layout: str, seed: int) -> torch.Tensor:
-    """``contiguous``: consecutive ids from 3; ``fragmented``: distinct ids in random order."""
+def make_table(num_blocks: int, layout: str, seed: int, pool: int = NUM_BLOCKS) -> torch.Tensor:
+    """``contiguous``: consecutive ids from 3; ``fragmented``: distinct ids of ``pool`` in random order."""
     if layout == "contiguous":
         return torch.arange(3, 3 + num_blocks, dtype=torch.int32)
     generator = torch.Generator().manual_seed(seed)
-    return torch.randperm(NUM_BLOCKS, generator=generator)[:num_blocks].to(torch.int32)
+    return torch.randperm(pool, generator=generator)[:num_blocks].to(torch.int32)
 
 
 def dense_attention(
@@ -79,6 +88,64 @@ def test_decode_matches_dense(
     for row, seq_len in enumerate(seq_lens):
         expected = dense_attention(query[row : row + 1], cache[:, LAYER], tables[row], seq_len, scale)
         assert_close(out[row : row + 1], expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["contiguous", "fragmented"])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(6, 2), (4, 4), (9, 3)])
+def test_decode_by_products_matches_dense(
+    dtype: torch.dtype, layout: str, heads: int, kv_heads: int
+) -> None:
+    """The product formulation on its own, at sizes where the dispatcher would not pick it."""
+    head_dim = 16
+    cache = make_cache(kv_heads, head_dim, dtype, seed=11)
+    seq_lens = [13, 1, 29, 16]
+    tables = torch.zeros(len(seq_lens), 8, dtype=torch.int32)  # rows padded with block 0
+    for row, seq_len in enumerate(seq_lens):
+        num = math.ceil(seq_len / BLOCK_SIZE)
+        tables[row, :num] = make_table(num, layout, seed=20 + row)
+    query = torch.randn(len(seq_lens), heads, head_dim).to(dtype)
+    grouped = query.view(len(seq_lens), kv_heads, heads // kv_heads, head_dim)
+    plan = plan_decode(tables, seq_lens, BLOCK_SIZE, dtype)
+    scale = head_dim**-0.5
+    out = decode_attention_by_products(grouped, cache[:, LAYER], plan, scale, GatherWorkspace())
+    assert out.shape == grouped.shape and out.dtype == dtype
+    out = out.reshape(query.shape)
+    for row, seq_len in enumerate(seq_lens):
+        expected = dense_attention(query[row : row + 1], cache[:, LAYER], tables[row], seq_len, scale)
+        assert_close(out[row : row + 1], expected, dtype)
+
+
+def test_block_diagonal_queries_place_each_head_in_its_columns() -> None:
+    query = torch.randn(2, 3, 2, 4)  # [n, kv_heads, group, dim]
+    spread = block_diagonal_queries(query).view(2, 3, 2, 3, 4)
+    for head in range(3):
+        for other in range(3):
+            expected = query[:, head] if head == other else torch.zeros(2, 2, 4)
+            assert torch.equal(spread[:, head, :, other], expected)
+
+
+def test_long_bf16_decode_dispatches_to_products_and_matches_dense() -> None:
+    """A bf16 decode over a long context takes the products; short or float32 ones do not."""
+    heads, kv_heads, head_dim = 9, 3, 16
+    pool = 540
+    cache = make_cache(kv_heads, head_dim, torch.bfloat16, seed=12, num_blocks=pool)
+    seq_lens = [2100, MIN_CONTEXT_FOR_PRODUCTS + 1]
+    tables = torch.zeros(2, pool, dtype=torch.int32)
+    for row, seq_len in enumerate(seq_lens):
+        num = math.ceil(seq_len / BLOCK_SIZE)
+        tables[row, :num] = make_table(num, "fragmented", seed=30 + row, pool=pool)
+    query = torch.randn(2, heads, head_dim).to(torch.bfloat16)
+    grouped = query.view(2, kv_heads, heads // kv_heads, head_dim)
+    plan = plan_decode(tables, seq_lens, BLOCK_SIZE, torch.bfloat16)
+    assert use_products(grouped, plan)
+    assert not use_products(grouped.float(), plan)
+    assert not use_products(grouped, plan_decode(tables, [20, 9], BLOCK_SIZE, torch.bfloat16))
+    scale = head_dim**-0.5
+    out = decode_attention(query, cache[:, LAYER], tables, seq_lens, scale, GatherWorkspace())
+    for row, seq_len in enumerate(seq_lens):
+        expected = dense_attention(query[row : row + 1], cache[:, LAYER], tables[row], seq_len, scale)
+        assert_close(out[row : row + 1], expected, torch.bfloat16)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -54,3 +54,19 @@ def test_graph_decode_matches_eager_decode(tmp_path: Path, num_prompts: int) -> 
         assert llm.engine.block_pool.num_used == 0
         llm.close()
     assert results[False] == results[True]
+
+
+def test_warm_up_batches_leave_no_trace(tmp_path: Path) -> None:
+    """The start-up warm-up (run on CUDA) writes only into free blocks and changes no output."""
+    directory = make_tiny_model(tmp_path, "llama")
+    llm = LLM(str(directory), dtype="float32", max_num_batched_tokens=1024)
+    prompts = [[5, 9, 11, 40, 7], list(range(3, 60))]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    before = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    engine = llm.engine
+    engine.reset_prefix_cache()
+    engine.runner.warm_up(1024, engine.max_model_len, engine.num_kv_blocks)
+    engine.block_pool.check_invariants()
+    assert engine.block_pool.num_used == 0 and engine.block_pool.num_cached == 0
+    after = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert after == before

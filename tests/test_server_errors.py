@@ -469,4 +469,6 @@ def _refuses_connections(server: ServerProcess) -> bool:
         requests.get(f"{server.url}/health", timeout=2)
     except requests.ConnectionError:
         return True
+    except requests.Timeout:
+        return False  # accepted while shutting down on busy cores: ask again
     return False

@@ -98,6 +98,9 @@ def _hf_subset(count: int, limit: int | None) -> list[int]:
     return [index * count // limit for index in range(limit)]
 
 
+WARMUP_NEW_TOKENS = 4
+
+
 def _run_transformers(
     config: EngineConfig, run: dict[str, Any], input_lens: list[int], output_lens: list[int],
     args: argparse.Namespace,
@@ -107,11 +110,23 @@ def _run_transformers(
     if args.hf_sort:
         chosen.sort(key=lambda i: (output_lens[i], input_lens[i]), reverse=True)
     batch_size = args.hf_batch_size or len(chosen)
+    free_gib = None
+    if torch.cuda.is_available():
+        free_gib = torch.cuda.mem_get_info()[0] / 2**30
+        print(f"device memory free before transformers loads: {free_gib:.1f} GiB", flush=True)
     hf = load_transformers_model(config.model, config.load_format, run["dtype"], run["device"])
     pad = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
     seconds = 0.0
     useful = 0
+    batch_seconds = []
     try:
+        # NOTE: untimed, as the engine's own warm-up: a cold first batch spent about 7 s
+        # more than a warm one on an NVIDIA H200 (first-use allocations and kernel picks).
+        first = chosen[:batch_size]
+        warmup_s, _ = transformers_generate(
+            hf, [run["prompts"][i] for i in first], WARMUP_NEW_TOKENS, batch_size, pad)
+        print(f"transformers warm-up: {len(first)} prompts x {WARMUP_NEW_TOKENS} steps in "
+              f"{warmup_s:.1f} s (untimed)", flush=True)
         for start in range(0, len(chosen), batch_size):
             batch = chosen[start : start + batch_size]
             # NOTE: a padded batch generates its longest output for every row.
@@ -119,13 +134,15 @@ def _run_transformers(
             spent, _ = transformers_generate(
                 hf, [run["prompts"][i] for i in batch], longest, batch_size, pad)
             seconds += spent
+            batch_seconds.append(spent)
             useful += sum(output_lens[i] for i in batch)
             print(f"transformers batch {start // batch_size + 1}: {len(batch)} prompts x {longest} "
                   f"steps in {spent:.1f} s", flush=True)
     finally:
         del hf
         release_device_memory()
-    return {"seconds": seconds, "output_tokens": useful, "batch_size": batch_size,
+    return {"seconds": seconds, "output_tokens": useful, "batch_size": batch_size, "warmup_s": warmup_s,
+            "batch_seconds": batch_seconds, "device_free_gib_at_start": free_gib,
             "num_prompts": len(chosen), "input_tokens": sum(input_lens[i] for i in chosen),
             "sorted_by_length": args.hf_sort}
 

@@ -187,14 +187,12 @@ class _Run:
             )
         self.results["document_kv_bytes"] = needed
 
-    def record(self, name: str, timing: Any, blocks_moved: int, reference: float | None,
-               link_seconds: float | None = None) -> None:
+    def record(self, name: str, timing: Any, blocks_moved: int, reference: float | None) -> None:
         moved = blocks_moved * self.block_bytes
         entry: dict[str, Any] = {
             "ttft_s": timing.ttft_s, "cached_tokens": timing.num_cached_tokens,
             "blocks_moved": blocks_moved, "bytes_moved": moved,
             "gbps": moved / timing.ttft_s / 1e9 if moved else None,
-            "link_gbps": moved / link_seconds / 1e9 if moved and link_seconds else None,
             "reference_gbps": reference,
         }
         entry["ratio_to_reference"] = entry["gbps"] / reference if entry["gbps"] and reference else None
@@ -215,11 +213,10 @@ class _Run:
             llm.reset_prefix_cache()  # evicted blocks are demoted to the CPU tier
             assert engine.tiers is not None
             traffic = engine.tiers.traffic
-            before, seconds = traffic.loaded_from_cpu, traffic.load_seconds
+            before = traffic.loaded_from_cpu
             cpu = time_request(engine, self.doc + self.questions[2], 1, request_id="cpu")
             self.record("CPU tier", cpu, traffic.loaded_from_cpu - before,
-                        self.results["references"].get("pinned_h2d_gbps"),
-                        traffic.load_seconds - seconds)
+                        self.results["references"].get("pinned_h2d_gbps"))
         finally:
             llm.close()
             del llm
@@ -256,7 +253,7 @@ class _Run:
             traffic = engine.tiers.traffic
             name = "disk tier after restart" + ("" if method != "none" else " (page cache warm)")
             self.record(name, disk, traffic.loaded_from_disk,
-                        self.results["references"].get("disk_read_gbps"), traffic.load_seconds)
+                        self.results["references"].get("disk_read_gbps"))
         finally:
             llm.close()
             del llm
@@ -268,7 +265,7 @@ class _Run:
         refs["disk_record_files"] = len(files)
         refs["disk_record_bytes"] = sum(p.stat().st_size for p in files)
         rates = {}
-        for threads in (1, 4):
+        for threads in (1, 4, 8):
             refs["disk_read_page_cache_drop"] = drop_page_cache(files)
             rates[threads] = sequential_read_gbps(files, threads)
         refs["disk_read_gbps_by_threads"] = rates
@@ -283,13 +280,13 @@ def _print(results: dict[str, Any], args: argparse.Namespace) -> None:
     cold = tiers.get("cold (computed)", {}).get("ttft_s")
     rows = [
         [name, t["ttft_s"], t["cached_tokens"], cold / t["ttft_s"] if cold else None,
-         t["bytes_moved"] / GIB, t["gbps"], t["link_gbps"], t["reference_gbps"], t["ratio_to_reference"]]
+         t["bytes_moved"] / GIB, t["gbps"], t["reference_gbps"], t["ratio_to_reference"]]
         for name, t in tiers.items()
     ]
     print_table(
         f"tiers: first token of a {args.question_tokens}-token question on a {args.doc_tokens}-token document",
         ["document KV from", "TTFT s", "cached tokens", "speed-up vs cold", "GiB moved",
-         "GB/s (moved/TTFT)", "GB/s (tier link)", "reference GB/s", "ratio to reference"],
+         "GB/s (moved/TTFT)", "reference GB/s", "ratio to reference"],
         rows,
     )
     refs = results["references"]

@@ -31,6 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lengths", default="8192,32768,131072", help="prompt lengths, comma-separated")
     parser.add_argument("--decode-tokens", type=int, default=32, help="decoded after the longest prompt")
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--repeat-length", action="store_true",
+                        help="time each length again with other tokens (attention shapes seen before)")
     add_peak_arguments(parser)
     parser.add_argument("--out", default="bench-results/ttft.json")
 
@@ -52,8 +54,8 @@ def required_model_len(args: argparse.Namespace) -> int:
     return max(_lengths(args)) + args.decode_tokens + 1
 
 
-def _prompt(length: int, vocab: int) -> list[int]:
-    return random_prompts(1, length, vocab, seed=1000 + length)[0]
+def _prompt(length: int, vocab: int, seed: int = 1000) -> list[int]:
+    return random_prompts(1, length, vocab, seed=seed + length)[0]
 
 
 def _max_allocated() -> int | None:
@@ -106,6 +108,13 @@ def _run_ragserve(config: EngineConfig, lengths: list[int], args: argparse.Names
                   f"({-(-length // chunk)} chunks of <= {chunk})", flush=True)
             if length == longest:
                 _record_decode(results, timing, engine, length, peak.get("prefill"), args)
+            if args.repeat_length:
+                # NOTE: other tokens, so the KV is as cold; only the attention shapes repeat
+                # (cuDNN builds an execution plan for each new shape, 45-600 ms measured).
+                again = time_request(engine, _prompt(length, vocab, seed=2000), 1, request_id=f"again-{length}")
+                llm.reset_prefix_cache()
+                row["ragserve_again_s"] = again.ttft_s
+                print(f"ragserve  {length:>7} tokens: TTFT {again.ttft_s:.3f} s (same length again)", flush=True)
     finally:
         llm.close()
         del llm
@@ -207,17 +216,19 @@ def _print_tables(results: dict[str, Any], args: argparse.Namespace) -> None:
     for row in results["rows"].values():
         floor = row.get("floor_s")
         ours, theirs = row.get("ragserve_s"), row.get("transformers_s")
+        again = row.get("ragserve_again_s")
         rows.append([
             row["length"], ours, theirs if theirs is not None else row.get("transformers_skipped", "-"),
             floor, ours / floor if ours and floor else None,
             theirs / floor if theirs and floor else None,
             theirs / ours if ours and theirs else None,
-        ])
+        ] + ([again, again / floor if again and floor else None] if args.repeat_length else []))
     print_table(
         f"cold TTFT, one request, chunks of {results['workload']['max_num_batched_tokens']} tokens; "
         f"floor = prefill FLOPs / {args.peak_tflops:g} TFLOP/s",
         ["tokens", "ragserve s", "transformers s", "floor s", "ragserve/floor",
-         "transformers/floor", "speed-up"],
+         "transformers/floor", "speed-up"]
+        + (["ragserve s, same length again", "again/floor"] if args.repeat_length else []),
         rows,
     )
     decode = results.get("decode")

@@ -143,8 +143,12 @@ class DecodeGraphs:
         )
 
     @torch.inference_mode()
-    def run(self, seqs: Seq[Sequence]) -> torch.Tensor:
-        """Final hidden states ``[len(seqs), hidden]`` of one decode token per sequence."""
+    def run(self, seqs: Seq[Sequence], next_token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Final hidden states ``[len(seqs), hidden]`` of one decode token per sequence.
+
+        ``next_token_ids`` (on the device) supplies ids not yet on the host, as in
+        ``ModelRunner.execute``.
+        """
         batch = len(seqs)
         bucket = self.bucket_for(batch)
         assert bucket is not None and bucket in self._graphs
@@ -158,7 +162,8 @@ class DecodeGraphs:
         for row, seq in enumerate(seqs):
             pos = seq.num_computed_tokens
             table = seq.kv.block_table
-            ids[row] = seq.token_ids[pos]
+            if next_token_ids is None:
+                ids[row] = seq.token_ids[pos]
             positions[row] = pos
             slots[row] = table[pos // self.block_size] * self.block_size + pos % self.block_size
             seq_lens[row] = pos + 1
@@ -177,5 +182,7 @@ class DecodeGraphs:
             self._host_tables[:bucket, :width], non_blocking=True
         )
         self._staging_free.record()
+        if next_token_ids is not None:
+            self._input_ids[:batch].copy_(next_token_ids)
         self._graphs[bucket].replay()
         return self._outputs[bucket][:batch]

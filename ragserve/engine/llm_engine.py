@@ -20,7 +20,13 @@ from kvstore.tier_manager import TierManager
 from ragserve.config import EngineConfig
 from ragserve.engine.detokenizer import IncrementalDetokenizer
 from ragserve.engine.model_runner import ModelRunner
-from ragserve.engine.sampler import SampleRequest, sample
+from ragserve.engine.sampler import (
+    DeviceSamples,
+    SampleRequest,
+    read_samples,
+    sample_on_device,
+    to_device_async,
+)
 from ragserve.engine.scheduler import Scheduler
 from ragserve.engine.sequence import Sequence
 from ragserve.models.loader import LoadedModel, load_model_from_config
@@ -40,6 +46,7 @@ class EngineStats:
     num_finished: int = 0
     kv_tokens_stored: int = 0  # summed over steps: tokens held by scheduled sequences
     kv_slots_allocated: int = 0  # summed over steps: slots of the blocks holding them
+    steps_ahead: int = 0  # steps launched before the previous step's tokens were read
 
     @property
     def kv_utilisation(self) -> float:
@@ -61,6 +68,22 @@ class _Request:
     @property
     def finished(self) -> bool:
         return all(seq.is_finished for seq in self.seqs)
+
+
+@dataclass
+class _LaunchedStep:
+    """A step queued on the device whose sampled tokens the host has not read yet.
+
+    ``seqs`` are the sequences that sample a token, in row order; ``rows[i]`` is the row
+    of ``seqs[i]`` in ``samples`` (None: row ``i``).
+    """
+
+    seqs: list[Sequence]
+    samples: DeviceSamples | None
+    rows: list[int] | None = None
+
+    def row(self, index: int) -> int:
+        return index if self.rows is None else self.rows[index]
 
 
 class LLMEngine:
@@ -93,13 +116,19 @@ class LLMEngine:
         self.block_pool = BlockPool(num_blocks)
         self.tiers = self._open_tiers()
         self.kv_manager = KVCacheManager(
-            self.block_pool, config.block_size, config.enable_prefix_caching, tiers=self.tiers
+            self.block_pool,
+            config.block_size,
+            config.enable_prefix_caching,
+            tiers=self.tiers,
+            max_load_bytes_per_step=int(config.kv_load_gib_per_step * 2**30),
         )
         self.scheduler = Scheduler(self.kv_manager, config.max_num_batched_tokens, config.max_num_seqs)
         backend = get_backend(config.attention_backend, self.device)
         self.runner = ModelRunner(
             self.loaded.model, self.kv_cache, backend, config.block_size, self.device
         )
+        if self.device.type == "cuda":
+            self.runner.warm_up(config.max_num_batched_tokens, self.max_model_len, num_blocks)
         if self.device.type == "cuda" and backend.supports_cuda_graphs and not config.enforce_eager:
             self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
         self.stats = EngineStats()
@@ -107,6 +136,9 @@ class LLMEngine:
         self._salts: dict[str, bytes] = {}
         self._pins: dict[str, KVAllocation] = {}
         self._next_seq_id = 0
+        async_scheduling = config.async_scheduling
+        self.async_scheduling = self.device.type == "cuda" if async_scheduling is None else async_scheduling
+        self._lookahead: _LaunchedStep | None = None
         logger.info(
             "engine ready in %.1fs: %s on %s (%s), %d KV blocks of %d tokens (%.2f GiB), "
             "attention %s, decode %s",
@@ -335,27 +367,100 @@ class LLMEngine:
     # -- the step --------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        """Run one batch; return the outputs of every request that advanced."""
+        """Run one batch; return the outputs of every request that advanced.
+
+        With asynchronous scheduling a steady decode batch runs one step ahead: the next
+        step is launched (fed the sampled ids on the device) before this step's tokens are
+        read, so the host's bookkeeping overlaps the device's work. The step ahead is
+        taken as the next step if its sequences are still running; rows of sequences that
+        stopped meanwhile are dropped (their extra KV slot lies past their last token).
+        """
         self.background_work()
-        batch = self.scheduler.schedule()
-        if not batch:
+        launched = self._take_lookahead() or self._launch_scheduled()
+        if launched is None:
             if self.scheduler.waiting and not self.scheduler.running:
                 return [self._reject_unschedulable(self.scheduler.waiting[0])]
             return []
+        if self._may_look_ahead(launched):
+            self._lookahead = self._launch_lookahead(launched)
+        return self._finish(launched)
+
+    def _launch_scheduled(self) -> _LaunchedStep | None:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return None
         logits = self.runner.execute(batch.seqs, batch.num_new_tokens)
         self.stats.steps += 1
         self._track_kv_utilisation(batch.seqs, batch.num_new_tokens)
-
         sampling = [
             seq
             for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True)
             if self._advance(seq, num_new)
         ]
-        results = sample(logits, [self._sample_request(seq) for seq in sampling])
+        if not sampling:
+            return _LaunchedStep([], None)
+        return _LaunchedStep(sampling, sample_on_device(logits, [self._sample_request(s) for s in sampling]))
 
+    def _take_lookahead(self) -> _LaunchedStep | None:
+        """The step launched ahead, as this step, without the sequences that stopped since."""
+        ahead, self._lookahead = self._lookahead, None
+        if ahead is None:
+            return None
+        keep = [index for index, seq in enumerate(ahead.seqs) if not seq.is_finished]
+        if not keep:
+            return None
+        seqs = [ahead.seqs[index] for index in keep]
+        self.stats.steps += 1
+        self.stats.steps_ahead += 1
+        self._track_kv_utilisation(seqs, [1] * len(seqs))
+        for seq in seqs:
+            sampled = self._advance(seq, 1)
+            assert sampled, "a step ahead computes each sequence's last known token"
+        if len(keep) == len(ahead.seqs):
+            return ahead
+        return _LaunchedStep(seqs, ahead.samples, [ahead.row(index) for index in keep])
+
+    def _may_look_ahead(self, launched: _LaunchedStep) -> bool:
+        """Steady decoding: every running sequence samples now and nobody waits to join."""
+        return (
+            self.async_scheduling
+            and launched.samples is not None
+            and not self.scheduler.waiting
+            and len(launched.seqs) == len(self.scheduler.running)
+            and all(seq.params.logprobs is None for seq in launched.seqs)
+        )
+
+    def _launch_lookahead(self, launched: _LaunchedStep) -> _LaunchedStep | None:
+        """Queue the next decode step of ``launched``'s sequences, fed its ids on the device."""
+        assert launched.samples is not None
+        indices = [
+            index
+            for index, seq in enumerate(launched.seqs)
+            # NOTE: after this step's token a sequence may still stop (EOS, stop strings),
+            # but one whose length limit it reaches now stops for sure.
+            if seq.num_output_tokens + 1 < self._max_new_tokens(seq.num_prompt_tokens, seq.params)
+        ]
+        seqs = [launched.seqs[index] for index in indices]
+        for seq in seqs:
+            if not self.kv_manager.allocate(seq.kv, seq.num_computed_tokens + 1):
+                return None  # the normal step frees room (by preemption) if it must
+        if not seqs:
+            return None
+        rows = [launched.row(index) for index in indices]
+        token_ids = launched.samples.token_ids
+        if rows != list(range(len(token_ids))):
+            token_ids = token_ids[to_device_async(rows, torch.int64, token_ids.device)]
+        logits = self.runner.execute(seqs, [1] * len(seqs), next_token_ids=token_ids)
+        requests = [self._sample_request(seq, ahead=1) for seq in seqs]
+        return _LaunchedStep(seqs, sample_on_device(logits, requests))
+
+    def _finish(self, launched: _LaunchedStep) -> list[RequestOutput]:
+        """Read the step's tokens (the host sync) and advance its sequences and requests."""
+        results = read_samples(launched.samples) if launched.samples is not None else []
         now = time.monotonic()
         touched: dict[str, _Request] = {}
-        for seq, result in zip(sampling, results, strict=True):
+        for index, seq in enumerate(launched.seqs):
+            result = results[launched.row(index)]
             request = self._requests[seq.request_id]
             touched[seq.request_id] = request
             if seq.num_cached_tokens < 0:
@@ -407,10 +512,11 @@ class LLMEngine:
         )
         self.stats.kv_slots_allocated += sum(len(s.kv.block_table) for s in seqs) * self.config.block_size
 
-    def _sample_request(self, seq: Sequence) -> SampleRequest:
+    def _sample_request(self, seq: Sequence, ahead: int = 0) -> SampleRequest:
+        """``ahead``: tokens the sequence will have gained before this draw is appended."""
         params = seq.params
         banned: list[int] = []
-        if seq.num_output_tokens < params.min_tokens:
+        if seq.num_output_tokens + ahead < params.min_tokens:
             banned = list(params.stop_token_ids or ()) + ([] if params.ignore_eos else self.eos_token_ids)
         return SampleRequest(params, seq.generator, banned)
 

@@ -8,10 +8,12 @@ import numpy as np
 import torch
 
 from kernels.interface import AttentionBackend, AttentionMetadata
+from kvstore.kv_cache_manager import KVAllocation
 from ragserve.engine.cuda_graphs import DecodeGraphs
 from ragserve.engine.sequence import Sequence
 from ragserve.models.forward_context import ForwardContext, forward_context
 from ragserve.models.llama import LlamaForCausalLM
+from ragserve.sampling_params import SamplingParams
 
 
 class ModelRunner:
@@ -30,6 +32,48 @@ class ModelRunner:
         self.device = device
         self.decode_graphs: DecodeGraphs | None = None
 
+    @torch.inference_mode()
+    def warm_up(self, max_num_tokens: int, max_model_len: int, num_blocks: int) -> None:
+        """Run a few throw-away mixed batches so every kind of kernel compiles now.
+
+        Triton compiles a kernel at its first launch with each new set of compile-time
+        parameters (prefill or decode tiles, split-K or not), about a second each, which
+        would otherwise land on the first requests. The batches write only into blocks
+        that are free (nothing is cached yet) and their outputs are dropped.
+        """
+        batches = [
+            # (cached context, new tokens) per sequence: a decode, short prompts and a chunk
+            # after context (Triton tiles, split-K), then a long prompt (fused SDPA)
+            [(63, 1), (0, 128), (192, 64), (0, 512)],
+            [(0, 500)] * 4,  # enough programs to run without split-K
+        ]
+        for shapes in batches:
+            shapes = [(context, new) for context, new in shapes if context + new <= max_model_len]
+            while shapes and sum(new for _, new in shapes) > max_num_tokens:
+                shapes = shapes[:-1]
+            blocks_needed = sum(-(-(context + new) // self.block_size) for context, new in shapes)
+            if not shapes or blocks_needed > num_blocks:
+                continue
+            seqs, next_block = [], 0
+            for index, (context, new) in enumerate(shapes):
+                num_seq_blocks = -(-(context + new) // self.block_size)
+                seq = Sequence(
+                    seq_id=-1 - index,
+                    request_id="warm-up",
+                    index=0,
+                    token_ids=[0] * (context + new),
+                    num_prompt_tokens=context + new,
+                    params=SamplingParams(max_tokens=1),
+                    kv=KVAllocation(salt=b"", block_table=list(range(next_block, next_block + num_seq_blocks))),
+                    detokenizer=None,
+                    num_computed_tokens=context,
+                )
+                next_block += num_seq_blocks
+                seqs.append(seq)
+            self.execute(seqs, [new for _, new in shapes])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def capture_decode_graphs(self, max_batch: int, max_model_len: int) -> None:
         """Record CUDA graphs for pure-decode batches of up to ``max_batch`` sequences."""
         graphs = DecodeGraphs(
@@ -39,9 +83,15 @@ class ModelRunner:
         self.decode_graphs = graphs
 
     def prepare(
-        self, seqs: Seq[Sequence], num_new_tokens: Seq[int]
+        self,
+        seqs: Seq[Sequence],
+        num_new_tokens: Seq[int],
+        next_token_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        """Input ids, positions, attention metadata, and the rows whose logits are needed."""
+        """Input ids, positions, attention metadata, and the rows whose logits are needed.
+
+        ``next_token_ids`` (see ``execute``) replaces the ids read from the sequences.
+        """
         input_ids: list[int] = []
         positions: list[np.ndarray] = []
         slots: list[np.ndarray] = []
@@ -50,14 +100,15 @@ class ModelRunner:
         logit_rows: list[int] = []
         for seq, num_new in zip(seqs, num_new_tokens, strict=True):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
-            input_ids += seq.token_ids[start:end]
+            if next_token_ids is None:
+                input_ids += seq.token_ids[start:end]
             pos = np.arange(start, end, dtype=np.int64)
             table = np.asarray(seq.kv.block_table, dtype=np.int64)
             positions.append(pos)
             slots.append(table[pos // self.block_size] * self.block_size + pos % self.block_size)
             query_start.append(query_start[-1] + num_new)
             seq_lens.append(end)
-            if end == seq.num_tokens:  # all known tokens computed: the next one is sampled
+            if end >= seq.num_tokens:  # all known tokens computed: the next one is sampled
                 logit_rows.append(query_start[-1] - 1)
 
         max_blocks = max(len(seq.kv.block_table) for seq in seqs)
@@ -80,23 +131,35 @@ class ModelRunner:
             max_seq_len=max(seq_lens),
         )
         return (
-            to_device(input_ids, torch.int64),
+            to_device(input_ids, torch.int64) if next_token_ids is None else next_token_ids,
             to_device(np.concatenate(positions), torch.int64),
             meta,
             logit_rows,
         )
 
     @torch.inference_mode()
-    def execute(self, seqs: Seq[Sequence], num_new_tokens: Seq[int]) -> torch.Tensor:
-        """Logits ([rows, vocab], float32) of the sequences whose known tokens are all computed."""
+    def execute(
+        self,
+        seqs: Seq[Sequence],
+        num_new_tokens: Seq[int],
+        next_token_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits ([rows, vocab], float32) of the sequences whose known tokens are all computed.
+
+        ``next_token_ids`` ([len(seqs)] on the device) runs a step ahead of the host: one
+        new token per sequence, at position ``num_computed_tokens``, whose id was sampled
+        on the device and is not in ``token_ids`` yet. Every row's logits are returned.
+        """
         graphs = self.decode_graphs
         if graphs is not None and graphs.can_run(seqs, num_new_tokens):
-            hidden = graphs.run(seqs)
+            hidden = graphs.run(seqs, next_token_ids)
+            if next_token_ids is not None:
+                return self.model.compute_logits(hidden)
             sampled = [i for i, seq in enumerate(seqs) if seq.num_computed_tokens + 1 == seq.num_tokens]
             if len(sampled) < len(seqs):  # a one-token prefill chunk samples nothing yet
                 hidden = hidden[torch.tensor(sampled, device=hidden.device, dtype=torch.int64)]
             return self.model.compute_logits(hidden)
-        input_ids, positions, meta, logit_rows = self.prepare(seqs, num_new_tokens)
+        input_ids, positions, meta, logit_rows = self.prepare(seqs, num_new_tokens, next_token_ids)
         context = ForwardContext(meta=meta, kv_cache=self.kv_cache, backend=self.backend)
         with forward_context(context):
             hidden = self.model(input_ids, positions)

@@ -29,6 +29,19 @@ class SampleResult:
     top_logprobs: dict[int, Logprob] | None
 
 
+def to_device_async(values: list[int] | list[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``values`` as a tensor on ``device``, copied without waiting for work already queued.
+
+    NOTE: a copy from pageable host memory waits for the device's stream to drain, which
+    would undo the overlap of a step launched ahead (see ``LLMEngine.step``); a pinned
+    source does not.
+    """
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Rows of ``logits`` with everything outside each row's top-k and top-p set to -inf.
 
@@ -55,11 +68,11 @@ def _sample_rows(logits: torch.Tensor, requests: list[SampleRequest]) -> torch.T
     """
     device = logits.device
     params = [r.params for r in requests]
-    temperature = torch.tensor([p.temperature for p in params], device=device)
+    temperature = to_device_async([p.temperature for p in params], torch.float32, device)
     scaled = logits / temperature[:, None]
     if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-        top_k = torch.tensor([p.top_k for p in params], device=device)
-        top_p = torch.tensor([p.top_p for p in params], device=device)
+        top_k = to_device_async([p.top_k for p in params], torch.int64, device)
+        top_p = to_device_async([p.top_p for p in params], torch.float32, device)
         scaled = _filter_top_k_top_p(scaled, top_k, top_p)
     probs = scaled.softmax(dim=-1)
     noise = torch.empty_like(probs)
@@ -68,26 +81,55 @@ def _sample_rows(logits: torch.Tensor, requests: list[SampleRequest]) -> torch.T
     return (probs / noise).argmax(dim=-1)
 
 
-def sample(logits: torch.Tensor, requests: list[SampleRequest]) -> list[SampleResult]:
-    """One token per row of ``logits`` ([num_seqs, vocab], float32); one host sync in all."""
-    if not requests:
-        return []
+@dataclass
+class DeviceSamples:
+    """Tokens drawn on the device, on their way to a host buffer; read them with ``read_samples``."""
+
+    token_ids: torch.Tensor  # [rows] int64 on the logits' device
+    requests: list[SampleRequest]
+    logprobs: torch.Tensor | None  # [rows, vocab] float32, when a request asked for logprobs
+    host_token_ids: torch.Tensor  # their host copy (pinned on CUDA), valid once ``ready`` is
+    ready: torch.cuda.Event | None
+
+
+def sample_on_device(logits: torch.Tensor, requests: list[SampleRequest]) -> DeviceSamples:
+    """Queue the draws of one token per row of ``logits`` ([rows, vocab]) without a host sync.
+
+    The ids' copy to the host is queued right behind the draws, so a later ``read_samples``
+    waits for this step alone, not for work queued after it (the next step's forward).
+    """
     logits = logits.float()
     banned_rows = [row for row, r in enumerate(requests) for _ in r.banned_token_ids]
     if banned_rows:
         banned_ids = [token for r in requests for token in r.banned_token_ids]
-        logits[banned_rows, banned_ids] = float("-inf")
+        device = logits.device
+        rows = to_device_async(banned_rows, torch.int64, device)
+        logits[rows, to_device_async(banned_ids, torch.int64, device)] = float("-inf")
     tokens = logits.argmax(dim=-1)
     sampled = [row for row, r in enumerate(requests) if not r.params.greedy]
     if sampled:
-        rows = torch.tensor(sampled, device=logits.device)
+        rows = to_device_async(sampled, torch.int64, logits.device)
         tokens[rows] = _sample_rows(logits[rows], [requests[row] for row in sampled])
-    token_ids = tokens.tolist()
     want_logprobs = any(r.params.logprobs is not None for r in requests)
     logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+    on_cuda = tokens.device.type == "cuda"
+    host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=on_cuda)
+    host.copy_(tokens, non_blocking=on_cuda)
+    ready = None
+    if on_cuda:
+        ready = torch.cuda.Event()
+        ready.record()
+    return DeviceSamples(tokens, requests, logprobs, host, ready)
 
+
+def read_samples(samples: DeviceSamples) -> list[SampleResult]:
+    """Wait for the draws and return one result per row: the step's one host sync."""
+    if samples.ready is not None:
+        samples.ready.synchronize()
+    token_ids = samples.host_token_ids.tolist()
+    logprobs = samples.logprobs
     results = []
-    for row, request in enumerate(requests):
+    for row, request in enumerate(samples.requests):
         params = request.params
         token = int(token_ids[row])
         if logprobs is None or params.logprobs is None:
@@ -107,3 +149,10 @@ def sample(logits: torch.Tensor, requests: list[SampleRequest]) -> list[SampleRe
             top[token] = Logprob(chosen, rank)
         results.append(SampleResult(token, chosen, top))
     return results
+
+
+def sample(logits: torch.Tensor, requests: list[SampleRequest]) -> list[SampleResult]:
+    """One token per row of ``logits`` ([num_seqs, vocab], float32); one host sync in all."""
+    if not requests:
+        return []
+    return read_samples(sample_on_device(logits, requests))

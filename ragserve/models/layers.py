@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.cpu_linear import can_pack, pack_weight, packed_linear
+
 
 def use_fused_kernels(x: torch.Tensor) -> bool:
     """Half-precision CUDA activations take the fused Triton kernels (``kernels/fused_ops.py``).
@@ -31,7 +33,11 @@ def fused_ops() -> ModuleType:
 
 
 class Linear(nn.Module):
-    """``y = x @ weight.T + bias`` with ``weight`` of shape ``[out_features, in_features]``."""
+    """``y = x @ weight.T + bias`` with ``weight`` of shape ``[out_features, in_features]``.
+
+    After :meth:`pack_for_cpu`, bf16 CPU weights run from a prepacked oneDNN copy
+    (``kernels/cpu_linear.py``); the plain ``weight`` stays the source of truth.
+    """
 
     def __init__(
         self,
@@ -53,8 +59,18 @@ class Linear(nn.Module):
             if bias
             else None
         )
+        self._packed: torch.Tensor | None = None
+
+    def pack_for_cpu(self) -> None:
+        """Prepack the weight when it can be (bf16 on the CPU), else drop any old packing.
+
+        Call again after every change to ``weight``: the packed copy does not follow it.
+        """
+        self._packed = pack_weight(self.weight) if can_pack(self.weight) else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._packed is not None and x.dtype == self.weight.dtype:
+            return packed_linear(x, self._packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.cpu_linear import can_pack, pack_weight, packed_linear
 from ragserve.models.forward_context import get_forward_context
 from ragserve.models.layers import Embedding, Linear, RMSNorm, fused_ops, use_fused_kernels
 from ragserve.models.rotary import RotaryEmbedding, Rotation, compute_inv_freq, rope_parameters
@@ -140,13 +141,21 @@ class LlamaAttention(nn.Module):
 
     def forward(self, hidden: torch.Tensor, rotation: Rotation) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotation.rotate(q, k)
+        if self.q_norm is None and not rotation.fused and qkv.device.type == "cpu":
+            # NOTE: q and k are adjacent columns of qkv: rotating them as one [T, heads +
+            # kv_heads, D] view is the same arithmetic with half the small ops. CPU only:
+            # q and k come out as strided views, which GPU kernels are not written for.
+            qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim)
+            q, k = rotation.rotate_heads(qk).split([self.num_heads, self.num_kv_heads], dim=1)
+        else:
+            q = q.view(num_tokens, self.num_heads, self.head_dim)
+            k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+            if self.q_norm is not None and self.k_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = rotation.rotate(q, k)
         ctx = get_forward_context()
         out = ctx.backend.forward(q, k, v, ctx.kv_cache[:, self.layer_idx], ctx.meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
@@ -291,6 +300,8 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = Linear(
                 self.shape.hidden_size, self.shape.vocab_size, bias=False, device=device, dtype=dtype
             )
+        # A oneDNN copy of the tied embedding for the LM head; see pack_cpu_weights.
+        self._packed_tied_head: torch.Tensor | None = None
 
     @property
     def num_layers(self) -> int:
@@ -324,8 +335,24 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits ``[N, vocab_size]`` of hidden rows ``[N, hidden_size]``."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        weight = self.model.embed_tokens.weight
+        if self._packed_tied_head is not None and hidden.dtype == weight.dtype:
+            return packed_linear(hidden, self._packed_tied_head, None).float()
         return F.linear(hidden, weight).float()
+
+    def pack_cpu_weights(self) -> None:
+        """Prepack every bf16 CPU projection and the LM head (``kernels/cpu_linear.py``).
+
+        A no-op for other dtypes and devices. ``load_weights`` calls it; call it again after
+        writing weights any other way. Costs one extra copy of those weights in memory.
+        """
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack_for_cpu()
+        tied = self.model.embed_tokens.weight if self.lm_head is None else None
+        self._packed_tied_head = pack_weight(tied) if tied is not None and can_pack(tied) else None
 
     def set_rope_frequency_factors(self, factors: torch.Tensor) -> None:
         """Divide the rotary inverse frequencies by ``factors`` (GGUF ``rope_freqs``)."""
@@ -362,6 +389,7 @@ class LlamaForCausalLM(nn.Module):
         )
         if missing:
             raise ValueError(f"{len(missing)} weights missing from the checkpoint, e.g. {missing[:5]}")
+        self.pack_cpu_weights()
 
     @staticmethod
     def _resolve(name: str) -> tuple[str, int | None]:

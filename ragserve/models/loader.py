@@ -304,6 +304,7 @@ def init_dummy_weights(model: LlamaForCausalLM, seed: int) -> None:
                 param.fill_(1.0)
             else:
                 param.normal_(0.0, _DUMMY_STD, generator=generator)
+    model.pack_cpu_weights()  # the weights changed: refresh any prepacked CPU copies
 
 
 def compute_fingerprint(config: PretrainedConfig, weights_identity: Any, dtype: torch.dtype) -> str:

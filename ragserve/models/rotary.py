@@ -183,6 +183,11 @@ class Rotation:
             return query, key
         return apply_rotary(query, self.cos, self.sin), apply_rotary(key, self.cos, self.sin)
 
+    def rotate_heads(self, heads: torch.Tensor) -> torch.Tensor:
+        """Rotated copy of ``heads [T, any heads, D]`` (eager only): q and k heads in one call."""
+        assert not self.fused, "the fused rotation works in place on separate q and k"
+        return apply_rotary(heads, self.cos, self.sin)
+
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate heads ``x [T, heads, head_dim]`` by the tables from ``RotaryEmbedding.forward``."""

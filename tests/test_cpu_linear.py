@@ -1,0 +1,79 @@
+"""Prepacked bf16 CPU linears: the same numbers as ``F.linear``, and packed after every load."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.cpu_linear import can_pack, pack_weight, packed_linear
+from ragserve.models.layers import Linear
+from ragserve.models.llama import LlamaForCausalLM
+from ragserve.models.loader import load_model
+from tests.model_factory import make_tiny_model
+
+needs_bf16_onednn = pytest.mark.skipif(
+    not can_pack(torch.empty(1, 1, dtype=torch.bfloat16)),
+    reason="this CPU's oneDNN has no native bfloat16",
+)
+
+
+@needs_bf16_onednn
+@pytest.mark.parametrize("rows", [1, 5, 33])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_packed_linear_is_bit_identical_to_linear(rows: int, with_bias: bool) -> None:
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn(96, 64, generator=generator).to(torch.bfloat16)
+    bias = torch.randn(96, generator=generator).to(torch.bfloat16) if with_bias else None
+    x = torch.randn(2, rows, 64, generator=generator).to(torch.bfloat16)
+    out = packed_linear(x, pack_weight(weight), bias)
+    assert out.shape == (2, rows, 96) and out.dtype == torch.bfloat16
+    assert torch.equal(out, F.linear(x, weight, bias))
+
+
+def test_only_bf16_cpu_weights_are_packed() -> None:
+    weight = torch.randn(8, 4)
+    assert not can_pack(weight)
+    with pytest.raises(ValueError, match="float32"):
+        pack_weight(weight)
+    layer = Linear(4, 8, bias=False, device=torch.device("cpu"), dtype=torch.float32)
+    layer.weight.copy_(weight)
+    layer.pack_for_cpu()
+    x = torch.randn(3, 4)
+    assert torch.equal(layer(x), F.linear(x, weight))
+
+
+@needs_bf16_onednn
+def test_repacking_follows_a_changed_weight() -> None:
+    layer = Linear(16, 8, bias=True, device=torch.device("cpu"), dtype=torch.bfloat16)
+    x = torch.randn(4, 16).to(torch.bfloat16)
+    for seed in (1, 2):
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            layer.weight.copy_(torch.randn(8, 16, generator=generator))
+            layer.bias.copy_(torch.randn(8, generator=generator))  # type: ignore[union-attr]
+        layer.pack_for_cpu()
+        assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+
+
+@needs_bf16_onednn
+@pytest.mark.parametrize("arch", ["llama", "llama-tied"])
+def test_loaded_bf16_model_is_packed_and_unchanged(tmp_path: Path, arch: str) -> None:
+    """load_weights packs every projection and the LM head; logits equal the plain path's."""
+    model = load_model(make_tiny_model(tmp_path, arch), device="cpu", dtype="bfloat16").model
+    assert isinstance(model, LlamaForCausalLM)
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert linears and all(m._packed is not None for m in linears)
+    assert (model.lm_head is None) == (arch == "llama-tied")
+    assert (model._packed_tied_head is not None) == (arch == "llama-tied")
+    hidden = torch.randn(3, model.shape.hidden_size).to(torch.bfloat16)
+    packed_logits = model.compute_logits(hidden)
+    projected = [m(hidden[:, : m.in_features]) for m in linears if m.in_features == hidden.shape[1]]
+    for m in linears:
+        m._packed = None
+    model._packed_tied_head = None
+    assert torch.equal(packed_logits, model.compute_logits(hidden))
+    plain = [m(hidden[:, : m.in_features]) for m in linears if m.in_features == hidden.shape[1]]
+    assert all(torch.equal(a, b) for a, b in zip(projected, plain, strict=True))
