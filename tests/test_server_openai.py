@@ -239,6 +239,8 @@ def test_health_and_metrics(server: ServerProcess) -> None:
     assert 0.0 < metrics["ragserve_prefix_cache_hit_rate"] <= 1.0
     assert metrics["ragserve_prompt_tokens_computed_total"] > 0
     assert metrics["ragserve_num_requests_running"] == 0
+    assert metrics["ragserve_engine_steps_total"] > 0
+    assert metrics["ragserve_engine_steps_ahead_total"] == 0  # asynchronous scheduling: CUDA only
 
 
 def test_openapi_describes_every_route(server: ServerProcess) -> None:

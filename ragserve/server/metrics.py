@@ -45,6 +45,7 @@ class EngineSnapshot:
     prompt_tokens_computed: int = 0
     generated_tokens: int = 0
     steps: int = 0
+    steps_ahead: int = 0
     preemptions: int = 0
     documents: dict[str, int] = field(default_factory=dict)
     tiers: dict[str, TierMetrics] = field(default_factory=dict)
@@ -64,6 +65,7 @@ class EngineSnapshot:
             prompt_tokens_computed=engine.stats.prompt_tokens_computed,
             generated_tokens=engine.stats.generated_tokens,
             steps=engine.stats.steps,
+            steps_ahead=engine.stats.steps_ahead,
             preemptions=engine.scheduler.num_preemptions,
             tiers=_tier_metrics(engine),
         )
@@ -117,6 +119,11 @@ class _EngineCollector(Collector):
         )
         yield _counter("ragserve_generation_tokens", "Tokens generated", snap.generated_tokens)
         yield _counter("ragserve_engine_steps", "Engine steps run", snap.steps)
+        yield _counter(
+            "ragserve_engine_steps_ahead",
+            "Engine steps launched before the previous step's tokens were read",
+            snap.steps_ahead,
+        )
         yield _counter(
             "ragserve_preemptions", "Sequences preempted for lack of blocks", snap.preemptions
         )
