@@ -57,8 +57,8 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.tiers = tiers if enable_prefix_caching else None
-        # Tier bytes loaded per match (one sequence, one step): a long document streams in
-        # over several steps while other sequences keep decoding. At least one block.
+        # Tier bytes loaded per step, over all sequences: a long document streams in over
+        # several steps while other sequences keep decoding. At least one block.
         self.max_load_bytes_per_step = max_load_bytes_per_step
         if self.tiers is not None:
             pool.add_eviction_hook(self.tiers.demote)
@@ -66,13 +66,18 @@ class KVCacheManager:
         # Hashes of blocks some sequence is computing right now: another sequence reading
         # the same prefix waits for them instead of computing them twice.
         self._pending: dict[BlockHash, KVAllocation] = {}
+        self._loads_left = self.max_loads_per_step
 
     @property
     def max_loads_per_step(self) -> int:
-        """Blocks one ``match_prefix`` call may load from the tiers (0 without tiers)."""
+        """Blocks the ``match_prefix`` calls of one step may load from the tiers (0 without)."""
         if self.tiers is None:
             return 0
         return max(1, self.max_load_bytes_per_step // self.tiers.block_nbytes)
+
+    def begin_step(self) -> None:
+        """Refill the tier-load budget that the next ``match_prefix`` calls share."""
+        self._loads_left = self.max_loads_per_step
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -108,7 +113,8 @@ class KVCacheManager:
         """Share cached blocks that continue the sequence's computed prefix.
 
         Device hits are shared; a run of consecutive tier hits after them is loaded into
-        fresh device blocks as one batch, at most ``max_loads_per_step`` blocks per call.
+        fresh device blocks as one batch, within what is left of the step's load budget
+        (see ``begin_step``).
         Returns the new number of computed tokens. With ``leave_one`` at least one token is
         left to compute, since the last prompt token's logits are needed.
         """
@@ -119,7 +125,6 @@ class KVCacheManager:
             return num_computed  # blocks past the computed prefix are already private
         usable = len(token_ids) - 1 if leave_one else len(token_ids)
         limit = min(len(alloc.block_hashes), usable // self.block_size)
-        loads_left = self.max_loads_per_step
         while index < limit:
             identity = self._identity(alloc, token_ids, index)
             block = self.pool.lookup(identity)
@@ -128,11 +133,12 @@ class KVCacheManager:
                 alloc.block_table.append(block)
                 index += 1
                 continue
-            loaded = self._load_run(alloc, token_ids, identity, index, min(limit, index + loads_left))
+            stop = min(limit, index + self._loads_left)
+            loaded = self._load_run(alloc, token_ids, identity, index, stop)
             if not loaded:
                 break
             index += loaded
-            loads_left -= loaded
+            self._loads_left -= loaded
         alloc.num_registered = max(alloc.num_registered, index)
         return index * self.block_size
 

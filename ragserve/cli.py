@@ -56,7 +56,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--kv-load-gib-per-step",
         type=float,
         default=1.0,
-        help="KV a sequence may load from the CPU/disk tiers per step (the rest streams in later steps)",
+        help="KV loaded from the CPU/disk tiers per step, all sequences together (the rest streams in later steps)",
     )
     group.add_argument("--seed", type=int, default=0)
 

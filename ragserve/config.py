@@ -24,7 +24,7 @@ class EngineConfig:
     kv_cpu_gib: float = 0.0
     kv_disk_dir: str | None = None
     kv_disk_gib: float = 0.0
-    kv_load_gib_per_step: float = 1.0  # tier-to-device loads a sequence starts per step
+    kv_load_gib_per_step: float = 1.0  # tier-to-device loads per step, all sequences together
     max_waiting_requests: int = 1024
     enforce_eager: bool = False  # no CUDA graphs for decode batches
     # Launch the next decode step before reading this one's tokens (host work overlaps

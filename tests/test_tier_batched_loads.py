@@ -91,6 +91,7 @@ def load_all(stack: Stack, tokens: list[int]) -> tuple[KVAllocation, int, int]:
     computed, calls = 0, 0
     while True:
         calls += 1
+        stack.manager.begin_step()
         now = stack.manager.match_prefix(alloc, tokens, computed)
         if now == computed:
             return alloc, computed, calls
@@ -247,6 +248,25 @@ def test_load_budget_bounds_blocks_per_call() -> None:
         KVCacheManager(stack.pool, BS, True, tiers=stack.link, max_load_bytes_per_step=0)
 
 
+def test_the_load_budget_is_shared_by_every_sequence_of_a_step() -> None:
+    stack = Stack(48, cpu_slots=48)
+    first, second = list(range(10 * BS + 1)), list(range(500, 500 + 10 * BS + 1))
+    stack.compute(first)
+    stack.compute(second)
+    stack.evict_to_tiers()
+    stack.manager.max_load_bytes_per_step = 4 * stack.link.block_nbytes
+    one, two = stack.alloc(first), stack.alloc(second)
+    stack.manager.begin_step()
+    assert stack.manager.match_prefix(one, first, 0) == 4 * BS
+    assert stack.manager.match_prefix(two, second, 0) == 0  # the step's budget is spent
+    stack.manager.begin_step()
+    assert stack.manager.match_prefix(two, second, 0) == 4 * BS
+    stack.pool.check_invariants([one.block_table, two.block_table])
+    stack.manager.free(one)
+    stack.manager.free(two)
+    assert stack.pool.num_free == stack.pool.num_blocks
+
+
 def test_disk_batch_through_staging_into_non_contiguous_destinations(tmp_path: Path) -> None:
     """Destinations that cannot be read into directly go through the readers' staging
     buffers; more records than buffers, so each buffer is reused."""
@@ -397,8 +417,8 @@ def test_engine_steps_to_bring_in_a_document_drop_as_the_budget_grows(
     finally:
         manager.max_load_bytes_per_step = default
     assert steps[1] > steps[3] > steps[64] >= 1
-    # NOTE: admission runs two matches in its first step, so 1 block/step takes n - 1 steps.
-    assert steps[1] >= len(doc) // BLOCK - 1
+    # NOTE: one block per step, and the step's matches share it: a step per block.
+    assert steps[1] >= len(doc) // BLOCK
     assert_pool_empty(cpu_llm)
 
 

@@ -325,6 +325,7 @@ class LLMEngine:
         self.unpin_prefix(pin_id)
         alloc = KVAllocation(salt=self.salt_for(namespace))
         self.kv_manager.update_hashes(alloc, token_ids)
+        self.kv_manager.begin_step()  # between steps: a step's worth of tier loads
         pinned = self.kv_manager.match_prefix(alloc, token_ids, 0, leave_one=False)
         held = {block for other in self._pins.values() for block in other.block_table}
         limit = int(self.block_pool.num_blocks * MAX_PINNED_FRACTION)

@@ -50,6 +50,7 @@ class Scheduler:
         self.waiting.append(seq)
 
     def schedule(self) -> ScheduledBatch:
+        self.kv.begin_step()
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         scheduled_running: list[Sequence] = []
