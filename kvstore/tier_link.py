@@ -58,10 +58,6 @@ class TierLink:
     def contains(self, identity: BlockIdentity) -> bool:
         return self.tiers.lookup(identity) is not None
 
-    def load(self, identity: BlockIdentity, block: int) -> bool:
-        """Copy a verified block from a tier into device block ``block``."""
-        return self.load_many([identity], [block]) == 1
-
     def load_many(self, identities: Sequence[BlockIdentity], blocks: Sequence[int]) -> int:
         """Load ``identities[i]`` into device block ``blocks[i]`` as one batch.
 
