@@ -65,6 +65,16 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         """Store ``key``/``value`` at ``meta.slot_mapping`` in ``kv_layer``, return attention output."""
 
+    def warm_up(  # noqa: B027 (optional hook; most backends have nothing to prepare)
+        self,
+        query_shape: tuple[int, int, int],  # (tokens, num_heads, head_dim) of the longest step
+        num_kv_heads: int,
+        max_model_len: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        """Prepare, at start-up, what the first requests would otherwise wait for."""
+
 
 def slot_rows(kv_layer: torch.Tensor) -> torch.Tensor:
     """A 2-D view ``[rows, kv_heads * head_dim]`` whose row ``b * stride + o`` is block b's K slot o.

@@ -11,7 +11,11 @@ sequences) and has at least
 - ``sdpa_min_chunk_tokens`` when it follows cached context: the context is gathered
   from the paged cache into contiguous K/V; in half precision two fused passes (over the
   context, and causally over the chunk; cuDNN's kernels, flash where missing) are merged
-  by log-sum-exp, in float32 one SDPA call with a bottom-right causal mask.
+  by log-sum-exp (one Triton kernel, ``attention_merge``), in float32 one SDPA call
+  with a bottom-right causal mask.
+
+On the GPU whole prompts and chunks are padded at their end to one of a few lengths
+(``attention_bucket``) whose cuDNN execution plans ``warm_up`` builds at start-up.
 
 Measurements on an NVIDIA H200 are in BENCHMARKS.md.
 """
@@ -22,8 +26,10 @@ import logging
 
 import torch
 import torch.nn.functional as F
+import triton
 from torch.nn.attention.bias import causal_lower_right
 
+from kernels.attention_merge import merge_attention_states
 from kernels.interface import AttentionBackend, AttentionMetadata
 from kernels.triton_attention import paged_attention
 from kernels.triton_kv_write import write_kv_triton
@@ -84,18 +90,61 @@ class TritonBackend(AttentionBackend):
             begin, end = starts[seq], starts[seq + 1]
             seq_len = meta.seq_lens_host[seq]
             if end - begin == seq_len:
-                out[begin:end] = _causal_sdpa(query[begin:end], key[begin:end], value[begin:end], scale)
+                out[begin:end] = _causal_sdpa(
+                    query[begin:end], key[begin:end], value[begin:end], scale
+                )
             elif query.dtype != torch.float32:
                 context_key, context_value = _gather_context(
                     kv_layer, meta.block_tables[seq], seq_len - (end - begin)
                 )
-                out[begin:end] = _chunk_after_context(
-                    query[begin:end], context_key, context_value, key[begin:end], value[begin:end], scale
-                )
+                _chunk_after_context(
+                    query[begin:end], context_key, context_value, key[begin:end], value[begin:end],
+                    scale, out=out[begin:end],
+                )  # fmt: skip
             else:
                 seq_key, seq_value = _gather_context(kv_layer, meta.block_tables[seq], seq_len)
                 out[begin:end] = _causal_sdpa(query[begin:end], seq_key, seq_value, scale)
         return out
+
+    @torch.inference_mode()
+    def warm_up(
+        self,
+        query_shape: tuple[int, int, int],
+        num_kv_heads: int,
+        max_model_len: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        """Build cuDNN's plans for every padded prompt length and a long prompt's chunks.
+
+        Runs fused attention once on zeros of each shape: the whole-prompt buckets from
+        ``sdpa_min_tokens`` up to a full step, then a full step's chunk causally and
+        after each whole number of chunks of context (how a long document prefills).
+        """
+        if device.type != "cuda" or dtype == torch.float32:
+            return
+        max_tokens, num_heads, head_dim = query_shape
+        longest = min(max_tokens, max_model_len)
+
+        def zeros(length: int, heads: int) -> torch.Tensor:
+            return torch.zeros(length, heads, head_dim, dtype=dtype, device=device)
+
+        if self.sdpa_min_tokens is not None and longest >= self.sdpa_min_tokens:
+            lengths = range(self.sdpa_min_tokens, longest + 1, 256)
+            for length in sorted({attention_bucket(n) for n in [*lengths, longest]}):
+                kv = zeros(length, num_kv_heads)
+                _causal_sdpa(zeros(length, num_heads), kv, kv, 1.0)
+        if self.sdpa_min_chunk_tokens is not None and longest >= self.sdpa_min_chunk_tokens:
+            query, kv, out = (
+                zeros(longest, num_heads),
+                zeros(longest, num_kv_heads),
+                zeros(longest, num_heads),
+            )
+            for context in range(longest, max_model_len - longest + 1, longest):
+                context_kv = zeros(context, num_kv_heads)
+                _chunk_after_context(query, context_kv, context_kv, kv, kv, 1.0, out)
+                del context_kv
+        torch.cuda.synchronize(device)
 
     def _first_long_chunk(self, meta: AttentionMetadata) -> int:
         """Index of the first sequence of the trailing run of chunks that go to SDPA."""
@@ -124,32 +173,58 @@ def _gather_context(
     return key[:seq_len], value[:seq_len]
 
 
+def attention_bucket(length: int) -> int:
+    """``length`` rounded up to a sixteenth of its power of two (at least 256 tokens).
+
+    Fused attention on the GPU runs cuDNN, which builds an execution plan for every new
+    shape (about 60 ms on an NVIDIA H200, more for odd lengths): a whole prompt or a chunk
+    is padded at its end to one of these few lengths, whose plans ``TritonBackend.warm_up``
+    builds at start-up. Padding at the end is exact for causal attention (no real query
+    sees a later key) and costs at most an eighth more attention work.
+    """
+    step = max(256, triton.next_power_of_2(length) // 16)
+    return -(-length // step) * step
+
+
+def _pad_tokens(tensor: torch.Tensor, length: int) -> torch.Tensor:
+    """A contiguous copy of ``[T, H, D]`` zero-padded at the end to ``length`` tokens.
+
+    Always a fresh contiguous tensor, so a shape's strides (part of cuDNN's plan key) do
+    not depend on whether it needed padding.
+    """
+    padded = tensor.new_zeros((length, *tensor.shape[1:]))
+    padded[: tensor.shape[0]] = tensor
+    return padded
+
+
 def _attention_with_lse(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, causal: bool, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fused attention of ``[q, H, D]`` over ``[kv, H_kv, D]``: ``(out [1, H, q, D], lse [1, H, q])``.
+    """Fused attention of ``[q, H, D]`` over ``[kv, H_kv, D]``: ``(out [H, q, D], lse [H, q])``.
 
     cuDNN's kernel first (on an NVIDIA H200 it took a 131072-token prefill from 16.1 s
     with flash to 11.3 s, notes in BENCHMARKS.md), flash where cuDNN attention is missing.
+    Both take the grouped K/V heads as they are: copying each K/V head once per query
+    head cost 5% of a chunk's attention over 114,688 cached tokens, for no faster kernel.
     """
     global _cudnn_failed
-    q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (query, key.to(query.dtype), value.to(query.dtype)))
+    q_len, heads, head_dim = query.shape
+    q, k, v = (t.to(query.dtype).transpose(0, 1).unsqueeze(0) for t in (query, key, value))
     if not _cudnn_failed:
-        group = q.shape[1] // k.shape[1]
         try:
             result = torch.ops.aten._scaled_dot_product_cudnn_attention(
-                q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1),
-                None, True, 0.0, causal, False, scale=scale,
-            )  # fmt: skip
-            return result[0], result[1].reshape(q.shape[:3])
+                q, k, v, None, True, 0.0, causal, False, scale=scale
+            )
+            return result[0].reshape(heads, q_len, head_dim), result[1].reshape(heads, q_len)
         except torch.OutOfMemoryError:
             raise  # no reason to give up on cuDNN for good
         except RuntimeError as exc:
             _cudnn_failed = True
             logger.warning("cuDNN attention unavailable (%s); chunks use flash attention", exc)
-    # NOTE: the flash kernel takes grouped K/V heads as they are (no copy per query head).
-    result = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
-    return result[0], result[1]
+    result = torch.ops.aten._scaled_dot_product_flash_attention(
+        q, k, v, 0.0, causal, False, scale=scale
+    )
+    return result[0].reshape(heads, q_len, head_dim), result[1].reshape(heads, q_len)
 
 
 _cudnn_failed = False
@@ -162,27 +237,45 @@ def _chunk_after_context(
     key: torch.Tensor,
     value: torch.Tensor,
     scale: float,
-) -> torch.Tensor:
+    out: torch.Tensor,
+) -> None:
     """A chunk's ``[q, H, D]`` queries over all cached context and, causally, over themselves.
 
     Two fused passes (full over the context, causal over the chunk's own K/V) merged by
-    their log-sum-exps: the fused kernels cannot align a causal mask bottom-right, and
-    the masked path SDPA would take instead is much slower on long contexts.
+    their log-sum-exps into ``out``: the fused kernels cannot align a causal mask
+    bottom-right, and the masked path SDPA would take instead is much slower on long
+    contexts. The chunk is padded at its end to its ``attention_bucket`` (padded queries
+    are dropped, padded keys come after every real query).
+
+    NOTE: splitting a long context into segments that fit in L2 was slower on an NVIDIA
+    H200 (569 against 604 TFLOP/s over 114,688 cached tokens in 16k segments).
     """
+    q_len = query.shape[0]
+    length = attention_bucket(q_len)
+    query, key, value = (_pad_tokens(t, length) for t in (query, key, value))
     out_context, lse_context = _attention_with_lse(query, context_key, context_value, False, scale)
     out_chunk, lse_chunk = _attention_with_lse(query, key, value, True, scale)
-    lse = torch.logaddexp(lse_context, lse_chunk)
-    merged = out_context.float() * torch.exp(lse_context - lse).unsqueeze(-1)
-    merged += out_chunk.float() * torch.exp(lse_chunk - lse).unsqueeze(-1)
-    return merged.to(query.dtype)[0].transpose(0, 1)
+    merge_attention_states(
+        out_context[:, :q_len],
+        lse_context[:, :q_len],
+        out_chunk[:, :q_len],
+        lse_chunk[:, :q_len],
+        out,
+    )
 
 
 def _causal_sdpa(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """One sequence's ``[q_len, heads, D]`` queries over its last-aligned ``[kv_len, kv_heads, D]``."""
+    """One sequence's ``[q_len, heads, D]`` queries over its last-aligned ``[kv_len, kv_heads, D]``.
+
+    A whole prompt on the GPU is padded at its end to its ``attention_bucket``.
+    """
     q_len, kv_len = query.shape[0], key.shape[0]
     mask = None if q_len == kv_len else causal_lower_right(q_len, kv_len)
+    if mask is None and query.is_cuda:
+        length = attention_bucket(q_len)
+        query, key, value = (_pad_tokens(t, length) for t in (query, key, value))
     out = F.scaled_dot_product_attention(
         query.transpose(0, 1).unsqueeze(0),
         key.to(query.dtype).transpose(0, 1).unsqueeze(0),
@@ -192,4 +285,4 @@ def _causal_sdpa(
         scale=scale,
         enable_gqa=True,
     )
-    return out[0].transpose(0, 1)
+    return out[0, :, :q_len].transpose(0, 1)

@@ -130,6 +130,12 @@ class DiskTier(KVTier):
     reads; LRU order = mtime order), stale temporary files of dead writers are removed,
     and LRU files beyond the capacity are evicted. A lookup that misses the index checks
     for the file once (``stat``), so records written by another process are found.
+
+    Restores read with ``num_readers`` threads. Each thread also verifies and copies what
+    it read, so fewer reads are in flight than there are threads: on an NVIDIA H200
+    host's drive, 8 readers restored at 75% of plain 8-thread reads of the same files
+    and 32 readers at 92% of the best plain rate (reached with 32 threads). Each reader
+    keeps two pinned staging buffers of one block.
     """
 
     def __init__(
@@ -141,7 +147,7 @@ class DiskTier(KVTier):
         *,
         num_writers: int = 2,
         max_pending_writes: int = 64,
-        num_readers: int = 8,  # NOTE: deep enough a queue for NVMe drives; threads mostly wait
+        num_readers: int = 32,  # NOTE: threads mostly wait on the drive (see above)
         disk_full_retry_s: float = 30.0,
         fsync: bool = True,
         disable_on_error: bool = False,

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from ragserve.bench.shapes import LLAMA_3_1_8B, TINY_LLAMA, generate_flops, prefill_flops
 from ragserve.cli import main
@@ -68,6 +69,31 @@ def test_throughput_variable_with_a_transformers_subset(tmp_path: Path) -> None:
     assert result["speedup_vs_transformers"] == pytest.approx(ours["output_tok_s"] / theirs["output_tok_s"])
     floor = result["floor"]
     assert floor["seconds"] == max(floor["compute_s"], floor["weights_read_s"]) > 0
+
+
+def test_continuous_batching_baseline_needs_fixed_lengths(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "never.json"
+    code = main(["bench", "throughput", "--model-shape", "tiny-llama", "--variable",
+                 "--hf-continuous", "--out", str(out)])  # fmt: skip
+    assert code == 2 and not out.exists()
+    assert "fixed lengths" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="transformers' continuous batching sizes its cache from free memory: ~40 s and 11 GiB here",
+)
+def test_throughput_against_transformers_continuous_batching(tmp_path: Path) -> None:
+    code, result = _bench(tmp_path, "throughput", "--num-prompts", "4", "--input-len", "16",
+                          "--output-len", "4", "--hf-continuous")  # fmt: skip
+    assert code == 0 and result["errors"] == []
+    ours, theirs = result["ragserve"], result["transformers_generate_batch"]
+    assert theirs["num_prompts"] == 4 and theirs["output_tokens"] == 16
+    assert result["speedup_vs_transformers_generate_batch"] == pytest.approx(
+        ours["output_tok_s"] / theirs["output_tok_s"]
+    )
 
 
 def test_tiers_report_bytes_rates_and_references(tmp_path: Path) -> None:

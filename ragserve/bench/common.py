@@ -70,6 +70,27 @@ def transformers_generate(
     return time.perf_counter() - started, produced
 
 
+def transformers_generate_batch(
+    model: Any, prompts: list[list[int]], max_new_tokens: int
+) -> tuple[float, int]:
+    """transformers' own continuous batching (``generate_batch``), greedy, EOS never ends a
+    request. Returns (seconds, output tokens)."""
+    from transformers import GenerationConfig
+
+    # NOTE: without an EOS id continuous batching runs every request to max_new_tokens.
+    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None)
+    device = next(model.parameters()).device
+    started = time.perf_counter()
+    outputs = model.generate_batch(inputs=prompts, generation_config=config, progress_bar=False)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - started
+    failed = [out.error for out in outputs.values() if getattr(out, "error", None)]
+    if len(outputs) != len(prompts) or failed:
+        raise RuntimeError(f"generate_batch finished {len(outputs)} of {len(prompts)} requests: {failed[:1]}")
+    return seconds, sum(len(out.generated_tokens) for out in outputs.values())
+
+
 @dataclass
 class RequestTiming:
     """Wall-clock times of one request run alone through the engine's step loop."""

@@ -17,6 +17,7 @@ from ragserve.bench.common import (
     random_prompts,
     release_device_memory,
     transformers_generate,
+    transformers_generate_batch,
     weight_bytes,
     write_json,
 )
@@ -37,6 +38,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--hf-sort", action="store_true",
         help="transformers batches of similar output length (longest first) instead of arrival order",
+    )
+    parser.add_argument(
+        "--hf-continuous", action="store_true",
+        help="also time transformers' continuous batching (generate_batch); fixed lengths only",
     )
     parser.add_argument("--skip-transformers", action="store_true")
     add_peak_arguments(parser)
@@ -147,6 +152,23 @@ def _run_transformers(
             "sorted_by_length": args.hf_sort}
 
 
+def _run_transformers_continuous(
+    config: EngineConfig, run: dict[str, Any], output_len: int, chosen: list[int]
+) -> dict[str, Any]:
+    """transformers' ``generate_batch`` over the same prompts, after an untimed warm-up."""
+    hf = load_transformers_model(config.model, config.load_format, run["dtype"], run["device"])
+    try:
+        prompts = [run["prompts"][i] for i in chosen]
+        warmup_s, _ = transformers_generate_batch(hf, prompts[:8], WARMUP_NEW_TOKENS)
+        seconds, produced = transformers_generate_batch(hf, prompts, output_len)
+        print(f"transformers generate_batch: {len(prompts)} prompts, {produced} tokens in {seconds:.1f} s "
+              f"(warm-up {warmup_s:.1f} s, untimed)", flush=True)
+    finally:
+        del hf
+        release_device_memory()
+    return {"seconds": seconds, "output_tokens": produced, "warmup_s": warmup_s, "num_prompts": len(chosen)}
+
+
 def _floor(run: dict[str, Any], input_lens: list[int], output_lens: list[int],
            args: argparse.Namespace) -> dict[str, float]:
     """Lower bound on the workload's time: all its FLOPs at the matmul ceiling, or reading
@@ -158,6 +180,8 @@ def _floor(run: dict[str, Any], input_lens: list[int], output_lens: list[int],
 
 
 def run(args: argparse.Namespace, config: EngineConfig) -> int:
+    if args.hf_continuous and args.variable:
+        raise ValueError("--hf-continuous needs fixed lengths: generate_batch takes one max_new_tokens")
     input_lens, output_lens = _workload(args)
     ours = _run_ragserve(config, input_lens, output_lens)
     release_device_memory()
@@ -201,6 +225,20 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
         except Exception as exc:  # NOTE: keep the engine's figures; the JSON says what failed.
             traceback.print_exc()
             results["errors"].append(f"transformers: {type(exc).__name__}: {exc}")
+            release_device_memory()
+    if args.hf_continuous and not args.skip_transformers:
+        try:
+            chosen = _hf_subset(len(output_lens), args.hf_max_prompts)
+            continuous = _run_transformers_continuous(config, ours, output_lens[0], chosen)
+            rate = continuous["output_tokens"] / continuous["seconds"]
+            total = (sum(input_lens[i] for i in chosen) + continuous["output_tokens"]) / continuous["seconds"]
+            results["transformers_generate_batch"] = continuous | {"output_tok_s": rate, "total_tok_s": total}
+            results["speedup_vs_transformers_generate_batch"] = out_rate / rate
+            rows.append(["transformers generate_batch", continuous["seconds"], rate, total,
+                         out_rate / rate, None])
+        except Exception as exc:  # NOTE: as above, the engine's figures stay
+            traceback.print_exc()
+            results["errors"].append(f"transformers generate_batch: {type(exc).__name__}: {exc}")
             release_device_memory()
     floor_rate = sum(output_lens) / floor["seconds"]
     rows.append([f"floor ({args.peak_tflops:g} TFLOP/s, {args.peak_tbps:g} TB/s)", floor["seconds"],

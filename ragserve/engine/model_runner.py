@@ -64,13 +64,23 @@ class ModelRunner:
                     token_ids=[0] * (context + new),
                     num_prompt_tokens=context + new,
                     params=SamplingParams(max_tokens=1),
-                    kv=KVAllocation(salt=b"", block_table=list(range(next_block, next_block + num_seq_blocks))),
+                    kv=KVAllocation(
+                        salt=b"", block_table=list(range(next_block, next_block + num_seq_blocks))
+                    ),
                     detokenizer=None,
                     num_computed_tokens=context,
                 )
                 next_block += num_seq_blocks
                 seqs.append(seq)
             self.execute(seqs, [new for _, new in shapes])
+        attention = self.model.shape
+        self.backend.warm_up(
+            (max_num_tokens, attention.num_heads, attention.head_dim),
+            attention.num_kv_heads,
+            max_model_len,
+            self.kv_cache.dtype,
+            self.device,
+        )
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -117,7 +127,9 @@ class ModelRunner:
             tables[row, : len(seq.kv.block_table)] = seq.kv.block_table
 
         def to_device(array: np.ndarray | list[int], dtype: torch.dtype) -> torch.Tensor:
-            return torch.as_tensor(np.asarray(array), dtype=dtype).to(self.device, non_blocking=True)
+            return torch.as_tensor(np.asarray(array), dtype=dtype).to(
+                self.device, non_blocking=True
+            )
 
         query_lens = list(num_new_tokens)
         meta = AttentionMetadata(
@@ -155,7 +167,9 @@ class ModelRunner:
             hidden = graphs.run(seqs, next_token_ids)
             if next_token_ids is not None:
                 return self.model.compute_logits(hidden)
-            sampled = [i for i, seq in enumerate(seqs) if seq.num_computed_tokens + 1 == seq.num_tokens]
+            sampled = [
+                i for i, seq in enumerate(seqs) if seq.num_computed_tokens + 1 == seq.num_tokens
+            ]
             if len(sampled) < len(seqs):  # a one-token prefill chunk samples nothing yet
                 hidden = hidden[torch.tensor(sampled, device=hidden.device, dtype=torch.int64)]
             return self.model.compute_logits(hidden)
