@@ -104,5 +104,5 @@ def merge_attention_states(
         lse_a.stride(0), lse_a.stride(1), lse_b.stride(0), lse_b.stride(1),
         out.stride(0), out.stride(1), heads, head_dim,
         BLOCK_H=triton.next_power_of_2(heads), BLOCK_D=triton.next_power_of_2(head_dim),
-        num_warps=4,
+        num_warps=4 if heads * head_dim <= 4096 else 8,
     )  # fmt: skip

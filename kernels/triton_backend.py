@@ -269,11 +269,12 @@ def _causal_sdpa(
 ) -> torch.Tensor:
     """One sequence's ``[q_len, heads, D]`` queries over its last-aligned ``[kv_len, kv_heads, D]``.
 
-    A whole prompt on the GPU is padded at its end to its ``attention_bucket``.
+    A whole prompt in half precision on the GPU (cuDNN's case) is padded at its end to
+    its ``attention_bucket``; float32 keeps its exact shapes.
     """
     q_len, kv_len = query.shape[0], key.shape[0]
     mask = None if q_len == kv_len else causal_lower_right(q_len, kv_len)
-    if mask is None and query.is_cuda:
+    if mask is None and query.is_cuda and query.dtype != torch.float32:
         length = attention_bucket(q_len)
         query, key, value = (_pad_tokens(t, length) for t in (query, key, value))
     out = F.scaled_dot_product_attention(

@@ -10,27 +10,8 @@ import torch
 import xxhash
 
 from kvstore.cpu_tier import CpuTier
-from kvstore.tier import BlockLike, BlockMeta, block_nbytes
-
-SHAPE = (2, 2, 4, 2, 8)
-SALT = xxhash.xxh3_128_digest(b"model-a|bs=4|tenant-1")
-
-
-def make_meta(index: int, salt: bytes = SALT) -> BlockMeta:
-    return BlockMeta(
-        block_hash=xxhash.xxh3_128_digest(salt + index.to_bytes(8, "little")),
-        parent_hash=None,
-        token_ids=tuple(range(index * 4, index * 4 + 4)),
-        salt=salt,
-    )
-
-
-def random_block(dtype: torch.dtype, seed: int) -> torch.Tensor:
-    return torch.randn(SHAPE, generator=torch.Generator().manual_seed(seed)).to(dtype)
-
-
-def bit_equal(first: torch.Tensor, second: torch.Tensor) -> bool:
-    return torch.equal(first.contiguous().view(torch.uint8), second.contiguous().view(torch.uint8))
+from kvstore.tier import BlockLike, block_nbytes
+from tests.tier_blocks import SHAPE, bit_equal, make_meta, random_block
 
 
 def make_tier(num_slots: int, dtype: torch.dtype = torch.float32, **kwargs: object) -> CpuTier:

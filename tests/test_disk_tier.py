@@ -16,26 +16,7 @@ from kvstore.disk_tier import DiskTier, default_disk_dir
 from kvstore.record_format import encode_record
 from kvstore.tier import BlockMeta, block_nbytes, record_key, salt_fingerprint
 from kvstore.tier_manager import GIB, TierManager
-
-SHAPE = (2, 2, 4, 2, 8)
-SALT = xxhash.xxh3_128_digest(b"model-a|bs=4|tenant-1")
-
-
-def make_meta(index: int, salt: bytes = SALT) -> BlockMeta:
-    return BlockMeta(
-        block_hash=xxhash.xxh3_128_digest(salt + index.to_bytes(8, "little")),
-        parent_hash=None,
-        token_ids=tuple(range(index * 4, index * 4 + 4)),
-        salt=salt,
-    )
-
-
-def random_block(dtype: torch.dtype, seed: int) -> torch.Tensor:
-    return torch.randn(SHAPE, generator=torch.Generator().manual_seed(seed)).to(dtype)
-
-
-def bit_equal(first: torch.Tensor, second: torch.Tensor) -> bool:
-    return torch.equal(first.contiguous().view(torch.uint8), second.contiguous().view(torch.uint8))
+from tests.tier_blocks import SALT, SHAPE, bit_equal, make_meta, random_block
 
 
 def record_size(index: int = 0, dtype: torch.dtype = torch.float32) -> int:

@@ -20,6 +20,7 @@ from kvstore.tier import BlockMeta, block_nbytes, record_key, salt_fingerprint
 from kvstore.tier_link import TierLink
 from kvstore.tier_manager import TierManager
 from ragserve import LLM, SamplingParams
+from tests.tier_blocks import bit_equal
 
 BS = 4
 SHAPE = (2, 2, BS, 2, 8)
@@ -32,10 +33,6 @@ DEVICE_BLOCKS = 24
 
 def block_for(seed: int) -> torch.Tensor:
     return torch.randn(SHAPE, generator=torch.Generator().manual_seed(seed))
-
-
-def bit_equal(first: torch.Tensor, second: torch.Tensor) -> bool:
-    return torch.equal(first.contiguous().view(torch.uint8), second.contiguous().view(torch.uint8))
 
 
 class Stack:

@@ -24,28 +24,14 @@ import xxhash
 from kvstore.disk_tier import DiskTier, TierDirectoryError
 from kvstore.record_format import PREFIX, encode_head, encode_record, tensor_bytes
 from kvstore.tier import BlockMeta, salt_fingerprint
+from tests.tier_blocks import SALT, SHAPE, bit_equal, make_meta
 
-SHAPE = (2, 2, 4, 2, 8)
 BIG_SHAPE = (4, 2, 16, 4, 16)  # 32 KiB in float32
-SALT = xxhash.xxh3_128_digest(b"model-a|bs=4|tenant-1")
 REPO = Path(__file__).resolve().parents[1]
-
-
-def make_meta(index: int, salt: bytes = SALT) -> BlockMeta:
-    return BlockMeta(
-        block_hash=xxhash.xxh3_128_digest(salt + index.to_bytes(8, "little")),
-        parent_hash=None,
-        token_ids=tuple(range(index * 4, index * 4 + 4)),
-        salt=salt,
-    )
 
 
 def make_block(index: int, version: int = 0, shape: tuple[int, ...] = SHAPE) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(index * 10 + version))
-
-
-def bit_equal(first: torch.Tensor, second: torch.Tensor) -> bool:
-    return torch.equal(first.view(torch.uint8), second.view(torch.uint8))
 
 
 def record_path(root: Path, meta: BlockMeta) -> Path:
