@@ -38,7 +38,7 @@ def _merge_kernel(
     BLOCK_D: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
-    heads = tl.arange(0, BLOCK_H)
+    heads = tl.arange(0, BLOCK_H).to(tl.int64)
     dims = tl.arange(0, BLOCK_D)
     head_mask = heads < num_heads
     mask = head_mask[:, None] & (dims[None, :] < head_dim)

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
+
 import pytest
 
 from ragserve import LLM, SamplingParams
+from ragserve.config import EngineConfig
+from ragserve.engine.async_engine import AsyncEngine
 
 
 @pytest.fixture(scope="module")
@@ -158,3 +163,22 @@ def test_pinned_documents_never_starve_requests(smollm_path: str) -> None:
     assert engine.unpin_prefix("doc-1")
     engine.block_pool.check_invariants()
     assert engine.block_pool.num_used == 0
+
+
+def test_each_engine_prepares_the_thread_that_steps_it(llm: LLM, smollm_path: str) -> None:
+    """Per-thread GPU state (PyTorch caches cuDNN's plans per thread) is built where the
+    steps run: the constructing thread for ``LLM``, the engine thread for ``AsyncEngine``."""
+    assert llm.engine.prepared_threads == {threading.get_ident()}
+
+    async def serve_one() -> set[int]:
+        engine = AsyncEngine(EngineConfig(model=smollm_path, max_model_len=256))
+        try:
+            params = SamplingParams(temperature=0.0, max_tokens=2)
+            outputs = [out async for out in engine.generate("Hello", params)]
+            assert outputs[-1].finished
+            return set(engine.engine.prepared_threads)
+        finally:
+            await engine.shutdown()
+
+    prepared = asyncio.run(serve_one())
+    assert len(prepared) == 1 and threading.get_ident() not in prepared

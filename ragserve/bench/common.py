@@ -86,9 +86,13 @@ def transformers_generate_batch(
         torch.cuda.synchronize()
     seconds = time.perf_counter() - started
     failed = [out.error for out in outputs.values() if getattr(out, "error", None)]
-    if len(outputs) != len(prompts) or failed:
-        raise RuntimeError(f"generate_batch finished {len(outputs)} of {len(prompts)} requests: {failed[:1]}")
-    return seconds, sum(len(out.generated_tokens) for out in outputs.values())
+    produced = sum(len(out.generated_tokens) for out in outputs.values())
+    if len(outputs) != len(prompts) or failed or produced != len(prompts) * max_new_tokens:
+        raise RuntimeError(
+            f"generate_batch finished {len(outputs)} of {len(prompts)} requests with {produced} "
+            f"tokens, not {len(prompts) * max_new_tokens}: {failed[:1]}"
+        )
+    return seconds, produced
 
 
 @dataclass

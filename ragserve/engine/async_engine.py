@@ -44,7 +44,10 @@ class _Sink:
 
 class AsyncEngine:
     def __init__(self, config: EngineConfig | None = None, engine: LLMEngine | None = None) -> None:
-        self.engine = engine if engine is not None else LLMEngine(config or EngineConfig())
+        # NOTE: the engine thread prepares itself (per-thread GPU state) before its first step.
+        self.engine = (
+            engine if engine is not None else LLMEngine(config or EngineConfig(), prepare_this_thread=False)
+        )
         self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
         self._sinks: dict[str, _Sink] = {}
         self._ids = itertools.count()
@@ -157,6 +160,10 @@ class AsyncEngine:
     # -- the engine thread -----------------------------------------------------------------
     def _loop(self) -> None:
         engine = self.engine
+        try:
+            engine.prepare_thread()
+        except Exception:  # NOTE: only start-up work is lost; plans then build on first use
+            logger.exception("preparing the engine thread failed")
         while not self._stopping.is_set():
             idle = not engine.has_unfinished_requests()
             try:

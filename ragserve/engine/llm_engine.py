@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -87,8 +88,11 @@ class _LaunchedStep:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, *, prepare_this_thread: bool = True) -> None:
+        """``prepare_this_thread=False`` leaves ``prepare_thread`` to the thread that will
+        step the engine (``AsyncEngine`` does that)."""
         self.config = config
+        self.prepared_threads: set[int] = set()
         started = time.perf_counter()
         self.loaded: LoadedModel = load_model_from_config(config)
         self.device = self.loaded.device
@@ -131,6 +135,8 @@ class LLMEngine:
             self.runner.warm_up(config.max_num_batched_tokens, self.max_model_len, num_blocks)
         if self.device.type == "cuda" and backend.supports_cuda_graphs and not config.enforce_eager:
             self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
+        if prepare_this_thread:
+            self.prepare_thread()
         self.stats = EngineStats()
         self._requests: dict[str, _Request] = {}
         self._salts: dict[str, bytes] = {}
@@ -198,6 +204,22 @@ class LLMEngine:
         # On the CPU: enough for every sequence at full length, at most 4 GiB.
         wanted = self.config.max_num_seqs * self.max_model_len * self.kv_spec.bytes_per_token
         return float(min(wanted, 4 * 2**30))
+
+    def prepare_thread(self) -> None:
+        """Build what the calling thread keeps for itself, before it steps the engine.
+
+        PyTorch caches cuDNN's attention plans per thread, so they are built (by the
+        backend's ``warm_up``) in the thread that will run the steps; once per thread.
+        """
+        thread = threading.get_ident()
+        if thread in self.prepared_threads:
+            return
+        self.prepared_threads.add(thread)
+        started = time.perf_counter()
+        capacity = self.block_pool.num_blocks * self.config.block_size
+        self.runner.prepare_attention(self.config.max_num_batched_tokens, min(self.max_model_len, capacity))
+        if self.device.type == "cuda":
+            logger.info("attention plans built in %.1fs", time.perf_counter() - started)
 
     @property
     def num_kv_blocks(self) -> int:

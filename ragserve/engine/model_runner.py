@@ -73,16 +73,21 @@ class ModelRunner:
                 next_block += num_seq_blocks
                 seqs.append(seq)
             self.execute(seqs, [new for _, new in shapes])
-        attention = self.model.shape
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @torch.inference_mode()
+    def prepare_attention(self, max_num_tokens: int, max_context_len: int) -> None:
+        """Let the attention backend prepare steps of up to ``max_num_tokens`` new tokens
+        over up to ``max_context_len`` in all (see ``AttentionBackend.warm_up``)."""
+        shape = self.model.shape
         self.backend.warm_up(
-            (max_num_tokens, attention.num_heads, attention.head_dim),
-            attention.num_kv_heads,
-            max_model_len,
+            (max_num_tokens, shape.num_heads, shape.head_dim),
+            shape.num_kv_heads,
+            max_context_len,
             self.kv_cache.dtype,
             self.device,
         )
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
 
     def capture_decode_graphs(self, max_batch: int, max_model_len: int) -> None:
         """Record CUDA graphs for pure-decode batches of up to ``max_batch`` sequences."""
