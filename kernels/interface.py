@@ -69,7 +69,7 @@ class AttentionBackend(ABC):
         self,
         query_shape: tuple[int, int, int],  # (tokens, num_heads, head_dim) of the longest step
         num_kv_heads: int,
-        max_model_len: int,
+        max_context_len: int,  # the longest sequence a step may attend over
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:

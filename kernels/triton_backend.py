@@ -111,7 +111,7 @@ class TritonBackend(AttentionBackend):
         self,
         query_shape: tuple[int, int, int],
         num_kv_heads: int,
-        max_model_len: int,
+        max_context_len: int,
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
@@ -127,7 +127,7 @@ class TritonBackend(AttentionBackend):
         if device.type != "cuda" or dtype == torch.float32:
             return
         max_tokens, num_heads, head_dim = query_shape
-        longest = min(max_tokens, max_model_len)
+        longest = min(max_tokens, max_context_len)
 
         def zeros(length: int, heads: int) -> torch.Tensor:
             return torch.zeros(length, heads, head_dim, dtype=dtype, device=device)
@@ -145,8 +145,8 @@ class TritonBackend(AttentionBackend):
                     zeros(longest, num_heads),
                 )
                 # NOTE: prefixes of one buffer have the strides of a gathered context
-                context_kv = zeros(max_model_len - longest, num_kv_heads)
-                for context in range(longest, max_model_len - longest + 1, longest):
+                context_kv = zeros(max_context_len - longest, num_kv_heads)
+                for context in range(longest, max_context_len - longest + 1, longest):
                     _chunk_after_context(
                         query, context_kv[:context], context_kv[:context], kv, kv, 1.0, out
                     )
