@@ -105,10 +105,13 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _rotate_heads(
-    x_ptr,
+    src_ptr,
+    dst_ptr,
     tok,
-    stride_tok,
-    stride_head,
+    stride_src_tok,
+    stride_src_head,
+    stride_dst_tok,
+    stride_dst_head,
     cos,
     sin,
     num_heads,
@@ -118,7 +121,7 @@ def _rotate_heads(
     offs_h = tl.arange(0, HEADS_PAD)
     offs_d = tl.arange(0, HALF)
     mask = (offs_h < num_heads)[:, None]
-    first = x_ptr + tok * stride_tok + offs_h[:, None] * stride_head + offs_d[None, :]
+    first = src_ptr + tok * stride_src_tok + offs_h[:, None] * stride_src_head + offs_d[None, :]
     x1 = tl.load(first, mask=mask, other=0.0)
     x2 = tl.load(first + HALF, mask=mask, other=0.0)
     dtype = x1.dtype
@@ -128,14 +131,17 @@ def _rotate_heads(
     b = (x2 * sin).to(dtype).to(tl.float32)
     c = (x2 * cos).to(dtype).to(tl.float32)
     d = (x1 * sin).to(dtype).to(tl.float32)
-    tl.store(first, (a - b).to(dtype), mask=mask)
-    tl.store(first + HALF, (c + d).to(dtype), mask=mask)
+    out = dst_ptr + tok * stride_dst_tok + offs_h[:, None] * stride_dst_head + offs_d[None, :]
+    tl.store(out, (a - b).to(dtype), mask=mask)
+    tl.store(out + HALF, (c + d).to(dtype), mask=mask)
 
 
 @triton.jit
 def _rotary_kernel(
     q_ptr,
     k_ptr,
+    q_out_ptr,
+    k_out_ptr,
     cos_ptr,
     sin_ptr,
     positions_ptr,
@@ -154,21 +160,28 @@ def _rotary_kernel(
     offs_d = tl.arange(0, HALF)
     cos = tl.load(cos_ptr + pos * HALF + offs_d).to(tl.float32)[None, :]
     sin = tl.load(sin_ptr + pos * HALF + offs_d).to(tl.float32)[None, :]
-    _rotate_heads(q_ptr, tok, stride_q_tok, stride_q_head, cos, sin, num_q_heads, Q_HEADS_PAD, HALF)
-    _rotate_heads(k_ptr, tok, stride_k_tok, stride_k_head, cos, sin, num_k_heads, K_HEADS_PAD, HALF)
+    q_row, k_row = num_q_heads * 2 * HALF, num_k_heads * 2 * HALF
+    _rotate_heads(q_ptr, q_out_ptr, tok, stride_q_tok, stride_q_head, q_row, 2 * HALF,
+                  cos, sin, num_q_heads, Q_HEADS_PAD, HALF)  # fmt: skip
+    _rotate_heads(k_ptr, k_out_ptr, tok, stride_k_tok, stride_k_head, k_row, 2 * HALF,
+                  cos, sin, num_k_heads, K_HEADS_PAD, HALF)  # fmt: skip
 
 
-def rotary_inplace(
+def rotary(
     query: torch.Tensor,
     key: torch.Tensor,
     cos_table: torch.Tensor,
     sin_table: torch.Tensor,
     positions: torch.Tensor,
-) -> None:
-    """Rotate ``query [T, H, D]`` and ``key [T, H_kv, D]`` in place (HF's half-split RoPE).
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotated contiguous copies of ``query [T, H, D]`` and ``key [T, H_kv, D]`` (HF's
+    half-split RoPE).
 
     ``cos_table``/``sin_table`` are ``[max_positions, D // 2]`` in the model dtype, rows
-    picked by ``positions [T]``. Any token and head strides; unit stride on ``D``.
+    picked by ``positions [T]``. Any token and head strides on input; unit stride on ``D``.
+    The outputs are contiguous because fused attention runs fastest on contiguous inputs
+    (cuDNN on an NVIDIA H200: 646 against 590 TFLOP/s for views of the qkv projection at
+    32k tokens): writing them here costs what rotating in place did, and saves a copy.
     """
     num_tokens, num_q_heads, head_dim = query.shape
     half = head_dim // 2
@@ -180,12 +193,15 @@ def rotary_inplace(
         raise ValueError(f"head_dim {head_dim} must be twice a power of two")
     if query.stride(-1) != 1 or key.stride(-1) != 1:
         raise ValueError("query and key need a unit stride on head_dim")
+    query_out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    key_out = torch.empty(key.shape, dtype=key.dtype, device=key.device)
     if num_tokens:
         _rotary_kernel[(num_tokens,)](
-            query, key, cos_table, sin_table, positions,
+            query, key, query_out, key_out, cos_table, sin_table, positions,
             query.stride(0), query.stride(1), key.stride(0), key.stride(1),
             num_q_heads, key.shape[1],
             Q_HEADS_PAD=triton.next_power_of_2(num_q_heads),
             K_HEADS_PAD=triton.next_power_of_2(key.shape[1]),
             HALF=half, num_warps=4,
         )  # fmt: skip
+    return query_out, key_out

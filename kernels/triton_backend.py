@@ -90,9 +90,10 @@ class TritonBackend(AttentionBackend):
             begin, end = starts[seq], starts[seq + 1]
             seq_len = meta.seq_lens_host[seq]
             if end - begin == seq_len:
-                out[begin:end] = _causal_sdpa(
-                    query[begin:end], key[begin:end], value[begin:end], scale
-                )
+                attended = _causal_sdpa(query[begin:end], key[begin:end], value[begin:end], scale)
+                if meta.num_seqs == 1:
+                    return attended  # the whole batch is this prompt: no copy into out
+                out[begin:end] = attended
             elif query.dtype != torch.float32:
                 context_key, context_value = _gather_context(
                     kv_layer, meta.block_tables[seq], seq_len - (end - begin)
@@ -198,14 +199,21 @@ def attention_bucket(length: int) -> int:
     return -(-length // step) * step
 
 
-def _pad_tokens(tensor: torch.Tensor, length: int) -> torch.Tensor:
-    """A contiguous copy of ``[T, H, D]`` zero-padded at the end to ``length`` tokens.
+def pad_tokens(tensor: torch.Tensor, length: int) -> torch.Tensor:
+    """``tensor [T, H, D]`` as a contiguous ``[length, H, D]``, zero-padded at the end.
 
-    Always a fresh contiguous tensor, so a shape's strides (part of cuDNN's plan key) do
-    not depend on whether it needed padding.
+    The tensor itself when it already is one (the fused rotary's q and k at a bucket
+    length); otherwise a copy. cuDNN keys its execution plans on strides as well as
+    shapes, so every input reaches it contiguous; it also runs fastest that way (on an
+    NVIDIA H200, 646 TFLOP/s for a contiguous 32k prompt against 590 for views of the
+    qkv projection).
     """
-    padded = tensor.new_zeros((length, *tensor.shape[1:]))
-    padded[: tensor.shape[0]] = tensor
+    num_tokens = tensor.shape[0]
+    if num_tokens == length and tensor.is_contiguous():
+        return tensor
+    padded = tensor.new_empty((length, *tensor.shape[1:]))
+    padded[:num_tokens] = tensor
+    padded[num_tokens:].zero_()  # NOTE: padded V rows meet zero weights; keep them finite
     return padded
 
 
@@ -264,7 +272,7 @@ def _chunk_after_context(
     """
     q_len = query.shape[0]
     length = attention_bucket(q_len)
-    query, key, value = (_pad_tokens(t, length) for t in (query, key, value))
+    query, key, value = (pad_tokens(t, length) for t in (query, key, value))
     out_context, lse_context = _attention_with_lse(query, context_key, context_value, False, scale)
     out_chunk, lse_chunk = _attention_with_lse(query, key, value, True, scale)
     merge_attention_states(
@@ -288,7 +296,7 @@ def _causal_sdpa(
     mask = None if q_len == kv_len else causal_lower_right(q_len, kv_len)
     if mask is None and query.is_cuda and query.dtype != torch.float32:
         length = attention_bucket(q_len)
-        query, key, value = (_pad_tokens(t, length) for t in (query, key, value))
+        query, key, value = (pad_tokens(t, length) for t in (query, key, value))
     out = F.scaled_dot_product_attention(
         query.transpose(0, 1).unsqueeze(0),
         key.to(query.dtype).transpose(0, 1).unsqueeze(0),

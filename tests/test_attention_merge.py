@@ -1,4 +1,4 @@
-"""Merging partial attention by log-sum-exp, and the padded lengths of fused GPU attention.
+"""Merging partial attention by log-sum-exp, and the padded inputs of fused GPU attention.
 
 Without CUDA the merge kernel runs under ``TRITON_INTERPRET=1``.
 """
@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from kernels.attention_merge import merge_attention_states
-from kernels.triton_backend import attention_bucket
+from kernels.triton_backend import attention_bucket, pad_tokens
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -92,3 +92,17 @@ def test_attention_buckets_are_few_and_tight() -> None:
     assert all(attention_bucket(n) < n * 1.125 for n in range(1024, 16385))
     assert all(attention_bucket(n) < n * 1.25 for n in range(512, 1024))
     assert [attention_bucket(n) for n in (512, 8192, 8193, 16384)] == [512, 8192, 9216, 16384]
+
+
+def test_padding_copies_only_what_is_not_already_a_contiguous_bucket() -> None:
+    qkv = torch.randn(6, 16 * 8)
+    key_view = qkv[:, 64:96].view(6, 4, 8)  # a strided view of the projection's output
+    rotated = torch.randn(6, 4, 8)  # the fused rotary's contiguous output
+
+    assert pad_tokens(rotated, 6) is rotated
+    for source, length in ((key_view, 6), (rotated, 9)):
+        padded = pad_tokens(source, length)
+        assert padded.shape == (length, 4, 8) and padded.is_contiguous()
+        assert padded.data_ptr() != source.data_ptr()
+        torch.testing.assert_close(padded[:6], source, rtol=0, atol=0)
+        assert not padded[6:].any()

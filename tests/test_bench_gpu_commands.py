@@ -132,3 +132,32 @@ def test_floors_of_the_8b_shape_match_the_issue() -> None:
     one_request = generate_flops(shape, 512, 128)
     assert one_request == pytest.approx(
         prefill_flops(shape, 512) + sum(prefill_flops(shape, 1, 512 + s - 1) for s in range(1, 128)))
+
+
+def test_ceiling_reports_burst_and_sustained_rates(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "ceiling.json"
+    code = main(["bench", "ceiling", "--matmul", "256,128,192", "--burst-seconds", "0.02",
+                 "--seconds", "0.1", "--copy-mib", "4", "--out", str(out)])  # fmt: skip
+    assert code == 0
+    result = json.loads(out.read_text())
+    assert result["workload"]["matmul"] == [256, 128, 192]
+    for figure in ("matmul_tflops", "copy_gbps"):
+        rates = result[figure]
+        assert rates["burst"] > 0 and rates["sustained"] > 0
+        assert rates["sustained_seconds"] >= 0.1
+    assert "sustained / burst" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [("--matmul", "64,64", "M,K,N"), ("--matmul", "64,0,64", ">= 1"), ("--seconds", "0", "> 0"),
+     ("--copy-mib", "lots", "a number")],
+)  # fmt: skip
+def test_ceiling_refuses_bad_arguments(flag: str, value: str, message: str,
+                                       capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "ceiling", flag, value])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err

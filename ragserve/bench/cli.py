@@ -14,6 +14,7 @@ BENCHMARKS = {
     "tiers": "ragserve.bench.tiers",
     "serve": "ragserve.bench.serve",
     "ttft": "ragserve.bench.ttft",
+    "ceiling": "ragserve.bench.ceiling",
 }
 
 

@@ -141,7 +141,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
-    def _tables(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def _tables(
+        self, device: torch.device, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         positions = torch.arange(self.max_positions, device=device, dtype=torch.float32)
         freqs = positions[:, None] * self.inv_freq.to(device)[None, :]
         cos = (freqs.cos() * self.attention_scaling).to(dtype)
@@ -164,7 +166,9 @@ class RotaryEmbedding(nn.Module):
         if use_fused_kernels(self.cos):
             return Rotation(positions, self.cos, self.sin, fused=True)
         # Eager: gather the rows once per forward, not once per layer.
-        return Rotation(positions, self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
+        return Rotation(
+            positions, self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        )
 
 
 @dataclass(frozen=True)
@@ -177,15 +181,14 @@ class Rotation:
     fused: bool = False
 
     def rotate(self, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotated ``query [T, H, D]`` and ``key [T, H_kv, D]`` (in place when fused)."""
+        """Rotated ``query [T, H, D]`` and ``key [T, H_kv, D]`` (contiguous when fused)."""
         if self.fused:
-            fused_ops().rotary_inplace(query, key, self.cos, self.sin, self.positions)
-            return query, key
+            return fused_ops().rotary(query, key, self.cos, self.sin, self.positions)
         return apply_rotary(query, self.cos, self.sin), apply_rotary(key, self.cos, self.sin)
 
     def rotate_heads(self, heads: torch.Tensor) -> torch.Tensor:
         """Rotated copy of ``heads [T, any heads, D]`` (eager only): q and k heads in one call."""
-        assert not self.fused, "the fused rotation works in place on separate q and k"
+        assert not self.fused, "the fused rotation takes q and k apart"
         return apply_rotary(heads, self.cos, self.sin)
 
 
