@@ -78,8 +78,10 @@ class CpuTier(KVTier):
             (num_slots, *self.block_shape), dtype=dtype, pin_memory=pin_memory
         )
         self._index: OrderedDict[BlockRecordKey, tuple[int, BlockLike]] = OrderedDict()
-        # NOTE: reversed so that slots are handed out in ascending order (easier to debug).
-        self._free = list(range(num_slots - 1, -1, -1))
+        # NOTE: slots are handed out from the top down. The device releases a sequence's
+        # blocks tail first (so the tail is evicted first), so a demoted document lands in
+        # ascending slots, and its restore copies long runs instead of one block at a time.
+        self._free = list(range(num_slots))
         self._lock = threading.RLock()
         self._metrics = TierMetrics(capacity_bytes=num_slots * self.block_nbytes)
         self._closed = False
@@ -151,7 +153,7 @@ class CpuTier(KVTier):
             if slot is None:
                 return False
             dest.copy_(self._storage[slot])
-            self._count_loads_locked(1, time.perf_counter() - start)
+            self._count_loads_locked(1, 1, time.perf_counter() - start)
             return True
 
     def load_rows_into(
@@ -214,6 +216,7 @@ class CpuTier(KVTier):
         start = time.perf_counter()
         found = [False] * len(metas)
         max_run = max(1, MAX_RUN_BYTES // self.block_nbytes)
+        copies = 0
         with self._lock:
             run: tuple[int, int, int] | None = None  # (first meta, first slot, length)
             try:
@@ -233,14 +236,15 @@ class CpuTier(KVTier):
                             run = (first, first_slot, length + 1)
                             continue
                         copy_run(*run)
+                        copies += 1
                     run = (index, slot, 1)
                 if run is not None:
                     copy_run(*run)
+                    copies += 1
             finally:
                 # NOTE: even when a copy raised: earlier copies may still read slots.
                 self._track_reads_locked(devices)
-            hits = sum(found)
-            self._count_loads_locked(hits, time.perf_counter() - start)
+            self._count_loads_locked(sum(found), copies, time.perf_counter() - start)
         return found
 
     def _hit_slot_locked(self, meta: BlockLike) -> int | None:
@@ -273,12 +277,13 @@ class CpuTier(KVTier):
             event.synchronize()
         self._reads_in_flight.clear()
 
-    def _count_loads_locked(self, hits: int, seconds: float) -> None:
+    def _count_loads_locked(self, hits: int, copies: int, seconds: float) -> None:
         if not hits:
             return
         self._metrics.hits += hits
         self._metrics.bytes_read += hits * self.block_nbytes
         self._metrics.load_count += hits
+        self._metrics.load_copies += copies
         self._metrics.load_seconds_total += seconds
 
     def discard(self, meta: BlockLike) -> bool:

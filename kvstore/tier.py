@@ -10,9 +10,10 @@ expected ones, so a hash collision can never hand out another prompt's (or tenan
 from __future__ import annotations
 
 import abc
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import NamedTuple, Protocol, TypeVar
 
 import torch
 import xxhash
@@ -21,18 +22,20 @@ HASH_BYTES = 16
 TierT = TypeVar("TierT", bound="KVTier")
 
 
-@dataclass(frozen=True, slots=True)
-class BlockRecordKey:
+class BlockRecordKey(NamedTuple):
     """Index key of a stored block: the salt's fingerprint plus the block hash.
 
     The fingerprint (not the salt itself) is what a restarted disk tier can recover from
-    file names alone; the full salt is verified on every read.
+    file names alone; the full salt is verified on every read. A named tuple, not a
+    dataclass: a document's restore builds one per block (8,192 for 128k tokens), and
+    tuples are built, hashed and compared in C.
     """
 
     fingerprint: str
     block_hash: bytes
 
 
+@functools.lru_cache(maxsize=1024)
 def salt_fingerprint(salt: bytes) -> str:
     """Short, file-name-safe digest of a salt (model fingerprint + tenant namespace)."""
     return xxhash.xxh3_64_hexdigest(salt)
@@ -108,6 +111,7 @@ class TierMetrics:
     bytes_written: int = 0
     load_seconds_total: float = 0.0
     load_count: int = 0
+    load_copies: int = 0  # copies issued by loads: a run of adjacent blocks is one
     store_seconds_total: float = 0.0
     store_count: int = 0
     evictions: int = 0

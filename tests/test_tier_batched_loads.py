@@ -99,8 +99,8 @@ def test_cpu_tier_batch_merges_consecutive_rows_and_slots_bit_exactly() -> None:
     nbytes = block_nbytes(SHAPE, torch.float32)
     tier = CpuTier(SHAPE, torch.float32, 8 * nbytes)
     metas = Stack(1, 0).metas(list(range(8 * BS)))
-    for index, meta in enumerate(metas):
-        assert tier.put(meta, block_for(index))  # meta i in slot i
+    for index in reversed(range(8)):  # slots go out from the top down: meta i in slot i
+        assert tier.put(metas[index], block_for(index))
     cache = torch.full((12, *SHAPE), 7.0)
     rows = [4, 5, 6, 0, 1, 9, 10, 11]  # runs: slots 0-2 -> rows 4-6, 3-4 -> 0-1, 5-7 -> 9-11
     tier.discard(metas[4])
@@ -110,7 +110,7 @@ def test_cpu_tier_batch_merges_consecutive_rows_and_slots_bit_exactly() -> None:
         if found[index]:
             assert bit_equal(cache[row], block_for(index))
     stats = tier.metrics()
-    assert (stats.hits, stats.misses, stats.load_count) == (7, 1, 7)
+    assert (stats.hits, stats.misses, stats.load_count, stats.load_copies) == (7, 1, 7, 3)
     assert stats.bytes_read == 7 * nbytes
     with pytest.raises(ValueError, match="8 blocks to load but 2 destination rows"):
         tier.load_rows_into(metas, cache, rows[:2])
@@ -365,11 +365,15 @@ def test_engine_brings_a_document_back_from_the_cpu_tier_in_one_batch(
     full = full_blocks(doc)
     ask(cpu_llm, doc)
     demote_everything(cpu_llm)
-    assert cpu_llm.engine.tiers is not None
+    assert cpu_llm.engine.tiers is not None and cpu_llm.engine.tiers.tiers.cpu is not None
     traffic = cpu_llm.engine.tiers.traffic
     before = traffic.loaded_from_cpu
+    copies_before = cpu_llm.engine.tiers.tiers.cpu.metrics().load_copies
     assert ask(cpu_llm, doc) == (reference, full * BLOCK)
     assert traffic.loaded_from_cpu - before == full and traffic.loaded_from_disk == 0
+    # NOTE: the device demotes a document tail first and the CPU tier hands out slots from
+    # the top down, so the document lies in ascending slots and comes back in one copy.
+    assert cpu_llm.engine.tiers.tiers.cpu.metrics().load_copies - copies_before == 1
     assert_pool_empty(cpu_llm)
 
 
