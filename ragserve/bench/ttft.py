@@ -4,6 +4,7 @@ the FLOP floor; decode after the longest prefill, and peak device memory during 
 from __future__ import annotations
 
 import argparse
+import inspect
 import traceback
 from typing import Any
 
@@ -170,11 +171,13 @@ def _hf_prefill_and_decode(hf: Any, prompt: list[int], decode_tokens: int) -> tu
     ttft = time.perf_counter() - started
     if decode_tokens <= 0:
         return ttft, None
-    cache = out.past_key_values
+    # NOTE: newer transformers name it ``cache`` (and warn on ``past_key_values``)
+    cache_name = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
+    cache = getattr(out, cache_name)
     del out
     first = time.perf_counter()
     for _ in range(decode_tokens):
-        out = hf(input_ids=token, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = hf(input_ids=token, use_cache=True, logits_to_keep=1, **{cache_name: cache})
         token = out.logits[:, -1].argmax(-1, keepdim=True)
         token.item()
     return ttft, (time.perf_counter() - first) / decode_tokens * 1e3
