@@ -65,6 +65,16 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         """Store ``key``/``value`` at ``meta.slot_mapping`` in ``kv_layer``, return attention output."""
 
+    def store_kv(
+        self,
+        key: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        kv_layer: torch.Tensor,
+        slot_mapping: torch.Tensor,  # [T] int64
+    ) -> None:
+        """Store new K/V without attending: rows whose attention output nobody reads."""
+        write_kv(key, value, kv_layer, slot_mapping)
+
     def warm_up(  # noqa: B027 (optional hook; most backends have nothing to prepare)
         self,
         query_shape: tuple[int, int, int],  # (tokens, num_heads, head_dim) of the longest step

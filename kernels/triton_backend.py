@@ -107,6 +107,11 @@ class TritonBackend(AttentionBackend):
                 out[begin:end] = _causal_sdpa(query[begin:end], seq_key, seq_value, scale)
         return out
 
+    def store_kv(
+        self, key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
+        write_kv_triton(key, value, kv_layer, slot_mapping)
+
     @torch.inference_mode()
     def warm_up(
         self,

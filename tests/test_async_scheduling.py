@@ -19,8 +19,10 @@ from tests.model_factory import make_tiny_model
 
 @pytest.fixture(scope="module")
 def engines(smollm_path: str) -> tuple[LLM, LLM]:
-    ahead = LLM(smollm_path, max_model_len=512, async_scheduling=True)
-    in_step = LLM(smollm_path, max_model_len=512, async_scheduling=False)
+    # NOTE: a fixed KV budget each: on a GPU the first engine would otherwise take the
+    # device's free memory and leave the second none.
+    ahead = LLM(smollm_path, max_model_len=512, kv_cache_gib=0.5, async_scheduling=True)
+    in_step = LLM(smollm_path, max_model_len=512, kv_cache_gib=0.5, async_scheduling=False)
     return ahead, in_step
 
 

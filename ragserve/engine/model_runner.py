@@ -11,7 +11,7 @@ from kernels.interface import AttentionBackend, AttentionMetadata
 from kvstore.kv_cache_manager import KVAllocation
 from ragserve.engine.cuda_graphs import DecodeGraphs
 from ragserve.engine.sequence import Sequence
-from ragserve.models.forward_context import ForwardContext, forward_context
+from ragserve.models.forward_context import ForwardContext, OutputRows, forward_context
 from ragserve.models.llama import LlamaForCausalLM
 from ragserve.sampling_params import SamplingParams
 
@@ -102,8 +102,9 @@ class ModelRunner:
         seqs: Seq[Sequence],
         num_new_tokens: Seq[int],
         next_token_ids: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        """Input ids, positions, attention metadata, and the rows whose logits are needed.
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, OutputRows | None]:
+        """Input ids, positions, attention metadata, and the rows whose logits are needed
+        (None: every row's).
 
         ``next_token_ids`` (see ``execute``) replaces the ids read from the sequences.
         """
@@ -112,8 +113,8 @@ class ModelRunner:
         slots: list[np.ndarray] = []
         query_start = [0]
         seq_lens: list[int] = []
-        logit_rows: list[int] = []
-        for seq, num_new in zip(seqs, num_new_tokens, strict=True):
+        logit_seqs: list[int] = []
+        for index, (seq, num_new) in enumerate(zip(seqs, num_new_tokens, strict=True)):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
             if next_token_ids is None:
                 input_ids += seq.token_ids[start:end]
@@ -124,7 +125,7 @@ class ModelRunner:
             query_start.append(query_start[-1] + num_new)
             seq_lens.append(end)
             if end >= seq.num_tokens:  # all known tokens computed: the next one is sampled
-                logit_rows.append(query_start[-1] - 1)
+                logit_seqs.append(index)
 
         max_blocks = max(len(seq.kv.block_table) for seq in seqs)
         tables = np.zeros((len(seqs), max_blocks), dtype=np.int32)
@@ -136,22 +137,39 @@ class ModelRunner:
                 self.device, non_blocking=True
             )
 
-        query_lens = list(num_new_tokens)
-        meta = AttentionMetadata(
-            slot_mapping=to_device(np.concatenate(slots), torch.int64),
-            query_start_loc=to_device(query_start, torch.int32),
-            seq_lens=to_device(seq_lens, torch.int32),
-            block_tables=to_device(tables, torch.int32),
-            query_lens_host=query_lens,
-            seq_lens_host=seq_lens,
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-        )
+        def attention_metadata(
+            slot_mapping: np.ndarray, query_lens: list[int], seq_lens: list[int], tables: np.ndarray
+        ) -> AttentionMetadata:
+            return AttentionMetadata(
+                slot_mapping=to_device(slot_mapping, torch.int64),
+                query_start_loc=to_device(np.cumsum([0, *query_lens]), torch.int32),
+                seq_lens=to_device(seq_lens, torch.int32),
+                block_tables=to_device(tables, torch.int32),
+                query_lens_host=query_lens,
+                seq_lens_host=seq_lens,
+                max_query_len=max(query_lens, default=0),
+                max_seq_len=max(seq_lens, default=0),
+            )
+
+        slot_mapping = np.concatenate(slots)
+        meta = attention_metadata(slot_mapping, list(num_new_tokens), seq_lens, tables)
+        output_rows = None
+        if len(logit_seqs) < query_start[-1]:
+            rows = np.asarray([query_start[i + 1] - 1 for i in logit_seqs], dtype=np.int64)
+            output_rows = OutputRows(
+                indices=to_device(rows, torch.int64),
+                meta=attention_metadata(
+                    slot_mapping[rows],
+                    [1] * len(logit_seqs),
+                    [seq_lens[i] for i in logit_seqs],
+                    tables[logit_seqs],
+                ),
+            )
         return (
             to_device(input_ids, torch.int64) if next_token_ids is None else next_token_ids,
             to_device(np.concatenate(positions), torch.int64),
             meta,
-            logit_rows,
+            output_rows,
         )
 
     @torch.inference_mode()
@@ -178,11 +196,10 @@ class ModelRunner:
             if len(sampled) < len(seqs):  # a one-token prefill chunk samples nothing yet
                 hidden = hidden[torch.tensor(sampled, device=hidden.device, dtype=torch.int64)]
             return self.model.compute_logits(hidden)
-        input_ids, positions, meta, logit_rows = self.prepare(seqs, num_new_tokens, next_token_ids)
+        input_ids, positions, meta, output_rows = self.prepare(seqs, num_new_tokens, next_token_ids)
         context = ForwardContext(meta=meta, kv_cache=self.kv_cache, backend=self.backend)
         with forward_context(context):
-            hidden = self.model(input_ids, positions)
-        if not logit_rows:
+            hidden = self.model(input_ids, positions, output_rows)
+        if hidden.shape[0] == 0:
             return hidden.new_empty((0, 0), dtype=torch.float32)
-        rows = torch.tensor(logit_rows, device=hidden.device)
-        return self.model.compute_logits(hidden[rows])
+        return self.model.compute_logits(hidden)

@@ -16,6 +16,23 @@ from kernels.interface import AttentionBackend, AttentionMetadata
 
 
 @dataclass(frozen=True)
+class OutputRows:
+    """The rows of a flat batch whose final hidden states are needed: the rows sampled from.
+
+    Each is the last new token of its sequence, so in the model's last layer it attends like
+    a decode; ``meta`` describes those rows alone (one query each, over its whole context).
+    The other rows need only their K/V stored there: no token attends to a later layer.
+    """
+
+    indices: torch.Tensor  # [R] int64: rows of the batch, ascending
+    meta: AttentionMetadata
+
+    @property
+    def count(self) -> int:
+        return self.meta.num_seqs
+
+
+@dataclass(frozen=True)
 class ForwardContext:
     meta: AttentionMetadata
     kv_cache: torch.Tensor  # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]

@@ -5,8 +5,9 @@ optional qkv bias (Qwen2), per-head q/k RMSNorm (Qwen3), tied or untied embeddin
 scaling (see ``rotary.py``). Sliding-window attention is refused.
 
 The model runs a flat batch of tokens from many sequences: ``forward(input_ids [T],
-positions [T]) -> hidden [T, hidden_size]``; attention reads the paged KV cache and metadata
-from ``get_forward_context()``. Op order follows transformers so float32 logits match it
+positions [T]) -> hidden [T, hidden_size]``, or with ``output_rows`` (the rows sampled from)
+``hidden [R, hidden_size]``, whose last layer runs only those rows past their K/V. Attention
+reads the paged KV cache and metadata from ``get_forward_context()``. Op order follows transformers so float32 logits match it
 closely and greedy outputs are token-identical.
 
 Parameter names mirror HF checkpoints except for the fused ``qkv_proj`` and ``gate_up_proj``;
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.cpu_linear import can_pack, pack_weight, packed_linear
-from ragserve.models.forward_context import get_forward_context
+from ragserve.models.forward_context import OutputRows, get_forward_context
 from ragserve.models.layers import Embedding, Linear, RMSNorm, fused_ops, use_fused_kernels
 from ragserve.models.rotary import RotaryEmbedding, Rotation, compute_inv_freq, rope_parameters
 
@@ -139,7 +140,10 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(shape.head_dim, eps, device=device, dtype=dtype)
             self.k_norm = RMSNorm(shape.head_dim, eps, device=device, dtype=dtype)
 
-    def forward(self, hidden: torch.Tensor, rotation: Rotation) -> torch.Tensor:
+    def forward(
+        self, hidden: torch.Tensor, rotation: Rotation, output_rows: OutputRows | None = None
+    ) -> torch.Tensor:
+        """Attention output ``[T, hidden]``, or ``[R, hidden]`` of ``output_rows`` only."""
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -157,8 +161,17 @@ class LlamaAttention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = rotation.rotate(q, k)
         ctx = get_forward_context()
-        out = ctx.backend.forward(q, k, v, ctx.kv_cache[:, self.layer_idx], ctx.meta, self.scale)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        kv_layer = ctx.kv_cache[:, self.layer_idx]
+        if output_rows is None:
+            out = ctx.backend.forward(q, k, v, kv_layer, ctx.meta, self.scale)
+        else:
+            # Later tokens attend to every row's K/V, but only these rows' outputs are read.
+            ctx.backend.store_kv(k, v, kv_layer, ctx.meta.slot_mapping)
+            if output_rows.count == 0:
+                return hidden[:0]
+            rows = output_rows.indices
+            out = ctx.backend.forward(q[rows], k[rows], v[rows], kv_layer, output_rows.meta, self.scale)
+        return self.o_proj(out.reshape(out.shape[0], self.q_size))
 
 
 class LlamaMLP(nn.Module):
@@ -205,9 +218,15 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(shape, flags, device=device, dtype=dtype)
 
     def forward(
-        self, hidden: torch.Tensor, residual: torch.Tensor | None, rotation: Rotation
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        rotation: Rotation,
+        output_rows: OutputRows | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(mlp output, residual stream)``; the caller adds them (in the next layer's norm).
+
+        With ``output_rows``, both come back for those rows only (the model's last layer).
 
         NOTE: the same additions as HF's ``hidden + sublayer(norm(hidden))``, in the model
         dtype, only carried one step later so that each add fuses with the norm after it.
@@ -217,7 +236,11 @@ class LlamaDecoderLayer(nn.Module):
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm.add_forward(hidden, residual)
-        hidden = self.self_attn(hidden, rotation)
+        hidden = self.self_attn(hidden, rotation, output_rows)
+        if output_rows is not None:
+            if output_rows.count == 0:
+                return hidden, residual[:0]
+            residual = residual[output_rows.indices]
         hidden, residual = self.post_attention_layernorm.add_forward(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -247,14 +270,21 @@ class LlamaModel(nn.Module):
             inv_freq, attention_scaling, max_positions, device=device, dtype=dtype
         )
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, output_rows: OutputRows | None = None
+    ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         rotation = self.rotary_emb(positions)
         residual: torch.Tensor | None = None
-        for layer in self.layers:
-            hidden, residual = layer(hidden, residual, rotation)
+        last = len(self.layers) - 1
+        for index, layer in enumerate(self.layers):
+            # The last layer computes its output for the needed rows only: in a long
+            # prompt's prefill that skips nearly 1/num_layers of the work (3% for Llama-3.1-8B).
+            hidden, residual = layer(hidden, residual, rotation, output_rows if index == last else None)
         if residual is None:  # a model without layers
-            return self.norm(hidden)
+            return self.norm(hidden if output_rows is None else hidden[output_rows.indices])
+        if hidden.shape[0] == 0:
+            return hidden
         return self.norm.add_forward(hidden, residual)[0]
 
 
@@ -328,9 +358,12 @@ class LlamaForCausalLM(nn.Module):
         return self.model.embed_tokens.weight.dtype
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Final-norm hidden states ``[T, hidden_size]`` of the flat batch ``input_ids [T]``."""
-        return self.model(input_ids, positions)
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, output_rows: OutputRows | None = None
+    ) -> torch.Tensor:
+        """Final-norm hidden states ``[T, hidden_size]`` of the flat batch ``input_ids [T]``,
+        or ``[R, hidden_size]`` of ``output_rows`` alone (computed exactly, with less work)."""
+        return self.model(input_ids, positions, output_rows)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
