@@ -32,7 +32,7 @@ def _bench(tmp_path: Path, name: str, *extra: str) -> tuple[int, dict[str, Any]]
 
 def test_ttft_chunked_prefill_then_decode_against_transformers(tmp_path: Path) -> None:
     code, result = _bench(tmp_path, "ttft", "--lengths", "64,300", "--decode-tokens", "4",
-                          "--max-num-batched-tokens", "64")
+                          "--max-num-batched-tokens", "64", "--peak-tflops", "791", "--peak-tbps", "4.25")
     assert code == 0 and result["errors"] == []
     rows = result["rows"]
     assert set(rows) == {"64", "300"}
@@ -45,6 +45,7 @@ def test_ttft_chunked_prefill_then_decode_against_transformers(tmp_path: Path) -
     decode = result["decode"]
     assert decode["context"] == 300 and decode["tokens"] == 4
     assert decode["ragserve_ms_per_token"] > 0 and decode["transformers_ms_per_token"] > 0
+    assert decode["floor_ms_per_token"] > 0
     assert result["memory"]["weights_bytes"] == result["workload"]["weight_bytes"] > 0
 
 
@@ -54,6 +55,7 @@ def test_ttft_longest_prompt_may_exceed_the_shape_limit(tmp_path: Path) -> None:
                           "--max-num-batched-tokens", "4096", "--skip-transformers")
     assert code == 0
     assert result["rows"]["8192"]["ragserve_chunks"] == 2
+    assert "floor_s" not in result["rows"]["8192"] and "floor_ms_per_token" not in result["decode"]
     assert result["decode"]["ragserve_ms_per_token"] > 0
     assert "transformers_s" not in result["rows"]["8192"]
 
@@ -67,8 +69,18 @@ def test_throughput_variable_with_a_transformers_subset(tmp_path: Path) -> None:
     assert 0.9 <= ours["kv_utilisation"] <= 1.0
     assert theirs["num_prompts"] == 2 and theirs["sorted_by_length"]
     assert result["speedup_vs_transformers"] == pytest.approx(ours["output_tok_s"] / theirs["output_tok_s"])
+    # A GPU's peaks say nothing about this CPU: no floor unless the peaks are given.
+    assert "floor" not in result
+
+
+def test_throughput_floor_from_given_peaks(tmp_path: Path) -> None:
+    code, result = _bench(tmp_path, "throughput", "--num-prompts", "2", "--input-len", "8", "--output-len", "3",
+                          "--skip-transformers", "--peak-tflops", "0.5", "--peak-tbps", "0.01")
+    assert code == 0
     floor = result["floor"]
     assert floor["seconds"] == max(floor["compute_s"], floor["weights_read_s"]) > 0
+    assert floor["compute_s"] == pytest.approx(floor["flops"] / 0.5e12)
+    assert (floor["peak_tflops"], floor["peak_tbps"]) == (0.5, 0.01)
 
 
 def test_continuous_batching_baseline_needs_fixed_lengths(

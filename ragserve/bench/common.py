@@ -166,10 +166,29 @@ def release_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
+# One NVIDIA H200: bf16 dense matmul ceiling and device copy bandwidth.
+H200_PEAK_TFLOPS = 791.0
+H200_PEAK_TBPS = 4.25
+
+
 def add_peak_arguments(parser: Any) -> None:
-    """The hardware peaks the floors use (defaults: one NVIDIA H200, bf16 dense matmul)."""
-    parser.add_argument("--peak-tflops", type=float, default=791.0, help="matmul ceiling, TFLOP/s")
-    parser.add_argument("--peak-tbps", type=float, default=4.25, help="memory bandwidth, TB/s")
+    """The hardware peaks the floors use; see ``resolve_peaks`` for the defaults."""
+    parser.add_argument("--peak-tflops", type=float, default=None,
+                        help=f"matmul ceiling, TFLOP/s (on CUDA default {H200_PEAK_TFLOPS:g}, one H200)")
+    parser.add_argument("--peak-tbps", type=float, default=None,
+                        help=f"memory bandwidth, TB/s (on CUDA default {H200_PEAK_TBPS:g}, one H200)")
+
+
+def resolve_peaks(args: Any, device: torch.device) -> bool:
+    """Fill in the H200's peaks on CUDA where none were given; True when floors apply.
+
+    Elsewhere there is no floor unless both peaks are given: a GPU's peaks say nothing
+    about a CPU.
+    """
+    if device.type == "cuda":
+        args.peak_tflops = args.peak_tflops or H200_PEAK_TFLOPS
+        args.peak_tbps = args.peak_tbps or H200_PEAK_TBPS
+    return args.peak_tflops is not None and args.peak_tbps is not None
 
 
 def machine_description() -> str:

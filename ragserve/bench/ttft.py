@@ -17,6 +17,7 @@ from ragserve.bench.common import (
     print_table,
     random_prompts,
     release_device_memory,
+    resolve_peaks,
     time_request,
     weight_bytes,
     write_json,
@@ -77,6 +78,8 @@ def _run_ragserve(config: EngineConfig, lengths: list[int], args: argparse.Names
         vocab = shape.vocab_size
         weights = weight_bytes(engine.loaded.model)
         results["memory"] = {"weights_bytes": weights, "kv_cache_bytes": engine.kv_cache.nbytes}
+        if resolve_peaks(args, engine.device):
+            results["workload"] |= {"peak_tflops": args.peak_tflops, "peak_tbps": args.peak_tbps}
         results["workload"] |= {"dtype": str(engine.dtype), "device": str(engine.device),
                                 "non_embedding_params": non_embedding_params(shape),
                                 "weight_bytes": weights}
@@ -134,8 +137,10 @@ def _record_decode(results: dict[str, Any], timing: RequestTiming, engine: Any, 
         "context": length,
         "tokens": args.decode_tokens,
         "ragserve_ms_per_token": timing.decode_ms_per_token,
-        "floor_ms_per_token": decode_floor_s(memory["weights_bytes"], kv_bytes, args.peak_tbps) * 1e3,
     }
+    if args.peak_tbps is not None:
+        results["decode"]["floor_ms_per_token"] = (
+            decode_floor_s(memory["weights_bytes"], kv_bytes, args.peak_tbps) * 1e3)
     print(f"ragserve  decode after {length} tokens: {timing.decode_ms_per_token or 0:.2f} ms/token "
           f"over {args.decode_tokens} tokens", flush=True)
 
@@ -226,9 +231,10 @@ def _print_tables(results: dict[str, Any], args: argparse.Namespace) -> None:
             theirs / floor if theirs and floor else None,
             theirs / ours if ours and theirs else None,
         ] + ([again, again / floor if again and floor else None] if args.repeat_length else []))
+    no_floor = "no floor (give --peak-tflops and --peak-tbps)"
     print_table(
         f"cold TTFT, one request, chunks of {results['workload']['max_num_batched_tokens']} tokens; "
-        f"floor = prefill FLOPs / {args.peak_tflops:g} TFLOP/s",
+        + (f"floor = prefill FLOPs / {args.peak_tflops:g} TFLOP/s" if args.peak_tflops else no_floor),
         ["tokens", "ragserve s", "transformers s", "floor s", "ragserve/floor",
          "transformers/floor", "speed-up"]
         + (["ragserve s, same length again", "again/floor"] if args.repeat_length else []),
@@ -236,13 +242,13 @@ def _print_tables(results: dict[str, Any], args: argparse.Namespace) -> None:
     )
     decode = results.get("decode")
     if decode:
+        ours, floor = decode.get("ragserve_ms_per_token"), decode.get("floor_ms_per_token")
         print_table(
             f"batch-1 decode after a {decode['context']}-token prefill, {decode['tokens']} tokens; "
-            f"floor = (weights + KV) / {args.peak_tbps:g} TB/s",
+            + (f"floor = (weights + KV) / {args.peak_tbps:g} TB/s" if floor else no_floor),
             ["context", "ragserve ms/token", "transformers ms/token", "floor ms/token", "ragserve/floor"],
-            [[decode["context"], decode.get("ragserve_ms_per_token"),
-              decode.get("transformers_ms_per_token"), decode["floor_ms_per_token"],
-              (decode.get("ragserve_ms_per_token") or 0) / decode["floor_ms_per_token"]]],
+            [[decode["context"], ours, decode.get("transformers_ms_per_token"), floor,
+              ours / floor if ours and floor else None]],
         )
     memory = results.get("memory", {})
     if memory.get("peak_allocated_prefill_bytes") is not None:
@@ -263,8 +269,7 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
     results: dict[str, Any] = {
         "workload": {"lengths": lengths, "decode_tokens": args.decode_tokens,
                      "max_num_batched_tokens": config.max_num_batched_tokens,
-                     "model": config.model or "default", "load_format": config.load_format,
-                     "peak_tflops": args.peak_tflops, "peak_tbps": args.peak_tbps},
+                     "model": config.model or "default", "load_format": config.load_format},
         "rows": {},
         "errors": [],
     }
@@ -279,7 +284,9 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
         for length in lengths:
             flops = prefill_flops(shape, length)
             results["rows"].setdefault(str(length), {"length": length})
-            results["rows"][str(length)] |= {"flops": flops, "floor_s": flops / (args.peak_tflops * 1e12)}
+            results["rows"][str(length)]["flops"] = flops
+            if args.peak_tflops is not None:
+                results["rows"][str(length)]["floor_s"] = flops / (args.peak_tflops * 1e12)
         write_json(args.out, results, quiet=True)
         if not args.skip_transformers:
             try:
