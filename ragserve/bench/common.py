@@ -182,13 +182,16 @@ def add_peak_arguments(parser: Any) -> None:
 def resolve_peaks(args: Any, device: torch.device) -> bool:
     """Fill in the H200's peaks on CUDA where none were given; True when floors apply.
 
-    Elsewhere there is no floor unless both peaks are given: a GPU's peaks say nothing
-    about a CPU.
+    Elsewhere there is no floor unless both peaks are given (a GPU's peaks say nothing
+    about a CPU); then both are cleared, so every floor of a run is there or none is.
     """
     if device.type == "cuda":
         args.peak_tflops = args.peak_tflops or H200_PEAK_TFLOPS
         args.peak_tbps = args.peak_tbps or H200_PEAK_TBPS
-    return args.peak_tflops is not None and args.peak_tbps is not None
+    if args.peak_tflops is None or args.peak_tbps is None:
+        args.peak_tflops = args.peak_tbps = None
+        return False
+    return True
 
 
 def machine_description() -> str:
