@@ -1,4 +1,6 @@
-"""Shared fixtures: the embedded model, its transformers twin, and greedy references."""
+"""Shared fixtures (the embedded model, its transformers twin, greedy references) and the
+test markers: ``gpu`` (skipped without CUDA), ``e2e`` (starts a server or a subprocess),
+``slow`` (a minute or more). ``pytest -m "not e2e and not slow"`` is the fast lane."""
 
 from __future__ import annotations
 
@@ -12,6 +14,21 @@ import torch
 # Keep tests deterministic and polite on small machines.
 torch.manual_seed(0)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    # NOTE: must be set before triton decorates any kernel, i.e. before kernels/ is imported;
+    # the Triton kernels then run on the CPU under triton's interpreter.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The one GPU-skip rule: a test marked ``gpu`` is skipped where CUDA is missing."""
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="module")

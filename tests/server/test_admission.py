@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 import requests
-from server_fixtures import ServerProcess, assert_error, module_server, wait_for
 
 from ragserve.server.admission import MAX_RETRY_AFTER_S, WorkAdmission
+from tests.server.server_fixtures import ServerProcess, assert_error, module_server, wait_for
 
 BUDGET_S = 3.0
 server = module_server("--max-queue-seconds", str(BUDGET_S))
@@ -117,6 +117,7 @@ def idle(server: ServerProcess) -> bool:
     return metrics["ragserve_num_requests_active"] == 0 and queued == 0
 
 
+@pytest.mark.e2e
 def test_a_request_that_would_wait_too_long_gets_503_quickly(server: ServerProcess) -> None:
     # Measure the costs: one stream long enough to fill a few 2 s windows.
     with long_stream(server, 200) as warm:
@@ -148,6 +149,7 @@ def test_a_request_that_would_wait_too_long_gets_503_quickly(server: ServerProce
     assert post(server, {"prompt": "x", "max_tokens": big}).status_code == 200
 
 
+@pytest.mark.e2e
 def test_ordinary_load_is_admitted(server: ServerProcess) -> None:
     assert wait_for(lambda: idle(server), 30)
     bodies = [{"prompt": f"Say {n}:", "max_tokens": 4} for n in range(4)]

@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ragserve.server.process import ServerProcess as _BaseServerProcess
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BLOCK_SIZE = 16
 # Small KV cache: plenty for the tests, light on a shared machine.
 BASE_ARGS = ("--kv-cache-gib", "0.25", "--max-num-batched-tokens", "512")

@@ -24,10 +24,10 @@ import xxhash
 from kvstore.disk_tier import DiskTier, TierDirectoryError
 from kvstore.record_format import PREFIX, encode_head, encode_record, tensor_bytes
 from kvstore.tier import BlockMeta, salt_fingerprint
-from tests.tier_blocks import SALT, SHAPE, bit_equal, make_meta
+from tests.kvstore.tier_blocks import SALT, SHAPE, bit_equal, make_meta
 
 BIG_SHAPE = (4, 2, 16, 4, 16)  # 32 KiB in float32
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def make_block(index: int, version: int = 0, shape: tuple[int, ...] = SHAPE) -> torch.Tensor:
@@ -303,13 +303,14 @@ def writer_main(directory: str, version: int, order: str, count: int) -> None:
 
 def spawn_writer(directory: Path, version: int, order: str, count: int) -> subprocess.Popen[bytes]:
     code = (
-        f"import sys; sys.path[:0] = [{str(REPO)!r}, {str(REPO / 'tests')!r}]; "
-        "import test_tier_faults as t; "
+        f"import sys; sys.path[:0] = [{str(REPO)!r}]; "
+        "import tests.kvstore.test_tier_faults as t; "
         f"t.writer_main({str(directory)!r}, {version}, {order!r}, {count})"
     )
     return subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stderr=subprocess.PIPE)
 
 
+@pytest.mark.e2e
 def test_writer_killed_mid_write_leaves_only_valid_records(tmp_path: Path) -> None:
     writer = spawn_writer(tmp_path, version=1, order="forward", count=100_000)
     deadline = time.monotonic() + 45
@@ -334,6 +335,7 @@ def test_writer_killed_mid_write_leaves_only_valid_records(tmp_path: Path) -> No
     assert stats.corrupt_records == 0 and stats.hits == len(keys)
 
 
+@pytest.mark.e2e
 def test_two_processes_share_one_directory(tmp_path: Path) -> None:
     count = 80
     reader = DiskTier(BIG_SHAPE, torch.float32, 1 << 30, tmp_path)

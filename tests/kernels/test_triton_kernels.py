@@ -13,10 +13,6 @@ import random
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    # NOTE: must be set before triton decorates the kernels, i.e. before importing them.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 
 def _fix_interpreter_scalar_index() -> None:
     """Let the interpreter run loops with run-time bounds under numpy >= 2.4.
@@ -205,9 +201,8 @@ def test_tile_shapes_match_reference(config: AttentionConfig) -> None:
     [
         pytest.param(
             torch.bfloat16,
-            marks=pytest.mark.skipif(
-                not CUDA, reason="the triton 3.6 interpreter dots bf16 bits as ints"
-            ),
+            # NOTE: only on a GPU: the triton 3.6 interpreter dots bf16 bits as ints.
+            marks=pytest.mark.gpu,
         ),
         torch.float16,
     ],
@@ -245,7 +240,7 @@ def test_long_chunk_sdpa_routing_matches_reference(seqs: list[tuple[int, int]]) 
     assert torch.equal(batch.cache, ref_cache)
 
 
-@pytest.mark.skipif(not CUDA, reason="flash attention through SDPA needs a GPU")
+@pytest.mark.gpu  # flash attention through SDPA
 def test_long_chunks_bf16_default_routing() -> None:
     seqs = [(3000, 1), (9000, 1), (700, 100), (12000, 2100), (0, 4000)]  # last two: SDPA
     batch = Batch(seqs, 32, 8, 128, 16, dtype=torch.bfloat16, seed=42)
@@ -341,7 +336,7 @@ def test_block_copy_rejects_bad_input() -> None:
         scatter_blocks(torch.empty(2, 1, 2, 4, 1, 4, device=DEVICE), cache, [0, 1])
 
 
-@pytest.mark.skipif(not CUDA, reason="long contexts need a GPU")
+@pytest.mark.gpu  # long contexts
 @pytest.mark.parametrize("seqs", [[(131071, 1)], [(131072 - 300, 300), (65536, 1), (100, 1)]])
 def test_128k_context_bf16(seqs: list[tuple[int, int]]) -> None:
     batch = Batch(seqs, 32, 8, 128, 16, dtype=torch.bfloat16, seed=128)

@@ -17,7 +17,7 @@ import torch
 from ragserve import LLM, SamplingParams
 from ragserve.bench.shapes import LLAMA_3_1_8B
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+pytestmark = pytest.mark.gpu
 
 NEW_TOKENS = 8
 

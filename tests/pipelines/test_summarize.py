@@ -19,9 +19,9 @@ from pipelines.jsonl_output import JsonlWriter, OutputExistsError, read_records,
 from pipelines.summarize import SummarizeOptions, Summarizer
 from ragserve import LLM
 from ragserve.cli import main as ragserve_main
-from tests.test_chunking import make_text
+from tests.pipelines.test_chunking import make_text
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -98,6 +98,7 @@ def cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "ragserve", "--log-level", "WARNING", *args]
 
 
+@pytest.mark.e2e
 def test_ctrl_c_then_resume_gives_the_full_run_and_bad_files_are_skipped(llm: LLM, tmp_path: Path) -> None:
     folder = tmp_path / "docs"
     bad = make_inputs(folder)

@@ -10,9 +10,10 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import aiohttp
-from server_fixtures import ServerProcess, module_server, wait_for
+import pytest
 
 from ragserve.server.summarize_jobs import PrioritySlots
+from tests.server.server_fixtures import ServerProcess, module_server, wait_for
 
 KEY_A, KEY_B = "key-summaries-a", "key-summaries-b"
 A = {"Authorization": f"Bearer {KEY_A}"}
@@ -95,6 +96,7 @@ def check_error(status: int, body: Any, expected: int, param: str | None = None)
     return str(error["message"])
 
 
+@pytest.mark.e2e
 def test_short_text_takes_one_call(server: ServerProcess) -> None:
     async def body(http: aiohttp.ClientSession) -> dict[str, Any]:
         job = await submit(http, {"text": SHORT, "max_summary_tokens": 16})
@@ -116,6 +118,7 @@ def test_short_text_takes_one_call(server: ServerProcess) -> None:
     assert result["seconds"] > 0 and job["finished_at"] >= job["started_at"] >= job["created"]
 
 
+@pytest.mark.e2e
 def test_long_text_is_mapped_and_reduced(server: ServerProcess) -> None:
     options = {"max_summary_tokens": 16, "chunk_tokens": 48, "overlap_tokens": 8}
     before = server.metrics()
@@ -149,6 +152,7 @@ async def _submit_and_wait(http: aiohttp.ClientSession, body: dict[str, Any]) ->
     return await wait_job(http, job["id"])
 
 
+@pytest.mark.e2e
 def test_bad_inputs_get_errors(server: ServerProcess) -> None:
     async def body(http: aiohttp.ClientSession) -> None:
         _, models = await call(http, "GET", "/v1/models", A)
@@ -203,6 +207,7 @@ def test_bad_inputs_get_errors(server: ServerProcess) -> None:
     run(server, body)
 
 
+@pytest.mark.e2e
 def test_uploaded_documents_and_tenant_isolation(server: ServerProcess) -> None:
     async def body(http: aiohttp.ClientSession) -> None:
         status, doc = await call(http, "POST", "/v1/documents", A, {"text": make_text("mill", 8)})
@@ -269,6 +274,7 @@ def _slow_job() -> dict[str, Any]:
     return {"text": make_text("quarry", 60), "max_summary_tokens": 64, "chunk_tokens": 160}
 
 
+@pytest.mark.e2e
 def test_cancel_running_job_frees_blocks(server: ServerProcess) -> None:
     assert wait_for(lambda: server.metrics()[ACTIVE] == 0, 30)
     before = server.metrics().get(FINISHED % "cancelled", 0.0)
@@ -290,6 +296,7 @@ def test_cancel_running_job_frees_blocks(server: ServerProcess) -> None:
     assert server.metrics()[FINISHED % "cancelled"] == before + 1
 
 
+@pytest.mark.e2e
 def test_queue_bound_and_retention(server: ServerProcess) -> None:
     """64 jobs may wait while 4 run; beyond that 503. 100 jobs are kept, oldest finished first."""
     tiny = {"text": SHORT, "max_summary_tokens": 4}
@@ -329,6 +336,7 @@ def test_queue_bound_and_retention(server: ServerProcess) -> None:
     assert wait_for(lambda: server.metrics()[USED] == 0 == server.metrics()[ACTIVE], 10)
 
 
+@pytest.mark.e2e
 def test_shutdown_cancels_running_jobs(server: ServerProcess) -> None:
     """Runs last: stops the module's server."""
 

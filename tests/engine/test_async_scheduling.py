@@ -131,7 +131,7 @@ def test_abort_while_a_step_runs_ahead(engines: tuple[LLM, LLM]) -> None:
     assert_no_leak(engine)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.gpu
 def test_steps_ahead_in_cuda_graphs_match_plain_steps(tmp_path: Path) -> None:
     directory = make_tiny_model(tmp_path, "llama")
     generator = torch.Generator().manual_seed(0)

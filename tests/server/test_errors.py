@@ -17,7 +17,10 @@ import pytest
 import requests
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from server_fixtures import ServerProcess, assert_error, module_server, wait_for
+
+from tests.server.server_fixtures import ServerProcess, assert_error, module_server, wait_for
+
+pytestmark = pytest.mark.e2e
 
 MAX_MODEL_LEN = 1024
 MAX_WAITING = 3

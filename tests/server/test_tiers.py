@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import requests
-from server_fixtures import running_server, wait_ready
+
+from tests.server.server_fixtures import running_server, wait_ready
+
+pytestmark = pytest.mark.e2e
 
 DOC = " ".join(f"Article {i}: the lessee keeps the premises insured against fire and flood." for i in range(30))
 COMPUTED = "ragserve_prompt_tokens_computed_total"

@@ -85,9 +85,7 @@ def _backend(device: str) -> AttentionBackend:
     "device",
     [
         "cpu",
-        pytest.param(
-            "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-        ),
+        pytest.param("cuda", marks=pytest.mark.gpu),
     ],
 )
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

@@ -21,10 +21,9 @@ def test_buckets_cover_every_batch_size_up_to_the_largest() -> None:
         decode_buckets(0)
 
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 
 
-@needs_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("num_prompts", [1, 3, 5, 17])  # exact and padded buckets
 def test_graph_decode_matches_eager_decode(tmp_path: Path, num_prompts: int) -> None:
     directory = make_tiny_model(tmp_path, "llama")

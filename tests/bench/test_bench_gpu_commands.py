@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from ragserve.bench.shapes import LLAMA_3_1_8B, TINY_LLAMA, generate_flops, prefill_flops
 from ragserve.cli import main
@@ -93,10 +92,9 @@ def test_continuous_batching_baseline_needs_fixed_lengths(
     assert "fixed lengths" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(
-    not torch.cuda.is_available(),
-    reason="transformers' continuous batching sizes its cache from free memory: ~40 s and 11 GiB here",
-)
+# NOTE: GPU only: transformers' continuous batching sizes its cache from free memory
+# (~40 s and 11 GiB on the CPU).
+@pytest.mark.gpu
 def test_throughput_against_transformers_continuous_batching(tmp_path: Path) -> None:
     code, result = _bench(tmp_path, "throughput", "--num-prompts", "4", "--input-len", "16",
                           "--output-len", "4", "--hf-continuous")  # fmt: skip

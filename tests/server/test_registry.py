@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 import requests
-from server_fixtures import BLOCK_SIZE, running_server, wait_ready
 
 from ragserve.server.document_store import DocumentStore, StoredDocument
+from tests.server.server_fixtures import BLOCK_SIZE, running_server, wait_ready
 
 KEY = "sk-registry-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -96,6 +96,7 @@ def question(url: str, doc_id: str) -> dict[str, object]:
     return usage
 
 
+@pytest.mark.e2e
 def test_documents_survive_a_restart(tmp_path: Path) -> None:
     tier = ("--kv-disk-gib", "0.1", "--kv-disk-dir", str(tmp_path / "kv"), "--api-key", KEY)
     with running_server(*tier, log_path=tmp_path / "first.log") as first:

@@ -9,7 +9,10 @@ import openai
 import pytest
 import requests
 from openai.types.chat import ChatCompletionMessageParam
-from server_fixtures import ServerProcess, assert_error, module_server
+
+from tests.server.server_fixtures import ServerProcess, assert_error, module_server
+
+pytestmark = pytest.mark.e2e
 
 server = module_server()
 

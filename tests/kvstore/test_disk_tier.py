@@ -16,7 +16,7 @@ from kvstore.disk_tier import DiskTier, default_disk_dir
 from kvstore.record_format import encode_record
 from kvstore.tier import BlockMeta, block_nbytes, record_key, salt_fingerprint
 from kvstore.tier_manager import GIB, TierManager
-from tests.tier_blocks import SALT, SHAPE, bit_equal, make_meta, random_block
+from tests.kvstore.tier_blocks import SALT, SHAPE, bit_equal, make_meta, random_block
 
 
 def record_size(index: int = 0, dtype: torch.dtype = torch.float32) -> int:
@@ -296,7 +296,7 @@ def test_manager_with_zero_budgets_has_no_tiers(tmp_path: Path) -> None:
     assert cpu_only.load_into(make_meta(0), torch.empty(SHAPE)) == "cpu"
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
 def test_cuda_blocks_round_trip_through_disk(tmp_path: Path) -> None:
     with DiskTier(SHAPE, torch.bfloat16, 1 << 20, tmp_path) as tier:
         block = random_block(torch.bfloat16, 2).cuda()

@@ -6,15 +6,9 @@ eager code is the model's own (layers.py, rotary.py) run on the CPU in the same 
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
-
-if not torch.cuda.is_available():
-    # NOTE: must be set before triton decorates the kernels, i.e. before importing them.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from kernels.fused_ops import rms_norm, rotary, silu_and_mul
 from ragserve.models.layers import RMSNorm

@@ -20,7 +20,7 @@ from kvstore.tier import BlockMeta, block_nbytes, record_key, salt_fingerprint
 from kvstore.tier_link import TierLink
 from kvstore.tier_manager import TierManager
 from ragserve import LLM, SamplingParams
-from tests.tier_blocks import bit_equal
+from tests.kvstore.tier_blocks import bit_equal
 
 BS = 4
 SHAPE = (2, 2, BS, 2, 8)
@@ -280,7 +280,7 @@ def test_disk_batch_through_staging_into_non_contiguous_destinations(tmp_path: P
         assert all(bit_equal(dests[i], block_for(i)) for i in range(9))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
 def test_async_cpu_batch_to_the_gpu_is_complete_before_slots_are_reused() -> None:
     """Big enough that copies are still in flight when the loop ends; every slot is then
     overwritten at once, which must not reach the loaded blocks."""
@@ -302,7 +302,7 @@ def test_async_cpu_batch_to_the_gpu_is_complete_before_slots_are_reused() -> Non
     assert torch.equal(loaded.view(torch.uint8), blocks.view(torch.uint8))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
 def test_disk_batch_to_the_gpu_through_pinned_staging(tmp_path: Path) -> None:
     metas = Stack(1, 0).metas(list(range(12 * BS)))
     with DiskTier(SHAPE, torch.float32, 1 << 22, tmp_path, num_readers=3) as tier:

@@ -13,9 +13,10 @@ import pytest
 
 from ragserve.bench.serve import server_env
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.e2e
 def test_overhead_pairs_do_the_same_work(tmp_path: Path) -> None:
     out = tmp_path / "serve.json"
     command = [

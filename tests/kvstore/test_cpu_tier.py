@@ -11,7 +11,7 @@ import xxhash
 
 from kvstore.cpu_tier import CpuTier
 from kvstore.tier import BlockLike, block_nbytes
-from tests.tier_blocks import SHAPE, bit_equal, make_meta, random_block
+from tests.kvstore.tier_blocks import SHAPE, bit_equal, make_meta, random_block
 
 
 def make_tier(num_slots: int, dtype: torch.dtype = torch.float32, **kwargs: object) -> CpuTier:
@@ -163,7 +163,7 @@ def test_closed_tier_misses_and_drops() -> None:
     assert tier.metrics().disabled
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
 def test_pinned_storage_and_cuda_round_trip() -> None:
     tier = make_tier(2, torch.bfloat16)
     assert tier._storage.is_pinned()

@@ -5,14 +5,8 @@ Without CUDA the merge kernel runs under ``TRITON_INTERPRET=1``.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    # NOTE: must be set before triton decorates the kernels, i.e. before importing them.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from kernels.attention_merge import merge_attention_states
 from kernels.triton_backend import attention_bucket, pad_tokens

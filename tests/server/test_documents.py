@@ -10,7 +10,8 @@ from typing import Any
 import openai
 import pytest
 import requests
-from server_fixtures import (
+
+from tests.server.server_fixtures import (
     BLOCK_SIZE,
     ServerProcess,
     assert_error,
@@ -19,6 +20,8 @@ from server_fixtures import (
     wait_for,
     wait_ready,
 )
+
+pytestmark = pytest.mark.e2e
 
 KEY_A, KEY_B = "key-tenant-a", "key-tenant-b"
 A = {"Authorization": f"Bearer {KEY_A}"}

@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 import requests
-from server_fixtures import BASE_ARGS
 
 from ragserve.server.process import ServerProcess, ServerStartError
+from tests.server.server_fixtures import BASE_ARGS
+
+pytestmark = pytest.mark.e2e
 
 
 def environ_of(pid: int) -> dict[str, str]:

@@ -24,7 +24,7 @@ from loadtests import require_loopback
 from loadtests.corpus import build_corpus, ingest_text
 from loadtests.report import HealthLimits, ServerSnapshot, after_load_problems
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MIB = 2**20
 needs_locust = pytest.mark.skipif(
     importlib.util.find_spec("locust") is None or importlib.util.find_spec("matplotlib") is None,
@@ -69,6 +69,7 @@ def stats_rows(out: Path) -> list[dict[str, str]]:
 
 
 # -- the smoke run -------------------------------------------------------------------------
+@pytest.mark.e2e
 @needs_locust
 def test_smoke_run_passes_and_writes_the_report(tmp_path: Path) -> None:
     out = tmp_path / "report"
@@ -109,6 +110,7 @@ def test_smoke_run_passes_and_writes_the_report(tmp_path: Path) -> None:
         assert expected in names, (expected, sorted(names))
 
 
+@pytest.mark.e2e
 @needs_locust
 def test_overload_gives_fast_503s_and_no_other_5xx(tmp_path: Path) -> None:
     out = tmp_path / "overload"
@@ -157,6 +159,7 @@ def test_other_targets_are_refused(url: str) -> None:
         require_loopback(url)
 
 
+@pytest.mark.e2e
 def test_runner_refuses_a_remote_host_before_sending_anything(tmp_path: Path) -> None:
     done = run_command(
         "-m", "loadtests.runner", "--host", "http://10.1.2.3:8000", "--out", str(tmp_path)
@@ -166,6 +169,7 @@ def test_runner_refuses_a_remote_host_before_sending_anything(tmp_path: Path) ->
     assert not any(tmp_path.iterdir())  # nothing ran, nothing was written
 
 
+@pytest.mark.e2e
 @needs_locust
 def test_locustfile_alone_refuses_a_remote_host() -> None:
     # NOTE: zero users and an unresolvable name: nothing could be sent even if it did not.
@@ -175,6 +179,7 @@ def test_locustfile_alone_refuses_a_remote_host() -> None:
     assert "refusing to load-test 'example.invalid'" in done.stderr
 
 
+@pytest.mark.e2e
 def test_runner_rejects_unbounded_runs(tmp_path: Path) -> None:
     done = run_command("-m", "loadtests.runner", "--duration", "7200", "--out", str(tmp_path))
     assert done.returncode == 2 and "--duration must be in [1, 3600.0], got 7200.0" in done.stderr
