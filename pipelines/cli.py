@@ -188,7 +188,7 @@ def _say(command: str, message: str) -> None:
 
 
 def _print_table(command: str, rows: list[dict[str, Any]], seconds: float) -> None:
-    from ragserve.bench.common import print_table
+    from ragserve.table import print_table
 
     if not rows:
         print(f"nothing new written ({seconds:.1f}s)")

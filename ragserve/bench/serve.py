@@ -24,10 +24,11 @@ from typing import Any
 
 import aiohttp
 
-from ragserve.bench.common import print_table, write_json
+from ragserve.bench.common import write_json
 from ragserve.cli import CliError
 from ragserve.config import EngineConfig
 from ragserve.server.process import ServerProcess, ServerStartError
+from ragserve.table import print_table
 
 HOST = "127.0.0.1"
 OVERHEAD_TARGET = 1.2
