@@ -8,19 +8,24 @@ import importlib
 import logging
 import sys
 from collections.abc import Callable, Sequence
+from typing import TypeAlias
 
 from ragserve.config import EngineConfig
 from ragserve.config_flags import add_flags, config_from_args
 
-# Each subcommand lives in its own module exposing ``add_parser(subparsers)``; the parser
-# it adds carries ``func=run`` taking the parsed arguments and returning an exit code.
-SUBCOMMAND_MODULES = (
-    "ragserve.commands.generate",
-    "ragserve.server.cli",
-    "ragserve.bench.cli",
-    "pipelines.cli",
-    "ragserve.commands.loadtest",
-)
+# Every subcommand: its name, then the module that defines it. The module exposes
+# ``add_parser(subparsers, name)``, which adds the parser ``name`` with ``func=run``
+# (parsed arguments in, exit code out).
+COMMANDS: dict[str, str] = {
+    "generate": "ragserve.commands.generate",
+    "serve": "ragserve.commands.serve",
+    "bench": "ragserve.commands.bench",
+    "summarize": "ragserve.commands.summarize",
+    "docqa": "ragserve.commands.docqa",
+    "loadtest": "ragserve.commands.loadtest",
+}
+
+Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 
 
 class CliError(Exception):
@@ -42,15 +47,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ragserve", description=__doc__)
     parser.add_argument("--log-level", default="INFO")
     subparsers = parser.add_subparsers(dest="command", required=True)
-    for name in SUBCOMMAND_MODULES:
+    for name, module_name in COMMANDS.items():
         try:
-            module = importlib.import_module(name)
+            importlib.import_module(module_name).add_parser(subparsers, name)
         except ImportError as exc:
-            # NOTE: one command's missing optional dependency must not break the others.
-            broken = subparsers.add_parser(name.split(".")[-2 if name.endswith(".cli") else -1])
-            broken.set_defaults(func=_unavailable(f"{name} cannot be imported: {exc}"))
-            continue
-        module.add_parser(subparsers)
+            # NOTE: one command's missing optional dependency must not break the others;
+            # add_parser imports what it needs before it adds its parser.
+            broken = subparsers.add_parser(name)
+            broken.set_defaults(func=_unavailable(f"{module_name} cannot be imported: {exc}"))
     return parser
 
 

@@ -508,7 +508,7 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
     always stopped: on success, errors, Ctrl-C and SIGTERM. Exit code 1 when any request
     failed, else 0; the overhead target is reported, not enforced.
     """
-    from ragserve.server.cli import thread_policy_env
+    from ragserve.commands.serve import thread_policy_env
 
     levels = validate(args)
     # NOTE: the server sets its own thread policy at start; the offline engine gets the same.

@@ -7,18 +7,17 @@ import asyncio
 import logging
 import os
 import sys
-from typing import Any
+
+from ragserve.cli import CliError, Subparsers, add_engine_args, engine_config_from_args
+from ragserve.config_flags import add_flags, config_from_args
+from ragserve.server.config import ServerConfig
 
 logger = logging.getLogger(__name__)
 
 
-def add_parser(subparsers: Any) -> None:
-    from ragserve.cli import add_engine_args
-    from ragserve.config_flags import add_flags
-    from ragserve.server.config import ServerConfig
-
+def add_parser(subparsers: Subparsers, name: str) -> None:
     parser = subparsers.add_parser(
-        "serve", help="serve the OpenAI-compatible and document API over HTTP"
+        name, help="serve the OpenAI-compatible and document API over HTTP"
     )
     server = parser.add_argument_group("server")
     add_flags(server, ServerConfig)
@@ -60,12 +59,9 @@ def _restart_with(env: dict[str, str]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ragserve.cli import CliError, engine_config_from_args
-    from ragserve.config_flags import config_from_args
     from ragserve.engine.async_engine import AsyncEngine
     from ragserve.server.app import create_app, serve
     from ragserve.server.auth import read_api_key_file
-    from ragserve.server.config import ServerConfig
 
     missing = thread_policy_env(args.device)
     if missing:
