@@ -8,18 +8,24 @@ import importlib
 import logging
 import sys
 from collections.abc import Callable, Sequence
+from typing import TypeAlias
 
 from ragserve.config import EngineConfig
+from ragserve.config_flags import add_flags, config_from_args
 
-# Each subcommand lives in its own module exposing ``add_parser(subparsers)``; the parser
-# it adds carries ``func=run`` taking the parsed arguments and returning an exit code.
-SUBCOMMAND_MODULES = (
-    "ragserve.commands.generate",
-    "ragserve.server.cli",
-    "ragserve.bench.cli",
-    "pipelines.cli",
-    "ragserve.commands.loadtest",
-)
+# Every subcommand: its name, then the module that defines it. The module exposes
+# ``add_parser(subparsers, name)``, which adds the parser ``name`` with ``func=run``
+# (parsed arguments in, exit code out).
+COMMANDS: dict[str, str] = {
+    "generate": "ragserve.commands.generate",
+    "serve": "ragserve.commands.serve",
+    "bench": "ragserve.commands.bench",
+    "summarize": "ragserve.commands.summarize",
+    "docqa": "ragserve.commands.docqa",
+    "loadtest": "ragserve.commands.loadtest",
+}
+
+Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 
 
 class CliError(Exception):
@@ -27,78 +33,28 @@ class CliError(Exception):
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Engine flags shared by every command that builds an engine."""
-    group = parser.add_argument_group("engine")
-    group.add_argument("--model", default=None, help="HF directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-    group.add_argument("--tokenizer", default=None)
-    group.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    group.add_argument("--device", default="auto")
-    group.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"])
-    group.add_argument("--block-size", type=int, default=16)
-    group.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    group.add_argument("--max-num-seqs", type=int, default=256)
-    group.add_argument("--max-model-len", type=int, default=None)
-    group.add_argument("--kv-cache-gib", type=float, default=None)
-    group.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    group.add_argument("--no-prefix-caching", action="store_true")
-    group.add_argument("--attention-backend", default=None)
-    group.add_argument("--enforce-eager", action="store_true", help="run decode steps eagerly (no CUDA graphs)")
-    group.add_argument(
-        "--async-scheduling",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="launch each decode step before reading the previous one's tokens (default: on CUDA)",
-    )
-    group.add_argument("--kv-cpu-gib", type=float, default=0.0)
-    group.add_argument("--kv-disk-dir", default=None)
-    group.add_argument("--kv-disk-gib", type=float, default=0.0)
-    group.add_argument(
-        "--kv-load-gib-per-step",
-        type=float,
-        default=1.0,
-        help="KV loaded from the CPU/disk tiers per step, all sequences together (the rest streams in later steps)",
-    )
-    group.add_argument("--seed", type=int, default=0)
+    """Engine flags shared by every command that builds an engine: one per
+    :class:`EngineConfig` field."""
+    add_flags(parser.add_argument_group("engine"), EngineConfig)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=args.model,
-        tokenizer=args.tokenizer,
-        dtype=args.dtype,
-        device=args.device,
-        load_format=args.load_format,
-        block_size=args.block_size,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len,
-        kv_cache_gib=args.kv_cache_gib,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        enable_prefix_caching=not args.no_prefix_caching,
-        attention_backend=args.attention_backend,
-        enforce_eager=args.enforce_eager,
-        async_scheduling=args.async_scheduling,
-        kv_cpu_gib=args.kv_cpu_gib,
-        kv_disk_dir=args.kv_disk_dir,
-        kv_disk_gib=args.kv_disk_gib,
-        kv_load_gib_per_step=args.kv_load_gib_per_step,
-        seed=args.seed,
-    )
+    """The engine config of a command line parsed with :func:`add_engine_args`'s flags."""
+    return config_from_args(EngineConfig, args)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ragserve", description=__doc__)
     parser.add_argument("--log-level", default="INFO")
     subparsers = parser.add_subparsers(dest="command", required=True)
-    for name in SUBCOMMAND_MODULES:
+    for name, module_name in COMMANDS.items():
         try:
-            module = importlib.import_module(name)
+            importlib.import_module(module_name).add_parser(subparsers, name)
         except ImportError as exc:
-            # NOTE: one command's missing optional dependency must not break the others.
-            broken = subparsers.add_parser(name.split(".")[-2 if name.endswith(".cli") else -1])
-            broken.set_defaults(func=_unavailable(f"{name} cannot be imported: {exc}"))
-            continue
-        module.add_parser(subparsers)
+            # NOTE: one command's missing optional dependency must not break the others;
+            # add_parser imports what it needs before it adds its parser.
+            broken = subparsers.add_parser(name)
+            broken.set_defaults(func=_unavailable(f"{module_name} cannot be imported: {exc}"))
     return parser
 
 

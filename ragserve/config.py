@@ -4,32 +4,58 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ragserve.config_flags import check_choices, option
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = None  # HF directory, .gguf file, or None for the embedded default
-    tokenizer: str | None = None
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    load_format: str = "auto"  # auto | safetensors | gguf | dummy
-    seed: int = 0
-    block_size: int = 16
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 256
-    max_model_len: int | None = None
-    kv_cache_gib: float | None = None  # device KV budget; None: derived from the device
-    gpu_memory_utilization: float = 0.9
-    enable_prefix_caching: bool = True
-    attention_backend: str | None = None
-    kv_cpu_gib: float = 0.0
-    kv_disk_dir: str | None = None
-    kv_disk_gib: float = 0.0
-    kv_load_gib_per_step: float = 1.0  # tier-to-device loads per step, all sequences together
-    max_waiting_requests: int = 1024
-    enforce_eager: bool = False  # no CUDA graphs for decode batches
-    # Launch the next decode step before reading this one's tokens (host work overlaps
-    # the device's). None: on CUDA only; on the CPU it only adds work.
-    async_scheduling: bool | None = None
+    """Everything that shapes an engine. Each field is also a command-line flag of every
+    command that builds one (see :mod:`ragserve.config_flags`)."""
+
+    model: str | None = option(
+        None, help="HF directory or .gguf file (default: embedded SmolLM2-135M-Instruct)"
+    )
+    tokenizer: str | None = option(None, help="tokenizer directory (default: the model's)")
+    dtype: str = option("auto", help="weights and activations", choices=DTYPES)
+    device: str = option("auto", help="auto, cpu, cuda or cuda:N")
+    load_format: str = option("auto", help="how to read --model", choices=LOAD_FORMATS)
+    seed: int = option(0, help="seed of dummy weights and of sampling")
+    block_size: int = option(16, help="tokens per KV block (a power of two)")
+    max_num_batched_tokens: int = option(2048, help="tokens one step computes at most")
+    max_num_seqs: int = option(256, help="sequences running at once at most")
+    max_model_len: int | None = option(None, help="longest sequence (default: the model's)")
+    kv_cache_gib: float | None = option(
+        None, help="device KV budget in GiB (default: derived from the device)"
+    )
+    gpu_memory_utilization: float = option(
+        0.9, help="share of the GPU's memory the engine may use, KV included"
+    )
+    enable_prefix_caching: bool = option(
+        True, help="reuse cached KV blocks of shared prefixes", flag="--prefix-caching"
+    )
+    attention_backend: str | None = option(
+        None, help="reference or triton (default: the best one on the device)"
+    )
+    kv_cpu_gib: float = option(0.0, help="host memory tier for KV blocks evicted from the device")
+    kv_disk_dir: str | None = option(
+        None, help="disk tier folder (default: $XDG_CACHE_HOME/ragserve/kv or ~/.cache/ragserve/kv)"
+    )
+    kv_disk_gib: float = option(0.0, help="disk tier for KV blocks, kept across restarts")
+    kv_load_gib_per_step: float = option(
+        1.0,
+        help="KV loaded from the CPU/disk tiers per step, all sequences together "
+        "(the rest streams in later steps)",
+    )
+    enforce_eager: bool = option(False, help="run decode steps eagerly (no CUDA graphs)")
+    # NOTE: on the CPU overlapping only adds work, hence the default.
+    async_scheduling: bool | None = option(
+        None,
+        help="launch each decode step before reading the previous one's tokens, so host "
+        "work overlaps the device's (default: on CUDA)",
+    )
 
     def __post_init__(self) -> None:
         checks = {
@@ -50,12 +76,7 @@ class EngineConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
-            raise ValueError(
-                f"load_format must be auto, safetensors, gguf or dummy, got {self.load_format!r}"
-            )
+        check_choices(self)
         if self.kv_load_gib_per_step <= 0:
             raise ValueError(f"kv_load_gib_per_step must be > 0, got {self.kv_load_gib_per_step}")
         if self.kv_cpu_gib < 0 or self.kv_disk_gib < 0:

@@ -16,9 +16,10 @@ from typing import Any
 
 import torch
 
-from ragserve.bench.common import machine_description, print_table, write_json
+from ragserve.bench.common import machine_description, write_json
 from ragserve.config import EngineConfig
 from ragserve.models.loader import resolve_device, resolve_dtype
+from ragserve.table import print_table
 
 
 def _matmul_shape(text: str) -> tuple[int, int, int]:

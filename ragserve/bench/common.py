@@ -1,4 +1,4 @@
-"""Shared pieces of the benchmarks: workloads, the transformers baseline, tables, JSON."""
+"""Shared pieces of the benchmarks: workloads, the transformers baseline, JSON."""
 
 from __future__ import annotations
 
@@ -198,25 +198,6 @@ def machine_description() -> str:
     if torch.cuda.is_available():
         return torch.cuda.get_device_name(0)
     return f"{platform.processor() or platform.machine()} CPU, {os.cpu_count()} cores"
-
-
-def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
-    cells = [[str(c) for c in header]] + [[_fmt(c) for c in row] for row in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
-    print(f"\n{title}")
-    for index, row in enumerate(cells):
-        print("  ".join(cell.rjust(width) for cell, width in zip(row, widths, strict=True)))
-        if index == 0:
-            print("  ".join("-" * width for width in widths))
-    print(end="", flush=True)
-
-
-def _fmt(value: Any) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"
-    return str(value)
 
 
 def write_json(path: str | Path, payload: dict[str, Any], quiet: bool = False) -> Path:

@@ -13,12 +13,12 @@ from typing import Any
 
 from ragserve.bench.common import (
     load_transformers_model,
-    print_table,
     random_prompts,
     time_request,
     transformers_generate,
     write_json,
 )
+from ragserve.table import print_table
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import json
 import os
 import random
@@ -24,10 +23,12 @@ from typing import Any
 
 import aiohttp
 
-from ragserve.bench.common import print_table, write_json
+from ragserve.bench.common import write_json
 from ragserve.cli import CliError
 from ragserve.config import EngineConfig
+from ragserve.config_flags import to_argv
 from ragserve.server.process import ServerProcess, ServerStartError
+from ragserve.table import print_table
 
 HOST = "127.0.0.1"
 OVERHEAD_TARGET = 1.2
@@ -145,27 +146,13 @@ def chat_body(doc_id: str, text: str, max_tokens: int, stream: bool) -> dict[str
 
 
 # -- the server process --------------------------------------------------------------------
-def engine_flags(config: EngineConfig) -> list[str]:
-    """``ragserve serve`` flags reproducing ``config``: ``--field-name value`` per set field."""
-    flags: list[str] = []
-    for item in dataclasses.fields(config):
-        value = getattr(config, item.name)
-        if item.name == "enable_prefix_caching":
-            flags += [] if value else ["--no-prefix-caching"]
-        elif isinstance(value, bool):  # store_true switches
-            flags += [f"--{item.name.replace('_', '-')}"] if value else []
-        elif value is not None:
-            flags += [f"--{item.name.replace('_', '-')}", str(value)]
-    return flags
-
-
 def start_server(
     config: EngineConfig, log_path: Path, timeout: float, env: dict[str, str]
 ) -> ServerProcess:
     """``ragserve serve`` with ``config``'s flags on loopback; CliError (quoting its log) on failure."""
     # NOTE: no work-based admission: each level is a fixed number of closed-loop clients,
     # and what it measures is how the engine serves them, not which ones a budget refuses.
-    flags = [*engine_flags(config), "--max-queue-seconds", "0"]
+    flags = [*to_argv(config), "--max-queue-seconds", "0"]
     server = ServerProcess(
         flags, log_path, host=HOST, log_level="INFO", env=env, start_timeout=timeout
     )
@@ -437,7 +424,7 @@ class OfflineWorker:
         self.doc_path.write_text(text, encoding="utf-8")
         self.log_path = log_path
         self.command = [sys.executable, "-m", "ragserve.bench.serve_offline"]
-        self.command += [str(self.doc_path), OVERHEAD_QUESTION, *engine_flags(config)]
+        self.command += [str(self.doc_path), OVERHEAD_QUESTION, *to_argv(config)]
         package_root = str(Path(__file__).resolve().parents[2])
         pythonpath = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
         self.env = {
@@ -521,7 +508,7 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
     always stopped: on success, errors, Ctrl-C and SIGTERM. Exit code 1 when any request
     failed, else 0; the overhead target is reported, not enforced.
     """
-    from ragserve.server.cli import thread_policy_env
+    from ragserve.commands.serve import thread_policy_env
 
     levels = validate(args)
     # NOTE: the server sets its own thread policy at start; the offline engine gets the same.

@@ -35,8 +35,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("doc_file")
     parser.add_argument("question")
     add_engine_args(parser)
-    # NOTE: a server flag that ``engine_flags`` also emits; the offline engine has no queue.
-    parser.add_argument("--max-waiting-requests", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     config = engine_config_from_args(args)
     llm = LLM.from_config(config)

@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from ragserve.bench.common import load_transformers_model, peak_rss_mib, print_table, write_json
+from ragserve.bench.common import load_transformers_model, peak_rss_mib, write_json
+from ragserve.table import print_table
 
 _WORDS = [
     "the", "a", "engine", "cache", "block", "token", "prefix", "request", "batch", "memory",

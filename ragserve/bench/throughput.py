@@ -13,7 +13,6 @@ from ragserve.bench.common import (
     add_peak_arguments,
     load_transformers_model,
     peak_rss_mib,
-    print_table,
     random_prompts,
     release_device_memory,
     resolve_peaks,
@@ -24,6 +23,7 @@ from ragserve.bench.common import (
 )
 from ragserve.bench.shapes import generate_flops
 from ragserve.config import EngineConfig
+from ragserve.table import print_table
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

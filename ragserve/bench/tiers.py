@@ -20,13 +20,13 @@ from typing import Any
 import torch
 
 from ragserve.bench.common import (
-    print_table,
     random_prompts,
     release_device_memory,
     time_request,
     write_json,
 )
 from ragserve.config import EngineConfig
+from ragserve.table import print_table
 
 GIB = 2**30
 

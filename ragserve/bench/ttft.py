@@ -14,7 +14,6 @@ from ragserve.bench.common import (
     RequestTiming,
     add_peak_arguments,
     load_transformers_model,
-    print_table,
     random_prompts,
     release_device_memory,
     resolve_peaks,
@@ -25,6 +24,7 @@ from ragserve.bench.common import (
 from ragserve.bench.shapes import decode_floor_s, non_embedding_params, prefill_flops
 from ragserve.config import EngineConfig
 from ragserve.models.llama import ModelShape
+from ragserve.table import print_table
 
 GIB = 2**30
 

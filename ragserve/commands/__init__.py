@@ -1,0 +1,1 @@
+"""One module per ``ragserve`` subcommand, each listed in :data:`ragserve.cli.COMMANDS`."""

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import argparse
 import time
-from typing import Any
+
+from ragserve.cli import Subparsers, add_engine_args, engine_config_from_args
 
 
-def add_parser(subparsers: Any) -> None:
-    from ragserve.cli import add_engine_args
-
-    parser = subparsers.add_parser("generate", help="generate text offline for a few prompts")
+def add_parser(subparsers: Subparsers, name: str) -> None:
+    parser = subparsers.add_parser(name, help="generate text offline for a few prompts")
     parser.add_argument("prompts", nargs="*", help="user messages (chat template applied)")
-    parser.add_argument("--raw", action="store_true", help="send prompts as-is, without the chat template")
+    parser.add_argument(
+        "--raw", action="store_true", help="send prompts as-is, without the chat template"
+    )
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -29,7 +30,6 @@ DEMO_PROMPTS = [
 
 
 def run(args: argparse.Namespace) -> int:
-    from ragserve.cli import engine_config_from_args
     from ragserve.llm import LLM
     from ragserve.sampling_params import SamplingParams
 
@@ -45,9 +45,10 @@ def run(args: argparse.Namespace) -> int:
     if args.raw:
         outputs = llm.generate(prompts, params, use_tqdm=False)
     else:
-        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
+        outputs = llm.chat(
+            [[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False
+        )
     for prompt, output in zip(prompts, outputs, strict=True):
         print(f"> {prompt}\n{output.outputs[0].text.strip()}\n")
     print(f"({time.perf_counter() - started:.1f}s including model load)")
     return 0
-

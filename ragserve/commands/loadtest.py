@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
+
+from ragserve.cli import Subparsers
 
 
-def add_parser(subparsers: Any) -> None:
+def add_parser(subparsers: Subparsers, name: str) -> None:
     # NOTE: imported here so that a checkout without loadtests/ (or without locust) only
     # loses this command; ragserve.cli turns the ImportError into a clear message.
     from loadtests.runner import add_arguments
 
     parser = subparsers.add_parser(
-        "loadtest",
+        name,
         help="load-test a server on loopback with locust and write a report",
         description="Start a server (or target --host on loopback), run locust headless, "
         "check the server's health after the load, and write a report folder.",

@@ -4,29 +4,49 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ragserve.config_flags import option
+
 
 @dataclass(frozen=True)
 class ServerConfig:
     """HTTP-side settings; the engine has its own :class:`ragserve.config.EngineConfig`.
+    Fields are ``ragserve serve`` flags unless marked ``cli=False``.
 
     ``api_keys`` empty means no authentication (one anonymous tenant). Each key is its own
     tenant: its cached blocks and documents are invisible to every other key.
     """
 
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_keys: tuple[str, ...] = ()
-    served_model_name: str | None = None  # None: the engine's model name
-    max_waiting_requests: int = 1024  # engine requests in flight before answering 503
-    # 503 when a new request's expected time to finish exceeds this (0: no such check);
-    # see ragserve.server.admission.
-    max_queue_seconds: float = 20.0
-    max_request_bytes: int = 32 * 2**20
-    max_n: int = 16
-    max_documents_per_request: int = 16
-    completion_default_max_tokens: int = 16  # OpenAI's default for /v1/completions
-    shutdown_timeout: float = 10.0  # seconds running requests get to finish on shutdown
-    retry_after_seconds: int = 1
+    host: str = option("127.0.0.1", help="address to bind (default: loopback only)")
+    port: int = option(8000, help="0 picks a free port (it is logged)")
+    api_keys: tuple[str, ...] = option(
+        (),
+        help="require 'Authorization: Bearer KEY' on /v1; repeat for more tenants",
+        flag="--api-key",
+    )
+    served_model_name: str | None = option(
+        None, help="the model name clients use (default: the engine's)"
+    )
+    max_waiting_requests: int = option(
+        1024, help="requests in flight before new ones get 503 with Retry-After"
+    )
+    # How the expected time is estimated: ragserve.server.admission.
+    max_queue_seconds: float = option(
+        20.0,
+        help="503 with Retry-After when a new request's expected time to finish (queued "
+        "tokens over the measured token rate) exceeds this; 0 turns it off",
+    )
+    max_request_bytes: int = option(32 * 2**20, help="largest request body, in bytes")
+    max_n: int = option(16, help="largest n (choices per request)", cli=False)
+    max_documents_per_request: int = option(
+        16, help="most documents one request may name", cli=False
+    )
+    completion_default_max_tokens: int = option(
+        16, help="/v1/completions' max_tokens when not given (OpenAI's default)", cli=False
+    )
+    shutdown_timeout: float = option(
+        10.0, help="seconds running requests get to finish on SIGTERM/SIGINT"
+    )
+    retry_after_seconds: int = option(1, help="Retry-After of a 503", cli=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

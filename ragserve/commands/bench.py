@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from typing import Any
+from collections.abc import Callable
+from types import ModuleType
+
+from ragserve.cli import Subparsers, add_engine_args, engine_config_from_args
 
 BENCHMARKS = {
     "throughput": "ragserve.bench.throughput",
@@ -18,14 +21,14 @@ BENCHMARKS = {
 }
 
 
-def add_parser(subparsers: Any) -> None:
-    from ragserve.cli import add_engine_args
-
-    parser = subparsers.add_parser("bench", help="run a benchmark (table + JSON)")
+def add_parser(subparsers: Subparsers, name: str) -> None:
+    # NOTE: every benchmark is imported before the parser is added, so a missing optional
+    # dependency leaves this command unavailable rather than half registered.
+    modules = {bench: importlib.import_module(path) for bench, path in BENCHMARKS.items()}
+    parser = subparsers.add_parser(name, help="run a benchmark (table + JSON)")
     bench_parsers = parser.add_subparsers(dest="benchmark", required=True)
-    for name, module_name in BENCHMARKS.items():
-        module = importlib.import_module(module_name)
-        sub = bench_parsers.add_parser(name, help=module.__doc__)
+    for bench, module in modules.items():
+        sub = bench_parsers.add_parser(bench, help=module.__doc__)
         module.add_arguments(sub)
         add_engine_args(sub)
         sub.add_argument(
@@ -36,10 +39,9 @@ def add_parser(subparsers: Any) -> None:
         sub.set_defaults(func=_runner(module))
 
 
-def _runner(module: Any) -> Any:
+def _runner(module: ModuleType) -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
         from ragserve.bench.shapes import write_shape_config
-        from ragserve.cli import engine_config_from_args
 
         # NOTE: tables must show up as they are measured when stdout is a pipe or a file.
         if hasattr(sys.stdout, "reconfigure"):
