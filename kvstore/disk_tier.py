@@ -137,8 +137,12 @@ class DiskTier(KVTier):
     GB/s and 64 readers at 1.67, against 1.78-1.82 GB/s for plain 32-thread reads of the
     same files. Hinting the next files to the kernel (``POSIX_FADV_WILLNEED``) was slower
     (1.41-1.51). Each reader keeps two pinned staging buffers of one block: 256 MiB in all
-    for Llama-3.1-8B's 2 MiB blocks.
+    for Llama-3.1-8B's 2 MiB blocks. Evicted records are deleted, never handed on
+    (``on_evict`` is not called).
     """
+
+    name = "disk"
+    persistent = True
 
     def __init__(
         self,
@@ -200,6 +204,10 @@ class DiskTier(KVTier):
             )
             thread.start()
             self._writers.append(thread)
+
+    @property
+    def location(self) -> str:
+        return str(self.root)
 
     # ----------------------------------------------------------------- start-up
     def _check_writable(self) -> None:
