@@ -155,7 +155,7 @@ def test_a_document_larger_than_the_write_queue_is_persisted_whole(
         assert llm.engine.tiers is not None
         [disk] = llm.engine.tiers.tiers
         assert isinstance(disk, DiskTier)
-        disk._queue.maxsize = 4  # a tiny queue, so most blocks wait
+        disk._writer._queue.maxsize = 4  # a tiny queue, so most blocks wait
         llm.engine.add_request("ingest", long_doc, SamplingParams(max_tokens=1), persist=True)
         while llm.engine.has_unfinished_requests():
             llm.engine.step()

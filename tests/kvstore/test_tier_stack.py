@@ -10,7 +10,8 @@ import torch
 
 from kvstore.block_pool import BlockPool
 from kvstore.cpu_tier import CpuTier
-from kvstore.disk_tier import DiskTier, default_disk_dir
+from kvstore.disk_index import resolve_disk_dir
+from kvstore.disk_tier import DiskTier
 from kvstore.tier import BlockLike, KVTier, TierMetrics, block_nbytes, record_key
 from kvstore.tier_stack import GIB, TierInfo, TierStack
 from tests.kvstore.tier_blocks import bit_equal
@@ -50,7 +51,9 @@ def test_cpu_evictions_are_demoted_to_disk(tmp_path: Path, tokens: list[int]) ->
     rig.stack.close()
 
 
-def test_without_a_cpu_tier_demotions_go_straight_to_disk(tmp_path: Path, tokens: list[int]) -> None:
+def test_without_a_cpu_tier_demotions_go_straight_to_disk(
+    tmp_path: Path, tokens: list[int]
+) -> None:
     rig = TieredCache(16, cpu_slots=0, disk_dir=tmp_path)
     kv = rig.compute(tokens)
     rig.evict_to_tiers()
@@ -226,7 +229,7 @@ def test_from_budgets_leaves_out_a_zero_budget(
     cache, pool = torch.zeros((4, *SHAPE)), BlockPool(4)
     disk_only = TierStack.from_budgets(cache, pool, cpu_gib=0, disk_gib=1 / 1024)
     assert [info.name for info in disk_only.describe()] == ["disk"]
-    assert disk_only.describe()[0].location == str(default_disk_dir())
+    assert disk_only.describe()[0].location == str(resolve_disk_dir(None))
     disk_only.close()
     cpu_only = TierStack.from_budgets(cache, BlockPool(4), cpu_gib=NBYTES / GIB, disk_gib=0)
     assert [info.name for info in cpu_only.describe()] == ["cpu"]
