@@ -197,9 +197,6 @@ class KVCacheManager:
         owner = self._pending.get(alloc.block_hashes[index])
         return owner is not None and owner is not alloc
 
-    def can_allocate(self, alloc: KVAllocation, num_tokens: int) -> bool:
-        return self.blocks_needed(num_tokens) - len(alloc.block_table) <= self.pool.num_free
-
     def allocate(self, alloc: KVAllocation, num_tokens: int) -> bool:
         """Grow the block table to hold ``num_tokens`` tokens. False (and no change) if full."""
         missing = self.blocks_needed(num_tokens) - len(alloc.block_table)
