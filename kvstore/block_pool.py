@@ -64,10 +64,6 @@ class BlockPool:
     def num_cached(self) -> int:
         return len(self._index)
 
-    @property
-    def num_cached_free(self) -> int:
-        return sum(1 for block in self._free if self.identities[block] is not None)
-
     def lookup(self, identity: BlockIdentity) -> int | None:
         """The cached block holding exactly ``identity``, or None.
 

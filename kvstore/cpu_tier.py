@@ -19,6 +19,7 @@ import torch
 from kvstore.tier import (
     BlockLike,
     BlockRecordKey,
+    EvictCallback,
     KVTier,
     TierMetrics,
     block_nbytes,
@@ -28,8 +29,6 @@ from kvstore.tier import (
 )
 
 logger = logging.getLogger(__name__)
-
-EvictCallback = Callable[[BlockLike, torch.Tensor], None]
 
 # NOTE: a merged run is issued once it reaches this size, so the first copies of a batch
 # start while later blocks are still being verified.
@@ -42,7 +41,7 @@ class CpuTier(KVTier):
     Invariants: a slot is in exactly one of: the free list, the index, or being filled by
     one ``put`` call. The index's order is LRU first. ``on_evict(meta, slot_view)``
     runs before an evicted slot is reused and must copy what it needs before returning
-    (the manager hands it to the disk tier, whose ``put`` copies synchronously).
+    (the stack hands it to the next tier down, whose ``put`` copies synchronously).
     Thread-safe: the index, the free list and every load are handled under one lock.
 
     Asynchronous copies: a batched load records an event per destination device after its
@@ -51,6 +50,8 @@ class CpuTier(KVTier):
     read is never rewritten. Work that uses the destination blocks on the same stream is
     ordered after the copies by the stream itself.
     """
+
+    name = "cpu"
 
     def __init__(
         self,
@@ -73,6 +74,7 @@ class CpuTier(KVTier):
         if pin_memory is None:
             pin_memory = torch.cuda.is_available()
         self.num_slots = num_slots
+        self.capacity_bytes = num_slots * self.block_nbytes
         self.on_evict = on_evict
         self._storage = torch.empty(
             (num_slots, *self.block_shape), dtype=dtype, pin_memory=pin_memory
@@ -83,7 +85,7 @@ class CpuTier(KVTier):
         # ascending slots, and its restore copies long runs instead of one block at a time.
         self._free = list(range(num_slots))
         self._lock = threading.RLock()
-        self._metrics = TierMetrics(capacity_bytes=num_slots * self.block_nbytes)
+        self._metrics = TierMetrics(capacity_bytes=self.capacity_bytes)
         self._closed = False
         # Events after batched loads whose copies may still read slots (CUDA only).
         self._reads_in_flight: list[torch.cuda.Event] = []
@@ -95,11 +97,12 @@ class CpuTier(KVTier):
         with self._lock:
             return record_key(meta) in self._index
 
-    def put(self, meta: BlockLike, block: torch.Tensor) -> bool:
+    def put(self, meta: BlockLike, block: torch.Tensor, *, blocking: bool = False) -> bool:
         """Copy ``block`` (any device) into a slot, evicting the LRU block if needed.
 
-        The copy runs without the lock (the slot is private until registered). Returns
-        True if the block is now present, False if no slot could be taken.
+        The copy runs without the lock (the slot is private until registered) and always
+        completes before returning, so ``blocking`` changes nothing. Returns True if the
+        block is now present, False if no slot could be taken.
         """
         self.check_block(block, "block")
         key = record_key(meta)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from kvstore.block_pool import BlockIdentity, BlockPool
 from kvstore.hashing import ROOT_PARENT, BlockHash, hash_full_blocks
-from kvstore.tier_link import TierLink
+from kvstore.tier_stack import TierStack
 
 # NOTE: 1 GiB is ~20 ms of pinned host-to-device copies on an NVIDIA H200 (512 blocks of
 # a Llama-3.1-8B-shaped cache): a 128k-token document streams in over 16 steps, and other
@@ -48,7 +48,7 @@ class KVCacheManager:
         pool: BlockPool,
         block_size: int,
         enable_prefix_caching: bool,
-        tiers: TierLink | None = None,
+        tiers: TierStack | None = None,
         max_load_bytes_per_step: int = DEFAULT_MAX_LOAD_BYTES_PER_STEP,
     ) -> None:
         if max_load_bytes_per_step < 1:
@@ -196,9 +196,6 @@ class KVCacheManager:
             return False
         owner = self._pending.get(alloc.block_hashes[index])
         return owner is not None and owner is not alloc
-
-    def can_allocate(self, alloc: KVAllocation, num_tokens: int) -> bool:
-        return self.blocks_needed(num_tokens) - len(alloc.block_table) <= self.pool.num_free
 
     def allocate(self, alloc: KVAllocation, num_tokens: int) -> bool:
         """Grow the block table to hold ``num_tokens`` tokens. False (and no change) if full."""

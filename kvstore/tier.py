@@ -3,17 +3,18 @@
 A tier stores whole KV blocks, each of shape ``block_shape`` =
 ``[num_layers, 2, block_size, num_kv_heads, head_dim]`` and one dtype, named by the block's
 chained content hash. Every tier answers the same small interface (contains / load_into /
-put / flush / close). A load is trusted only after the stored salt and token ids equal the
-expected ones, so a hash collision can never hand out another prompt's (or tenant's) KV.
+put / flush / close, with batched loads). A load is trusted only after the stored salt and
+token ids equal the expected ones, so a hash collision can never hand out another prompt's
+(or tenant's) KV. ``TierStack`` orders tiers fastest first and applies the one policy.
 """
 
 from __future__ import annotations
 
 import abc
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol, TypeVar
+from typing import ClassVar, NamedTuple, Protocol, TypeVar
 
 import torch
 import xxhash
@@ -125,6 +126,9 @@ class TierMetrics:
     disabled: bool = False
 
 
+EvictCallback = Callable[[BlockLike, torch.Tensor], None]
+
+
 def block_nbytes(block_shape: Sequence[int], dtype: torch.dtype) -> int:
     numel = 1
     for dim in block_shape:
@@ -146,10 +150,25 @@ class KVTier(abc.ABC):
     record is verified against ``meta``; on False the contents of ``dest`` are unspecified
     and must not be used. ``put`` never raises for capacity reasons: a tier that cannot
     take a block drops it (and counts it).
+
+    Roles in a stack: ``name`` labels the tier's metrics and traffic; a ``persistent`` tier
+    keeps its blocks across restarts (persisted documents are written through to the first
+    one). A tier whose eviction can hand the evicted block on calls ``on_evict(meta, block)``
+    before the block's room is reused; the callee copies what it needs before returning.
+    Tiers that delete evicted blocks (a file, a remote key) never call it.
     """
 
+    name: ClassVar[str]
+    persistent: ClassVar[bool] = False
     block_shape: tuple[int, ...]
     dtype: torch.dtype
+    capacity_bytes: int
+    on_evict: EvictCallback | None = None
+
+    @property
+    def location(self) -> str | None:
+        """Where the blocks live outside this process (a directory, a URL); None in memory."""
+        return None
 
     @abc.abstractmethod
     def contains(self, meta: BlockLike) -> bool:
@@ -160,8 +179,12 @@ class KVTier(abc.ABC):
         """Copy the verified block named by ``meta`` into ``dest`` (shape ``block_shape``)."""
 
     @abc.abstractmethod
-    def put(self, meta: BlockLike, block: torch.Tensor) -> bool:
-        """Store a copy of ``block``; True if stored or queued, False if dropped."""
+    def put(self, meta: BlockLike, block: torch.Tensor, *, blocking: bool = False) -> bool:
+        """Store a copy of ``block``; True if stored or queued, False if dropped.
+
+        An asynchronous tier with a full queue drops the block unless ``blocking``, which
+        waits for room instead (a block's last chance before its source is overwritten).
+        """
 
     @abc.abstractmethod
     def discard(self, meta: BlockLike) -> bool:
@@ -170,6 +193,10 @@ class KVTier(abc.ABC):
     @abc.abstractmethod
     def metrics(self) -> TierMetrics:
         """A snapshot of this tier's counters."""
+
+    def has_room(self) -> bool:
+        """True if a ``put`` now would be stored or queued rather than dropped."""
+        return True
 
     def flush(self) -> None:  # noqa: B027 (synchronous tiers have nothing to flush)
         """Wait until every accepted ``put`` is durable in this tier."""
@@ -188,6 +215,16 @@ class KVTier(abc.ABC):
         """Load ``metas[i]`` into ``dests[i]`` (one batch tensor, or a list of blocks)."""
         self.check_batch(metas, dests)
         return [self.load_into(meta, dests[i]) for i, meta in enumerate(metas)]
+
+    def load_rows_into(
+        self, metas: Sequence[BlockLike], cache: torch.Tensor, rows: Sequence[int]
+    ) -> list[bool]:
+        """Load ``metas[i]`` into ``cache[rows[i]]`` (a block-major tensor, e.g. the device
+        KV cache); a row whose block misses is left unspecified. Copies to a GPU may still
+        run on return, queued on its current stream (see each tier)."""
+        if len(rows) != len(metas):
+            raise ValueError(f"{len(metas)} blocks to load but {len(rows)} destination rows")
+        return self.load_many_into(metas, [cache[row] for row in rows])
 
     def check_block(self, tensor: torch.Tensor, role: str) -> None:
         if tuple(tensor.shape) != self.block_shape or tensor.dtype != self.dtype:

@@ -16,8 +16,7 @@ from kvstore.block_pool import BlockPool
 from kvstore.device_cache import KVCacheSpec
 from kvstore.hashing import make_salt
 from kvstore.kv_cache_manager import KVAllocation, KVCacheManager
-from kvstore.tier_link import TierLink
-from kvstore.tier_manager import TierManager
+from kvstore.tier_stack import TierStack
 from ragserve.config import EngineConfig
 from ragserve.engine.detokenizer import IncrementalDetokenizer
 from ragserve.engine.model_runner import ModelRunner
@@ -159,22 +158,20 @@ class LLMEngine:
             "eager" if self.runner.decode_graphs is None else "in CUDA graphs",
         )
 
-    def _open_tiers(self) -> TierLink | None:
+    def _open_tiers(self) -> TierStack | None:
         config = self.config
         if not config.enable_prefix_caching or (config.kv_cpu_gib <= 0 and config.kv_disk_gib <= 0):
             return None
         try:
-            tiers = TierManager.from_budget(
-                self.kv_spec.block_shape,
-                self.dtype,
+            return TierStack.from_budgets(
+                self.kv_cache,
+                self.block_pool,
                 cpu_gib=config.kv_cpu_gib,
                 disk_gib=config.kv_disk_gib,
                 disk_dir=config.kv_disk_dir,
-                write_through=False,
             )
         except OSError as exc:
             raise ValueError(f"the KV disk directory cannot be used: {exc}") from exc
-        return TierLink(tiers, self.kv_cache, self.block_pool)
 
     def background_work(self) -> None:
         """Cheap upkeep run before each step and while idle: queue pending disk writes."""

@@ -109,10 +109,9 @@ def document_store(engine: AsyncEngine) -> DocumentStore | None:
     config = engine.engine.config
     if engine.engine.tiers is None or config.kv_disk_gib <= 0:
         return None
-    from kvstore.disk_tier import default_disk_dir
+    from kvstore.disk_index import resolve_disk_dir
 
-    directory = config.kv_disk_dir or default_disk_dir()
-    return DocumentStore(directory, engine.engine.loaded.fingerprint)
+    return DocumentStore(resolve_disk_dir(config.kv_disk_dir), engine.engine.loaded.fingerprint)
 
 
 async def _engine_lifecycle(app: web.Application) -> AsyncIterator[None]:

@@ -74,7 +74,7 @@ class EngineSnapshot:
 def _tier_metrics(engine: LLMEngine) -> dict[str, TierMetrics]:
     if engine.tiers is None:
         return {}
-    return {str(name): metrics for name, metrics in engine.tiers.tiers.metrics().items()}
+    return engine.tiers.metrics()
 
 
 class _EngineCollector(Collector):

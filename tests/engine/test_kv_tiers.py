@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from kvstore.disk_tier import DiskTier
 from ragserve import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -73,7 +74,7 @@ def test_prefix_from_device_cpu_and_disk_gives_identical_outputs(
     ask(disk, doc)
     evict_device_cache(disk)
     assert disk.engine.tiers is not None
-    disk.engine.tiers.tiers.flush()  # demotions are written asynchronously
+    disk.engine.tiers.flush()  # demotions are written asynchronously
     assert ask(disk, doc) == (reference, full_block_tokens)
     assert disk.engine.tiers.traffic.loaded_from_disk >= len(doc) // BLOCK - 2
     for llm in (device, cpu, disk):
@@ -95,7 +96,7 @@ def test_a_written_through_document_is_demoted_to_the_cpu_tier_too(
     while llm.engine.has_unfinished_requests():
         llm.engine.step()
     assert llm.engine.tiers is not None
-    llm.engine.tiers.tiers.flush()
+    llm.engine.tiers.flush()
     evict_device_cache(llm)
     assert ask(llm, doc) == (reference, len(doc) // BLOCK * BLOCK)
     traffic = llm.engine.tiers.traffic
@@ -134,8 +135,7 @@ def test_corrupt_records_after_restart_are_recomputed_not_served(
         tokens, _ = ask(second, doc)
         assert tokens == reference
         assert second.engine.tiers is not None
-        disk = second.engine.tiers.tiers.disk
-        assert disk is not None and disk.metrics().corrupt_records >= 1
+        assert second.engine.tiers.metrics()["disk"].corrupt_records >= 1
     assert sum(1 for p in tmp_path.rglob("*") if p.is_file()) < len(records) + 1
 
 
@@ -152,8 +152,10 @@ def test_a_document_larger_than_the_write_queue_is_persisted_whole(
     """Write-through never drops a document's blocks: what the queue cannot take waits."""
     long_doc = doc * 4  # about 36 blocks, against a write queue of 64 shared with the rest
     with LLM(smollm_path, kv_disk_gib=0.05, kv_disk_dir=str(tmp_path)) as llm:
-        assert llm.engine.tiers is not None and llm.engine.tiers.tiers.disk is not None
-        llm.engine.tiers.tiers.disk._queue.maxsize = 4  # a tiny queue, so most blocks wait
+        assert llm.engine.tiers is not None
+        [disk] = llm.engine.tiers.tiers
+        assert isinstance(disk, DiskTier)
+        disk._writer._queue.maxsize = 4  # a tiny queue, so most blocks wait
         llm.engine.add_request("ingest", long_doc, SamplingParams(max_tokens=1), persist=True)
         while llm.engine.has_unfinished_requests():
             llm.engine.step()

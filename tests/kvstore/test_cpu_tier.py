@@ -106,6 +106,38 @@ def test_batched_load_into_a_preallocated_tensor() -> None:
         tier.load_many_into(metas, dest[:2])
 
 
+def test_batch_merges_consecutive_rows_and_slots_bit_exactly() -> None:
+    tier = make_tier(8)
+    metas = [make_meta(index) for index in range(8)]
+    for index in reversed(range(8)):  # slots go out from the top down: meta i in slot i
+        assert tier.put(metas[index], random_block(torch.float32, index))
+    cache = torch.full((12, *SHAPE), 7.0)
+    rows = [4, 5, 6, 0, 1, 9, 10, 11]  # runs: slots 0-2 -> rows 4-6, 3-4 -> 0-1, 5-7 -> 9-11
+    tier.discard(metas[4])
+    found = tier.load_rows_into(metas, cache, rows)
+    assert found == [True] * 4 + [False] + [True] * 3
+    for index, row in enumerate(rows):
+        if found[index]:
+            assert bit_equal(cache[row], random_block(torch.float32, index))
+    stats = tier.metrics()
+    assert (stats.hits, stats.misses, stats.load_count, stats.load_copies) == (7, 1, 7, 3)
+    assert stats.bytes_read == 7 * block_nbytes(SHAPE, torch.float32)
+    with pytest.raises(ValueError, match="8 blocks to load but 2 destination rows"):
+        tier.load_rows_into(metas, cache, rows[:2])
+    with pytest.raises(ValueError, match="must hold blocks of"):
+        tier.load_rows_into(metas[:1], torch.zeros((2, 3)), [0])
+
+
+def test_batch_into_separate_destinations() -> None:
+    tier = make_tier(4)
+    metas = [make_meta(index) for index in range(3)]
+    for index, meta in enumerate(metas):
+        tier.put(meta, random_block(torch.float32, index))
+    dests = [torch.zeros(SHAPE) for _ in range(3)]
+    assert tier.load_many_into(list(reversed(metas)), dests) == [True, True, True]
+    assert all(bit_equal(dests[i], random_block(torch.float32, 2 - i)) for i in range(3))
+
+
 def test_bad_arguments_raise_clear_errors() -> None:
     with pytest.raises(ValueError, match="smaller than one block"):
         CpuTier(SHAPE, torch.float32, block_nbytes(SHAPE, torch.float32) - 1)
@@ -172,3 +204,24 @@ def test_pinned_storage_and_cuda_round_trip() -> None:
     dest = torch.zeros(SHAPE, dtype=torch.bfloat16, device="cuda")
     assert tier.load_into(make_meta(0), dest)
     assert torch.equal(dest.cpu().view(torch.uint8), block.cpu().view(torch.uint8))
+
+
+@pytest.mark.gpu
+def test_async_batch_to_the_gpu_is_complete_before_slots_are_reused() -> None:
+    """Big enough that copies are still in flight when the loop ends; every slot is then
+    overwritten at once, which must not reach the loaded blocks."""
+    shape = (8, 2, 16, 8, 128)  # 1 MiB in bfloat16
+    tier = CpuTier(shape, torch.bfloat16, 64 * block_nbytes(shape, torch.bfloat16))
+    assert tier._storage.is_pinned()
+    metas = [make_meta(index) for index in range(64)]
+    blocks = torch.randn((64, *shape), generator=torch.Generator().manual_seed(5)).bfloat16()
+    for meta, block in zip(metas, blocks, strict=True):
+        tier.put(meta, block)
+    cache = torch.zeros((80, *shape), dtype=torch.bfloat16, device="cuda")
+    rows = [79 - i for i in range(32)] + list(range(32))  # unmerged, then merged runs
+    assert tier.load_rows_into(metas, cache, rows) == [True] * 64
+    for meta in metas:  # refill every slot with other bytes
+        tier.discard(meta)
+        tier.put(meta, torch.zeros(shape, dtype=torch.bfloat16))
+    loaded = cache[rows].cpu()
+    assert torch.equal(loaded.view(torch.uint8), blocks.view(torch.uint8))

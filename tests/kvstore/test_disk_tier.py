@@ -1,4 +1,5 @@
-"""The disk tier on real files: round trips, LRU within capacity, restarts, the tier manager."""
+"""The disk tier on real files: round trips, batched and staged reads, LRU within capacity,
+restarts, two processes, tenants."""
 
 from __future__ import annotations
 
@@ -11,11 +12,9 @@ import pytest
 import torch
 import xxhash
 
-from kvstore.cpu_tier import CpuTier
-from kvstore.disk_tier import DiskTier, default_disk_dir
+from kvstore.disk_tier import DiskTier
 from kvstore.record_format import encode_record
-from kvstore.tier import BlockMeta, block_nbytes, record_key, salt_fingerprint
-from kvstore.tier_manager import GIB, TierManager
+from kvstore.tier import record_key, salt_fingerprint
 from tests.kvstore.tier_blocks import SALT, SHAPE, bit_equal, make_meta, random_block
 
 
@@ -83,6 +82,35 @@ def test_non_contiguous_destination_goes_through_staging(tmp_path: Path) -> None
         assert torch.equal(dest, random_block(torch.float32, 0))
 
 
+def test_batch_through_staging_into_non_contiguous_destinations(tmp_path: Path) -> None:
+    """Destinations that cannot be read into directly go through the readers' staging
+    buffers; more records than buffers, so each buffer is reused."""
+    metas = [make_meta(index) for index in range(9)]
+    with DiskTier(SHAPE, torch.float32, 1 << 22, tmp_path, num_readers=2) as tier:
+        for index, meta in enumerate(metas):
+            path = tmp_path / record_key(meta).fingerprint / (meta.block_hash.hex() + ".kv")
+            path.parent.mkdir(exist_ok=True)
+            path.write_bytes(encode_record(meta, random_block(torch.float32, index)))
+        backing = torch.zeros((9, *reversed(SHAPE)))
+        dests = [backing[i].permute(4, 3, 2, 1, 0) for i in range(9)]
+        assert not dests[0].is_contiguous()
+        assert tier.load_many_into(metas, dests) == [True] * 9
+        assert all(bit_equal(dests[i], random_block(torch.float32, i)) for i in range(9))
+
+
+def test_rows_of_a_block_major_tensor_load_in_parallel(tmp_path: Path) -> None:
+    with DiskTier(SHAPE, torch.float32, 1 << 20, tmp_path, num_readers=3) as tier:
+        fill(tier, range(4))
+        cache = torch.zeros((6, *SHAPE))
+        rows = [5, 0, 3, 1, 2]
+        found = tier.load_rows_into([make_meta(i) for i in (0, 1, 2, 9, 3)], cache, rows)
+        assert found == [True, True, True, False, True]
+        for index, row in zip((0, 1, 2, 3), (5, 0, 3, 2), strict=True):
+            assert bit_equal(cache[row], random_block(torch.float32, index))
+        with pytest.raises(ValueError, match="2 blocks to load but 1 destination rows"):
+            tier.load_rows_into([make_meta(0), make_meta(1)], cache, [0])
+
+
 def test_lru_eviction_keeps_capacity(tmp_path: Path) -> None:
     size = record_size()
     capacity = 5 * size + size // 2
@@ -102,17 +130,6 @@ def test_lru_eviction_keeps_capacity(tmp_path: Path) -> None:
         assert stats.evictions == stats.store_count - 5
         assert len(files(tmp_path, "*.kv")) == 5
         assert files(tmp_path, "*.tmp") == []
-
-
-def test_record_larger_than_capacity_is_dropped_without_evicting(tmp_path: Path) -> None:
-    with DiskTier(SHAPE, torch.float32, 2 * record_size() + 64, tmp_path) as tier:
-        fill(tier, [0, 1])
-        long_meta = BlockMeta(b"\x05" * 16, None, tuple(range(1000)), SALT)  # a big header
-        assert tier.put(long_meta, random_block(torch.float32, 5))
-        tier.flush()
-        stats = tier.metrics()
-        assert not tier.contains(long_meta) and stats.dropped_demotions == 1
-        assert stats.evictions == 0 and stats.num_blocks == 2
 
 
 def test_restart_serves_records_written_before(tmp_path: Path) -> None:
@@ -142,17 +159,6 @@ def test_restart_indexes_without_reading_payloads(tmp_path: Path) -> None:
         assert (stats.num_blocks, stats.corrupt_records) == (5, 0)
         assert not restarted.load_into(make_meta(2), torch.empty(SHAPE))
         assert restarted.metrics().corrupt_records == 1
-
-
-def test_restart_with_a_smaller_capacity_evicts_the_oldest(tmp_path: Path) -> None:
-    with DiskTier(SHAPE, torch.float32, 1 << 20, tmp_path) as tier:
-        fill(tier, range(6))
-    for index in range(6):
-        path = tmp_path / salt_fingerprint(SALT) / (make_meta(index).block_hash.hex() + ".kv")
-        os.utime(path, ns=(1_000_000_000 * (index + 1),) * 2)
-    with DiskTier(SHAPE, torch.float32, 2 * record_size(), tmp_path) as smaller:
-        assert smaller.lru_keys() == [record_key(make_meta(4)), record_key(make_meta(5))]
-        assert len(files(tmp_path, "*.kv")) == 2
 
 
 def test_index_of_many_records_is_fast(tmp_path: Path) -> None:
@@ -197,29 +203,11 @@ def test_tenants_are_grouped_and_isolated(tmp_path: Path) -> None:
     assert groups == sorted([salt_fingerprint(SALT), salt_fingerprint(other_salt)])
 
 
-def test_full_queue_drops_without_blocking(tmp_path: Path) -> None:
-    shape = (4, 2, 16, 4, 64)  # 128 KiB blocks: each write + fsync outlasts a put
-    block = torch.randn(shape)
-    tier = DiskTier(shape, torch.float32, 1 << 30, tmp_path, num_writers=1, max_pending_writes=2)
-    latencies, accepted = [], 0
-    for index in range(60):
-        start = time.perf_counter()
-        accepted += tier.put(make_meta(index), block)
-        latencies.append(time.perf_counter() - start)
-    tier.flush()
-    stats = tier.metrics()
-    tier.close()
-    assert stats.dropped_demotions > 0, "a 2-deep queue behind fsync should overflow"
-    assert stats.dropped_demotions == 60 - accepted
-    assert stats.num_blocks == accepted
-    assert max(latencies) < 0.25, f"a put blocked for {max(latencies):.3f} s"
-
-
 def test_discard_and_default_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert default_disk_dir() == tmp_path / "xdg" / "ragserve" / "kv"
     with DiskTier(SHAPE, torch.float32, 1 << 20) as tier:
-        assert tier.root == default_disk_dir()
+        assert tier.root == tmp_path / "xdg" / "ragserve" / "kv"
+        assert tier.location == str(tier.root) and tier.capacity_bytes == 1 << 20
         fill(tier, [1])
         assert tier.discard(make_meta(1)) and not tier.discard(make_meta(1))
         assert files(tmp_path, "*.kv") == [] and tier.metrics().used_bytes == 0
@@ -237,65 +225,6 @@ def test_bad_arguments_raise_clear_errors(tmp_path: Path) -> None:
     assert not tier.put(make_meta(0), random_block(torch.float32, 0))  # closed: dropped
 
 
-# ---------------------------------------------------------------------- tier manager
-def make_manager(tmp_path: Path, cpu_blocks: int, write_through: bool) -> TierManager:
-    per_block = block_nbytes(SHAPE, torch.float32)
-    return TierManager.from_budget(
-        SHAPE,
-        torch.float32,
-        cpu_gib=cpu_blocks * per_block / GIB,
-        disk_gib=1 / 1024,
-        disk_dir=tmp_path,
-        write_through=write_through,
-    )
-
-
-def test_manager_write_through_serves_from_cpu_then_disk(tmp_path: Path) -> None:
-    manager = make_manager(tmp_path, cpu_blocks=3, write_through=True)
-    for index in range(5):
-        assert manager.put(make_meta(index), random_block(torch.float32, index))
-    manager.flush()
-    assert manager.lookup(make_meta(4)) == "cpu" and manager.lookup(make_meta(0)) == "disk"
-    assert manager.match_prefix([make_meta(i) for i in (0, 1, 2, 3, 4, 9, 1)]) == 5
-    dest = torch.empty((6, *SHAPE))
-    sources = manager.load_many_into([make_meta(i) for i in (0, 1, 2, 3, 4, 9)], dest)
-    assert sources == ["disk", "disk", "cpu", "cpu", "cpu", None]
-    for index in range(5):
-        assert bit_equal(dest[index], random_block(torch.float32, index))
-    stats = manager.metrics()
-    assert stats["disk"].num_blocks == 5 and stats["cpu"].num_blocks == 3
-    manager.close()
-    restarted = make_manager(tmp_path, cpu_blocks=3, write_through=True)
-    assert restarted.load_into(make_meta(4), dest[0]) == "disk"  # survives the restart
-    restarted.close()
-
-
-def test_manager_demotes_cpu_evictions_to_disk(tmp_path: Path) -> None:
-    manager = make_manager(tmp_path, cpu_blocks=3, write_through=False)
-    for index in range(5):
-        manager.put(make_meta(index), random_block(torch.float32, index))
-    manager.flush()
-    assert manager.disk is not None
-    # NOTE: two writer threads: the two demoted records may land in either order.
-    assert set(manager.disk.lru_keys()) == {record_key(make_meta(0)), record_key(make_meta(1))}
-    dest = torch.empty(SHAPE)
-    assert manager.load_into(make_meta(1), dest) == "disk"
-    assert bit_equal(dest, random_block(torch.float32, 1))
-    assert manager.load_into(make_meta(3), dest) == "cpu"
-    manager.close()
-
-
-def test_manager_with_zero_budgets_has_no_tiers(tmp_path: Path) -> None:
-    manager = TierManager.from_budget(SHAPE, torch.float32, cpu_gib=0, disk_gib=0)
-    assert manager.cpu is None and manager.disk is None
-    assert not manager.put(make_meta(0), random_block(torch.float32, 0))
-    assert manager.load_into(make_meta(0), torch.empty(SHAPE)) is None
-    assert manager.metrics() == {}
-    cpu_only = TierManager(CpuTier(SHAPE, torch.float32, 1 << 16), None)
-    assert cpu_only.put(make_meta(0), random_block(torch.float32, 0))
-    assert cpu_only.load_into(make_meta(0), torch.empty(SHAPE)) == "cpu"
-
-
 @pytest.mark.gpu
 def test_cuda_blocks_round_trip_through_disk(tmp_path: Path) -> None:
     with DiskTier(SHAPE, torch.bfloat16, 1 << 20, tmp_path) as tier:
@@ -305,3 +234,17 @@ def test_cuda_blocks_round_trip_through_disk(tmp_path: Path) -> None:
         dest = torch.zeros(SHAPE, dtype=torch.bfloat16, device="cuda")
         assert tier.load_into(make_meta(0), dest)
         assert torch.equal(dest.cpu().view(torch.uint8), block.cpu().view(torch.uint8))
+
+
+@pytest.mark.gpu
+def test_batch_to_the_gpu_through_pinned_staging(tmp_path: Path) -> None:
+    metas = [make_meta(index) for index in range(12)]
+    with DiskTier(SHAPE, torch.float32, 1 << 22, tmp_path, num_readers=3) as tier:
+        for index, meta in enumerate(metas):
+            assert tier.put(meta, random_block(torch.float32, index))
+        tier.flush()
+        cache = torch.zeros((12, *SHAPE), device="cuda")
+        assert tier.load_many_into(metas, [cache[11 - i] for i in range(12)]) == [True] * 12
+        assert all(
+            bit_equal(cache[11 - i].cpu(), random_block(torch.float32, i)) for i in range(12)
+        )

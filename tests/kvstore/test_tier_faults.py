@@ -194,7 +194,7 @@ def test_directory_removed_while_running_is_recreated(
 def test_full_disk_stops_demotion_once_and_recovers(
     tiny_tmpfs: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="kvstore.disk_tier")
+    caplog.set_level(logging.INFO, logger="kvstore")
     tier = DiskTier(
         BIG_SHAPE, torch.float32, 1 << 30, tiny_tmpfs, num_writers=1, disk_full_retry_s=0.5
     )

@@ -1,0 +1,228 @@
+"""The disk tier's directory: where it is, its record files, their LRU order and byte budget.
+
+Layout: ``<root>/<salt fingerprint>/<block hash hex>.kv`` (format in ``record_format``);
+temporary files of writes in flight end in ``.tmp``. The index maps a record's key to its
+file size, least recently used first.
+
+Capacity: ``used_bytes`` counts indexed files plus reservations of writes in flight and
+never exceeds ``capacity_bytes``; LRU files are removed before a write to make room.
+Each process accounts for its own view: two processes sharing a directory (each
+verifies what the other wrote) can together exceed one budget until restart.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import secrets
+import stat
+import threading
+from collections import OrderedDict
+from pathlib import Path
+
+from kvstore.record_format import RECORD_SUFFIX, TEMP_SUFFIX, remove_abandoned_temp
+from kvstore.tier import BlockRecordKey, TierMetrics
+from kvstore.warn_once import WarnOnce
+
+logger = logging.getLogger(__name__)
+
+_HEX_DIGITS = frozenset("0123456789abcdef")
+
+
+class TierDirectoryError(OSError):
+    """The disk tier's directory cannot be created or written; ``filename`` is the path."""
+
+
+def resolve_disk_dir(directory: str | os.PathLike[str] | None = None) -> Path:
+    """The disk tier's directory: ``directory`` with ``~`` expanded, or by default
+    ``$XDG_CACHE_HOME/ragserve/kv``, else ``~/.cache/ragserve/kv``."""
+    if directory:
+        return Path(directory).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "ragserve" / "kv"
+
+
+def check_writable(root: Path) -> None:
+    """Create ``root`` if needed and write a probe file in it, or raise TierDirectoryError."""
+    probe = root / f".probe.{os.getpid()}.{secrets.token_hex(4)}{TEMP_SUFFIX}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            os.write(fd, b"probe")
+        finally:
+            os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise TierDirectoryError(
+            exc.errno or errno.EACCES,
+            f"KV disk tier directory is not a writable directory ({exc.strerror or exc})",
+            str(root),
+        ) from exc
+
+
+class DiskIndex:
+    """The records under ``root`` this process knows of, in LRU order, within a byte budget.
+
+    Invariant: ``used_bytes`` = sum of indexed sizes + outstanding reservations, and a
+    reservation is granted only if it keeps ``used_bytes <= capacity_bytes``. A record in
+    the index may have vanished from disk (a reader then ``forget``s it); a record on disk
+    may be missing from the index (another process wrote it; ``adopt`` finds it).
+    Thread-safe; methods never call out while holding the lock.
+    """
+
+    def __init__(self, root: Path, capacity_bytes: int) -> None:
+        self.root = root
+        self.capacity_bytes = capacity_bytes
+        self.temp_files_removed = 0
+        self._lock = threading.Lock()
+        self._sizes: OrderedDict[BlockRecordKey, int] = OrderedDict()
+        self._used = 0
+        self._evictions = 0
+        self._warn = WarnOnce(logger)
+
+    def path(self, key: BlockRecordKey) -> str:
+        return os.path.join(self.root, key.fingerprint, key.block_hash.hex() + RECORD_SUFFIX)
+
+    def scan(self) -> None:
+        """Index the directory from file names, sizes and mtimes only (no payload reads;
+        LRU order = mtime order), remove stale temporary files of dead writers, and evict
+        LRU records beyond the capacity."""
+        found: list[tuple[int, BlockRecordKey, int]] = []
+        with os.scandir(self.root) as top:
+            for group in top:
+                if not group.is_dir(follow_symlinks=False) or not _is_hex(group.name, 16):
+                    continue
+                with os.scandir(group.path) as records:
+                    for entry in records:
+                        if entry.name.endswith(TEMP_SUFFIX):
+                            self.temp_files_removed += remove_abandoned_temp(entry.path)
+                            continue
+                        stem = entry.name.removesuffix(RECORD_SUFFIX)
+                        if stem == entry.name or not _is_hex(stem, 32):
+                            continue
+                        try:
+                            info = entry.stat(follow_symlinks=False)
+                        except FileNotFoundError:
+                            continue
+                        if stat.S_ISREG(info.st_mode):
+                            key = BlockRecordKey(group.name, bytes.fromhex(stem))
+                            found.append((info.st_mtime_ns, key, info.st_size))
+        found.sort(key=lambda item: item[0])
+        with self._lock:
+            for _, key, size in found:
+                self._sizes[key] = size
+                self._used += size
+            victims = self._evict_locked(0)
+        self.remove_files(victims)
+
+    def contains(self, key: BlockRecordKey) -> bool:
+        with self._lock:
+            return key in self._sizes
+
+    def adopt(self, key: BlockRecordKey) -> bool:
+        """Index a record another process (or an earlier run) wrote after our scan."""
+        try:
+            info = os.stat(self.path(key))
+        except OSError:
+            return False
+        if not stat.S_ISREG(info.st_mode):
+            return False
+        self.touch(key, info.st_size)
+        return True
+
+    def touch(self, key: BlockRecordKey, size: int) -> None:
+        """Mark a record just read as most recently used, indexing it if it was not."""
+        with self._lock:
+            self._used += size - self._sizes.pop(key, 0)
+            self._sizes[key] = size
+
+    def forget(self, key: BlockRecordKey) -> bool:
+        """Drop a record from the index (its file is left alone); True if it was there."""
+        with self._lock:
+            size = self._sizes.pop(key, None)
+            if size is not None:
+                self._used -= size
+            return size is not None
+
+    def discard(self, key: BlockRecordKey) -> bool:
+        """Forget a record and remove its file; True if it was indexed."""
+        present = self.forget(key)
+        if present:
+            self.remove_files([key])
+        return present
+
+    def remove_rejected(self, key: BlockRecordKey, inode: int) -> None:
+        """Forget a record that failed verification and remove its file, if the file is
+        still the one that was read (inode ``inode``)."""
+        self.forget(key)
+        path = self.path(key)
+        try:
+            # NOTE: only remove the file we read; another process may have replaced it.
+            if os.stat(path).st_ino == inode:
+                os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+    def reserve(self, size: int) -> bool:
+        """Evict LRU records until ``size`` more bytes fit, then reserve them.
+
+        False (and nothing evicted) for a record larger than the whole capacity.
+        """
+        with self._lock:
+            if size > self.capacity_bytes:  # NOTE: never empty the tier for a hopeless write
+                return False
+            victims = self._evict_locked(size)
+            fits = self._used + size <= self.capacity_bytes
+            if fits:
+                self._used += size
+        self.remove_files(victims)
+        return fits
+
+    def unreserve(self, size: int) -> None:
+        """Return a reservation whose write failed."""
+        with self._lock:
+            self._used -= size
+
+    def commit(self, key: BlockRecordKey, size: int) -> None:
+        """Index a record written under a reservation of ``size`` bytes (most recent)."""
+        with self._lock:
+            # NOTE: the reservation already counts ``size``; a copy adopted meanwhile
+            # (written by another process) is replaced, so subtract its size.
+            self._used -= self._sizes.pop(key, 0)
+            self._sizes[key] = size
+
+    def _evict_locked(self, incoming: int) -> list[BlockRecordKey]:
+        victims = []
+        while self._used + incoming > self.capacity_bytes and self._sizes:
+            key, size = self._sizes.popitem(last=False)
+            self._used -= size
+            victims.append(key)
+        self._evictions += len(victims)
+        return victims
+
+    def remove_files(self, keys: list[BlockRecordKey]) -> None:
+        for key in keys:
+            try:
+                os.unlink(self.path(key))
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                self._warn(f"unlink-{exc.errno}", "cannot remove KV record: %s", exc)
+
+    def lru_keys(self) -> list[BlockRecordKey]:
+        """Indexed records, least recently used first."""
+        with self._lock:
+            return list(self._sizes)
+
+    def add_metrics(self, snapshot: TierMetrics) -> None:
+        """Fill in ``num_blocks``, ``used_bytes`` and ``evictions``."""
+        with self._lock:
+            snapshot.num_blocks = len(self._sizes)
+            snapshot.used_bytes = self._used
+            snapshot.evictions = self._evictions
+
+
+def _is_hex(text: str, length: int) -> bool:
+    return len(text) == length and set(text) <= _HEX_DIGITS

@@ -1,0 +1,240 @@
+"""The tiers below the device KV tensor as one stack, with the one policy that moves blocks.
+
+The stack is an ordered list of ``KVTier``s, fastest first (CPU, then disk). Policy:
+- write-back: a cached block evicted from the device is demoted into the top tier; each
+  tier's evictions go on to the tier below it (the CPU tier's to disk), and the bottom
+  tier's are deleted. Without a CPU tier, demotions go straight to disk;
+- write-through: a block of a request marked ``persist`` (a document ingested through the
+  document API, or pinned) is queued for the first persistent tier as soon as it is
+  computed, so it survives a crash or restart even if it is never evicted. What that
+  tier's queue cannot take yet waits in a backlog retried between steps, and gets a
+  blocking last chance when its device block is evicted: a document is persisted whole;
+- loads: a prefix lookup that runs out of device hits continues in the stack; a run of
+  consecutive hits is loaded into fresh device blocks as one batch, each tier serving
+  what the tiers above it missed (the CPU tier as one batch of copies, the disk tier
+  with parallel readers), and the run is served up to its first miss.
+A block loaded from a lower tier is not promoted: it is on the device now, and its next
+demotion puts it in the top tier.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvstore.block_pool import BlockIdentity, BlockPool
+from kvstore.cpu_tier import CpuTier
+from kvstore.disk_tier import DiskTier
+from kvstore.tier import BlockLike, EvictCallback, KVTier, TierMetrics
+
+GIB = 1 << 30
+
+
+@dataclass
+class TierTraffic:
+    """Blocks moved between the device and the stack, per direction and tier.
+
+    ``loaded_from_*`` count blocks served (the leading run of a batch, up to its first
+    miss); ``discarded_loads`` counts blocks loaded past a miss of their batch and dropped.
+    ``demoted`` counts blocks the top tier took on eviction from the device, ``persisted``
+    blocks queued for write-through. ``load_seconds`` is the host's wall time in load
+    calls, verification included (CPU-tier copies may still be running when a call returns).
+    """
+
+    loaded_from_cpu: int = 0
+    loaded_from_disk: int = 0
+    discarded_loads: int = 0
+    demoted: int = 0
+    persisted: int = 0
+    load_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class TierInfo:
+    """What a tier is: its name, byte budget, and location (a directory; None in memory)."""
+
+    name: str
+    capacity_bytes: int
+    location: str | None
+
+
+class TierStack:
+    """The tiers below the device of one engine, fastest first, and the policy above.
+
+    Owns the tiers: ``close`` closes them. Holds the device KV tensor (block-major) and
+    the block pool only to copy blocks out on eviction and in on loads; it is called from
+    the engine thread (the tiers' own workers run their I/O). ``demote`` is registered as
+    the pool's eviction hook by ``KVCacheManager``.
+    """
+
+    def __init__(self, tiers: Sequence[KVTier], kv_cache: torch.Tensor, pool: BlockPool) -> None:
+        if not tiers:
+            raise ValueError("a tier stack needs at least one tier")
+        names = [tier.name for tier in tiers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tier names must be distinct, got {names}")
+        for upper in tiers[:-1]:
+            if upper.on_evict is not None:
+                raise ValueError(f"the {upper.name} tier already has an eviction callback")
+        for upper, lower in itertools.pairwise(tiers):
+            upper.on_evict = _handing_to(lower)
+        self.tiers: tuple[KVTier, ...] = tuple(tiers)
+        self.kv_cache = kv_cache
+        self.pool = pool
+        self.traffic = TierTraffic()
+        self._durable = next((tier for tier in self.tiers if tier.persistent), None)
+        # Write-through blocks the durable tier had no room for yet, retried every step:
+        # a document is persisted whole, however bursty its ingestion.
+        self._backlog: dict[bytes, tuple[int, BlockIdentity]] = {}
+
+    @classmethod
+    def from_budgets(
+        cls,
+        kv_cache: torch.Tensor,
+        pool: BlockPool,
+        *,
+        cpu_gib: float,
+        disk_gib: float,
+        disk_dir: str | os.PathLike[str] | None = None,
+    ) -> TierStack:
+        """A CPU tier over a disk tier from the engine's ``kv_cpu_gib`` / ``kv_disk_gib`` /
+        ``kv_disk_dir``; a budget of 0 leaves that tier out (one must be positive).
+
+        Raises ``TierDirectoryError`` (an ``OSError``) if the disk directory is unusable.
+        """
+        block_shape, dtype = tuple(kv_cache.shape[1:]), kv_cache.dtype
+        tiers: list[KVTier] = []
+        if cpu_gib > 0:
+            tiers.append(CpuTier(block_shape, dtype, int(cpu_gib * GIB)))
+        if disk_gib > 0:
+            tiers.append(DiskTier(block_shape, dtype, int(disk_gib * GIB), disk_dir))
+        return cls(tiers, kv_cache, pool)
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one device block (what one load moves)."""
+        return self.kv_cache[0].nbytes
+
+    def describe(self) -> tuple[TierInfo, ...]:
+        """Each tier's name, budget in bytes and resolved location, fastest first."""
+        return tuple(TierInfo(tier.name, tier.capacity_bytes, tier.location) for tier in self.tiers)
+
+    def metrics(self) -> dict[str, TierMetrics]:
+        """A snapshot of each tier's counters, by tier name, fastest first."""
+        return {tier.name: tier.metrics() for tier in self.tiers}
+
+    # -- loads ------------------------------------------------------------------------------
+    def contains(self, identity: BlockLike) -> bool:
+        """Some tier indexes the block (no payload read; a load may still miss)."""
+        return any(tier.contains(identity) for tier in self.tiers)
+
+    def load_many(self, identities: Sequence[BlockIdentity], blocks: Sequence[int]) -> int:
+        """Load ``identities[i]`` into device block ``blocks[i]`` as one batch.
+
+        Returns how many leading blocks were loaded and verified: the caller uses
+        ``blocks[:n]`` and must treat the rest (from the first miss on) as garbage, even
+        where a later block happened to load. The copies are queued on the device's current
+        stream, so work queued there afterwards (the forward pass) sees the loaded blocks.
+        """
+        if len(identities) != len(blocks):
+            raise ValueError(f"{len(identities)} blocks to load but {len(blocks)} device blocks")
+        if not identities:
+            return 0
+        started = time.perf_counter()
+        sources = self._load_rows(identities, blocks)
+        self.traffic.load_seconds += time.perf_counter() - started
+        loaded = next((i for i, source in enumerate(sources) if source is None), len(sources))
+        served = Counter(sources[:loaded])
+        self.traffic.loaded_from_cpu += served["cpu"]
+        self.traffic.loaded_from_disk += served["disk"]
+        self.traffic.discarded_loads += sum(source is not None for source in sources[loaded:])
+        return loaded
+
+    def _load_rows(
+        self, identities: Sequence[BlockIdentity], rows: Sequence[int]
+    ) -> list[str | None]:
+        """Each tier in turn loads what the tiers above it missed; the serving tier's name
+        per block, or None where every tier missed."""
+        sources: list[str | None] = [None] * len(identities)
+        missing = list(range(len(identities)))
+        for tier in self.tiers:
+            if not missing:
+                break
+            found = tier.load_rows_into(
+                [identities[i] for i in missing], self.kv_cache, [rows[i] for i in missing]
+            )
+            for i, hit in zip(missing, found, strict=True):
+                if hit:
+                    sources[i] = tier.name
+            missing = [i for i, hit in zip(missing, found, strict=True) if not hit]
+        return sources
+
+    # -- stores -----------------------------------------------------------------------------
+    def demote(self, block: int, identity: BlockIdentity) -> None:
+        """Eviction hook: the device block's room is about to be reused (write-back)."""
+        if self._backlog.pop(identity.block_hash, None) is not None:
+            # NOTE: a write-through block still waiting for room has its last chance now,
+            # so wait for room rather than lose a document's block.
+            self._write_through(block, identity, blocking=True)
+        top = self.tiers[0]
+        # NOTE: a block already in a lower tier (written through) still goes to the top
+        # tier, the fastest one to load it back from.
+        if not top.contains(identity) and top.put(identity, self.kv_cache[block]):
+            self.traffic.demoted += 1
+
+    def persist(self, block: int, identity: BlockIdentity) -> None:
+        """Write-through: queue a freshly computed block for the first persistent tier now,
+        or as soon as it has room (see ``drain_backlog``). A no-op without one."""
+        durable = self._durable
+        if durable is None:
+            return
+        if self._backlog or not durable.has_room():
+            self._backlog[identity.block_hash] = (block, identity)
+        else:
+            self._write_through(block, identity)
+
+    def drain_backlog(self, blocking: bool = False) -> None:
+        """Queue backlogged write-through blocks still on the device (call between steps)."""
+        durable = self._durable
+        while self._backlog and durable is not None and (blocking or durable.has_room()):
+            block_hash = next(iter(self._backlog))
+            block, identity = self._backlog.pop(block_hash)
+            if self.pool.identities[block] != identity:
+                continue  # evicted meanwhile; its demotion went down the write-back path
+            self._write_through(block, identity, blocking=blocking)
+
+    def _write_through(self, block: int, identity: BlockIdentity, blocking: bool = False) -> None:
+        assert self._durable is not None
+        if self._durable.put(identity, self.kv_cache[block], blocking=blocking):
+            self.traffic.persisted += 1
+
+    # -- lifetime ---------------------------------------------------------------------------
+    def flush(self) -> None:
+        """Wait until every tier has stored what it accepted (queued disk writes)."""
+        for tier in self.tiers:
+            tier.flush()
+
+    def close(self) -> None:
+        """Write the backlog, wait for queued writes, then close the tiers top down.
+
+        Blocks held only by a non-persistent tier are lost, as they would be in a crash.
+        """
+        self.drain_backlog(blocking=True)
+        self.flush()
+        for tier in self.tiers:
+            tier.close()
+
+
+def _handing_to(lower: KVTier) -> EvictCallback:
+    """An eviction callback that puts the evicted block into ``lower`` (never waiting)."""
+
+    def hand_on(meta: BlockLike, block: torch.Tensor) -> None:
+        lower.put(meta, block)
+
+    return hand_on

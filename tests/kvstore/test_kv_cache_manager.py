@@ -1,0 +1,140 @@
+"""The KV cache manager's prefix lookups through the tier stack: a run of tier hits comes back
+in one call, stops at the first miss, leaves the block pool intact, and streams a document in
+under a per-step budget."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvstore.kv_cache_manager import KVAllocation, KVCacheManager
+from kvstore.tier import salt_fingerprint
+from tests.kvstore.tier_blocks import bit_equal
+from tests.kvstore.tiered_cache import BS, SALT, TieredCache, chain
+
+
+@pytest.fixture
+def tokens() -> list[int]:
+    return list(range(10 * BS + 2))  # 10 full blocks and a partial one
+
+
+def load_all(rig: TieredCache, tokens: list[int]) -> tuple[KVAllocation, int, int]:
+    """match_prefix until it makes no progress: (allocation, computed tokens, calls)."""
+    alloc = rig.alloc(tokens)
+    computed, calls = 0, 0
+    while True:
+        calls += 1
+        rig.manager.begin_step()
+        now = rig.manager.match_prefix(alloc, tokens, computed)
+        if now == computed:
+            return alloc, computed, calls
+        computed = now
+
+
+def test_match_prefix_loads_a_cpu_run_in_one_call_bit_exactly(tokens: list[int]) -> None:
+    rig = TieredCache(16, cpu_slots=16)
+    kv = rig.compute(tokens)
+    rig.evict_to_tiers()
+    assert rig.pool.num_cached == 0
+    alloc, computed, calls = load_all(rig, tokens)
+    assert computed == 10 * BS and calls == 2  # the second call finds nothing more
+    assert rig.stack.traffic.loaded_from_cpu == 10
+    for index, block in enumerate(alloc.block_table):
+        assert bit_equal(rig.cache[block], kv[index])
+        assert rig.pool.lookup(rig.manager._identity(alloc, tokens, index)) == block
+    rig.pool.check_invariants([alloc.block_table])
+    rig.manager.free(alloc)
+    assert rig.pool.num_free == rig.pool.num_blocks
+
+
+@pytest.mark.parametrize("fault", ["cpu-discard", "disk-corrupt", "disk-truncate"])
+def test_a_miss_in_the_middle_stops_the_run_and_leaks_nothing(
+    tmp_path: Path, tokens: list[int], fault: str
+) -> None:
+    on_disk = fault.startswith("disk")
+    rig = TieredCache(16, cpu_slots=0 if on_disk else 16, disk_dir=tmp_path if on_disk else None)
+    kv = rig.compute(tokens)
+    rig.evict_to_tiers()
+    identity = chain(tokens)[6]
+    if fault == "cpu-discard":
+        assert rig.tier("cpu").discard(identity)
+    else:
+        path = tmp_path / salt_fingerprint(SALT) / (identity.block_hash.hex() + ".kv")
+        data = bytearray(path.read_bytes())
+        if fault == "disk-corrupt":
+            data[-5] ^= 0x40  # one bit of the payload
+        else:
+            data = data[: len(data) - 100]
+        path.write_bytes(bytes(data))
+    free_before = rig.pool.num_free
+    alloc, computed, _ = load_all(rig, tokens)
+    assert computed == 6 * BS  # blocks 0-5 loaded, block 6 is to be computed
+    assert all(bit_equal(rig.cache[b], kv[i]) for i, b in enumerate(alloc.block_table))
+    assert rig.pool.num_free == free_before - 6  # the blocks for 6-9 went back
+    rig.pool.check_invariants([alloc.block_table])
+    if on_disk:
+        disk = rig.tier("disk")
+        assert not disk.contains(identity)  # rejected and removed
+        counters = disk.metrics()
+        assert counters.corrupt_records == 1 and counters.hits >= 6
+    rig.manager.free(alloc)
+    assert rig.pool.num_free == rig.pool.num_blocks
+    rig.stack.close()
+
+
+def test_demotions_caused_by_the_batch_allocation_cut_the_run_cleanly(tokens: list[int]) -> None:
+    """Allocating the run's device blocks demotes other cached blocks into a full CPU tier,
+    which evicts the run's own least recently used blocks: the batch misses there."""
+    rig = TieredCache(16, cpu_slots=10)
+    kv = rig.compute(tokens)
+    rig.evict_to_tiers()  # the CPU tier is now full of the document
+    rig.compute([100_000 + t for t in tokens])  # another document, cached on the device
+    alloc, computed, _ = load_all(rig, tokens)
+    assert 0 < computed < 10 * BS
+    assert rig.stack.traffic.loaded_from_cpu == computed // BS
+    assert rig.stack.traffic.discarded_loads == 0  # the demotions took the run's tail
+    assert rig.tier("cpu").metrics().misses == 10 - computed // BS
+    assert all(bit_equal(rig.cache[b], kv[i]) for i, b in enumerate(alloc.block_table))
+    rig.pool.check_invariants([alloc.block_table])
+    rig.manager.free(alloc)
+    assert rig.pool.num_free == rig.pool.num_blocks
+
+
+def test_load_budget_bounds_blocks_per_call() -> None:
+    rig = TieredCache(48, cpu_slots=48)
+    long_tokens = list(range(40 * BS + 1))
+    rig.compute(long_tokens)
+    calls_by_budget = {}
+    for budget_blocks in (1, 4, 16, 64):
+        rig.evict_to_tiers()
+        rig.manager.max_load_bytes_per_step = budget_blocks * rig.stack.block_nbytes
+        assert rig.manager.max_loads_per_step == budget_blocks
+        alloc, computed, calls = load_all(rig, long_tokens)
+        assert computed == 40 * BS
+        calls_by_budget[budget_blocks] = calls - 1  # the last call finds nothing
+        rig.manager.free(alloc)
+    assert calls_by_budget == {1: 40, 4: 10, 16: 3, 64: 1}
+    rig.manager.max_load_bytes_per_step = 1  # below one block: still one block per call
+    assert rig.manager.max_loads_per_step == 1
+    with pytest.raises(ValueError, match="max_load_bytes_per_step must be >= 1"):
+        KVCacheManager(rig.pool, BS, True, tiers=rig.stack, max_load_bytes_per_step=0)
+
+
+def test_the_load_budget_is_shared_by_every_sequence_of_a_step() -> None:
+    rig = TieredCache(48, cpu_slots=48)
+    first, second = list(range(10 * BS + 1)), list(range(500, 500 + 10 * BS + 1))
+    rig.compute(first)
+    rig.compute(second)
+    rig.evict_to_tiers()
+    rig.manager.max_load_bytes_per_step = 4 * rig.stack.block_nbytes
+    one, two = rig.alloc(first), rig.alloc(second)
+    rig.manager.begin_step()
+    assert rig.manager.match_prefix(one, first, 0) == 4 * BS
+    assert rig.manager.match_prefix(two, second, 0) == 0  # the step's budget is spent
+    rig.manager.begin_step()
+    assert rig.manager.match_prefix(two, second, 0) == 4 * BS
+    rig.pool.check_invariants([one.block_table, two.block_table])
+    rig.manager.free(one)
+    rig.manager.free(two)
+    assert rig.pool.num_free == rig.pool.num_blocks
