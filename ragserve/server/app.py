@@ -31,6 +31,7 @@ from ragserve.server.documents import DocumentService
 from ragserve.server.errors import error_middleware
 from ragserve.server.metrics import ServerMetrics, make_metrics_middleware
 from ragserve.server.prompts import PromptBuilder
+from ragserve.server.request_context import REQUEST_ID
 from ragserve.server.state import (
     ADMISSION,
     CONFIG,
@@ -40,7 +41,6 @@ from ragserve.server.state import (
     METRICS,
     MODEL_NAME,
     PROMPTS,
-    REQUEST_ID,
     STARTED_AT,
 )
 

@@ -31,10 +31,10 @@ import xxhash
 from ragserve.engine.async_engine import AsyncEngine
 from ragserve.sampling_params import SamplingParams
 from ragserve.server.admission import WorkAdmission
+from ragserve.server.admission_checks import check_work
 from ragserve.server.document_store import DocumentStore, StoredDocument
 from ragserve.server.engine_access import call_engine
 from ragserve.server.errors import APIError, bad_request
-from ragserve.server.generation import check_work
 from ragserve.server.prompts import PromptBuilder
 
 logger = logging.getLogger(__name__)

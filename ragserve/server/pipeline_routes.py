@@ -15,10 +15,11 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pipelines.documents import Document
 from pipelines.summarize import SummarizeOptions
+from ragserve.server.admission_checks import check_admission
 from ragserve.server.body import parse_request
 from ragserve.server.errors import bad_request
-from ragserve.server.generation import check_admission
 from ragserve.server.prompts import DOCUMENT_CLOSE, DOCUMENT_OPEN
+from ragserve.server.request_context import tenant
 from ragserve.server.state import (
     ADMISSION,
     CONFIG,
@@ -27,7 +28,6 @@ from ragserve.server.state import (
     ENGINE,
     METRICS,
     PROMPTS,
-    tenant,
 )
 from ragserve.server.summarize_jobs import ENDPOINT, SummarizeJobs
 

@@ -33,8 +33,8 @@ from pipelines.documents import Document
 from pipelines.summarize import Call, DocumentJob, SummarizeOptions, Summarizer
 from ragserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestAbortedError
 from ragserve.server.admission import Ticket, WorkAdmission
+from ragserve.server.admission_checks import check_work
 from ragserve.server.errors import APIError, bad_request
-from ragserve.server.generation import check_work
 from ragserve.server.metrics import ServerMetrics
 from ragserve.server.prompts import PromptBuilder
 
