@@ -33,7 +33,6 @@ from ragserve.sampling_params import SamplingParams
 from ragserve.server.admission import WorkAdmission
 from ragserve.server.admission_checks import check_work
 from ragserve.server.document_store import DocumentStore, StoredDocument
-from ragserve.server.engine_access import call_engine
 from ragserve.server.errors import APIError, bad_request
 from ragserve.server.prompts import PromptBuilder
 
@@ -112,7 +111,7 @@ class DocumentService:
         self.prompts = prompts
         self.admission = admission
         self.store = store
-        self.block_size: int = engine.engine.config.block_size
+        self.block_size = engine.info.block_size
         self._docs: dict[tuple[str, str], Document] = {}
         self._ids = itertools.count()
         self._dormant: list[StoredDocument] = []  # stored, of tenants not configured now
@@ -199,7 +198,7 @@ class DocumentService:
                 "text",
                 "context_length_exceeded",
             )
-        num_blocks = self.engine.engine.num_kv_blocks
+        num_blocks = self.engine.info.num_kv_blocks
         needed = -(-(num_prefix_tokens + 1) // self.block_size)
         if needed > num_blocks:
             raise bad_request(
@@ -224,10 +223,7 @@ class DocumentService:
                         admission.progress(
                             ticket, prompt=len(doc.prefix_ids), computed=computed, generated=generated
                         )
-            prefix_ids, namespace, pin_id = doc.prefix_ids, doc.namespace, doc.pin_id
-            pinned = await call_engine(
-                self.engine, lambda engine: engine.pin_prefix(pin_id, prefix_ids, namespace)
-            )
+            pinned = await self.engine.pin_prefix(doc.pin_id, doc.prefix_ids, doc.namespace)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the document records why; the server goes on
@@ -253,10 +249,9 @@ class DocumentService:
             doc.task.cancel()
             await asyncio.gather(doc.task, return_exceptions=True)
         if self.engine.is_alive:
-            pin_id = doc.pin_id
-            # NOTE: commands run in order on the engine thread, so this unpin also undoes a
+            # NOTE: calls run in order on the engine thread, so this unpin also undoes a
             # pin that a just-cancelled ingestion had already queued.
-            await call_engine(self.engine, lambda engine: engine.unpin_prefix(pin_id))
+            await self.engine.unpin_prefix(doc.pin_id)
         await self._save()
         return doc
 
