@@ -73,10 +73,6 @@ class RequestPump(Generic[Tag]):
     def busy(self) -> bool:
         return bool(self._queue or self._in_flight or self._refused)
 
-    @property
-    def num_in_flight(self) -> int:
-        return len(self._in_flight)
-
     def poll(self) -> list[Finished[Tag]]:
         """Run one engine step; return what finished, and what the engine refused, if anything."""
         self._fill()

@@ -59,7 +59,13 @@ def check_document_id(value: str, param: str = "id") -> str:
 
 
 @dataclass(eq=False)
-class Document:
+class RegisteredDocument:
+    """A document in the server's registry: its tokens, ingestion status and pin.
+
+    Its row on disk is a :class:`StoredDocument`; a batch pipeline's input text is a
+    :class:`pipelines.documents.Document`.
+    """
+
     id: str
     namespace: str
     token_ids: list[int]  # the document in its wrapper
@@ -112,14 +118,14 @@ class DocumentService:
         self.admission = admission
         self.store = store
         self.block_size = engine.info.block_size
-        self._docs: dict[tuple[str, str], Document] = {}
+        self._docs: dict[tuple[str, str], RegisteredDocument] = {}
         self._ids = itertools.count()
         self._dormant: list[StoredDocument] = []  # stored, of tenants not configured now
         self._changes = 0  # registry changes so far
         self._saved_changes = 0  # changes the file on disk holds
         self._save_lock = asyncio.Lock()
 
-    def get(self, namespace: str, doc_id: str, param: str = "id") -> Document:
+    def get(self, namespace: str, doc_id: str, param: str = "id") -> RegisteredDocument:
         doc = self._docs.get((namespace, check_document_id(doc_id, param)))
         if doc is None:
             raise APIError(
@@ -127,7 +133,7 @@ class DocumentService:
             )
         return doc
 
-    def list_for(self, namespace: str) -> list[Document]:
+    def list_for(self, namespace: str) -> list[RegisteredDocument]:
         docs = [doc for (ns, _), doc in self._docs.items() if ns == namespace]
         return sorted(docs, key=lambda doc: (doc.created, doc.id))
 
@@ -157,14 +163,14 @@ class DocumentService:
             return doc.pinned_tokens
         return len(doc.prefix_ids) // self.block_size * self.block_size
 
-    def existing(self, namespace: str, text: str) -> Document | None:
+    def existing(self, namespace: str, text: str) -> RegisteredDocument | None:
         """The live document holding exactly this text, if any (a failed one does not count)."""
         doc = self._docs.get((namespace, document_id(namespace, text)))
         return doc if doc is not None and doc.status != "failed" else None
 
     async def add(
         self, namespace: str, text: str, metadata: dict[str, Any]
-    ) -> tuple[Document, bool]:
+    ) -> tuple[RegisteredDocument, bool]:
         """Register and start ingesting; returns (document, whether it is new)."""
         existing = self.existing(namespace, text)
         if existing is not None:
@@ -178,13 +184,13 @@ class DocumentService:
         if self.admission is not None:
             check_work(self.admission, len(prefix_ids), 1)
         doc_id = document_id(namespace, text)
-        doc = Document(doc_id, namespace, token_ids, prefix_ids, metadata, int(time.time()))
+        doc = RegisteredDocument(doc_id, namespace, token_ids, prefix_ids, metadata, int(time.time()))
         self._register(doc)
         logger.info("document %s: %d tokens, ingesting", doc_id, len(token_ids))
         await self._save()
         return doc, True
 
-    def _register(self, doc: Document) -> None:
+    def _register(self, doc: RegisteredDocument) -> None:
         self._docs[(doc.namespace, doc.id)] = doc
         doc.task = asyncio.create_task(self._ingest(doc), name=f"ingest-{doc.id}")
         self._changes += 1
@@ -207,7 +213,7 @@ class DocumentService:
                 "context_length_exceeded",
             )
 
-    async def _ingest(self, doc: Document) -> None:
+    async def _ingest(self, doc: RegisteredDocument) -> None:
         params = SamplingParams(max_tokens=1, temperature=0.0)
         request_id = f"ingest-{doc.id[:16]}-{next(self._ids)}"
         started = time.perf_counter()
@@ -241,7 +247,7 @@ class DocumentService:
             pinned,
         )
 
-    async def remove(self, namespace: str, doc_id: str) -> Document:
+    async def remove(self, namespace: str, doc_id: str) -> RegisteredDocument:
         doc = self.get(namespace, doc_id)
         del self._docs[(namespace, doc.id)]
         self._changes += 1
@@ -276,7 +282,7 @@ class DocumentService:
                 logger.warning("stored document %s not restored: %s", entry.id, exc.message)
                 self._dormant.append(entry)
                 continue
-            doc = Document(
+            doc = RegisteredDocument(
                 entry.id, entry.namespace, entry.token_ids, prefix_ids, entry.metadata, entry.created
             )
             self._register(doc)

@@ -110,10 +110,11 @@ async def _documents(
         documents = [Document(str(i), text, f"{param}[{i}]") for i, text in enumerate(texts)]
     else:
         prompts = app[PROMPTS]
-        stored = [app[DOCUMENTS].get(namespace, doc_id, "documents") for doc_id in body.documents]
+        docs = app[DOCUMENTS]
+        registered = [docs.get(namespace, doc_id, "documents") for doc_id in body.documents]
         param = "documents"
         documents = []
-        for i, doc in enumerate(stored):
+        for i, doc in enumerate(registered):
             text = await prompts.run(_document_text, prompts.tokenizer, doc.token_ids)
             documents.append(Document(doc.id, text, f"documents[{i}]"))
     for i, document in enumerate(documents):
