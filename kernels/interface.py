@@ -40,10 +40,6 @@ class AttentionMetadata:
     def num_seqs(self) -> int:
         return len(self.seq_lens_host)
 
-    @property
-    def is_pure_decode(self) -> bool:
-        return self.max_query_len == 1
-
 
 class AttentionBackend(ABC):
     """Writes new K/V into the paged cache, then attends each query over its context."""

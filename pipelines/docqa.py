@@ -164,7 +164,7 @@ def docqa(
         sample_seed = None if temperature == 0 else derive_seed(seed, question.id)
         return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=sample_seed)
 
-    return _run(engine, prompts, work, params_for, concurrency or engine.config.max_num_seqs,
+    return _run(engine, prompts, work, params_for, concurrency or engine.info.max_num_seqs,
                 use_tqdm, on_error, namespace)
 
 

@@ -27,6 +27,8 @@ ErrorHandler = Callable[[str, str], None]
 
 @dataclass(frozen=True)
 class Document:
+    """One input text of a batch pipeline, named by an id that is stable across runs."""
+
     id: str
     text: str
     source: str = ""  # the file (and line) it came from; "" when given in memory

@@ -61,7 +61,7 @@ class RequestPump(Generic[Tag]):
         self.num_finished = 0
         self.generated_tokens = 0
         self._started = time.perf_counter()
-        self._prompt_tokens_at_start = int(engine.stats.prompt_tokens_computed)
+        self._prompt_tokens_at_start = int(engine.snapshot().prompt_tokens_computed)
 
     def submit(self, tag: Tag, prompt: list[int], params: SamplingParams, priority: int = 0) -> None:
         """Queue a request; it enters the engine at once when fewer than ``concurrency`` run."""
@@ -72,10 +72,6 @@ class RequestPump(Generic[Tag]):
     @property
     def busy(self) -> bool:
         return bool(self._queue or self._in_flight or self._refused)
-
-    @property
-    def num_in_flight(self) -> int:
-        return len(self._in_flight)
 
     def poll(self) -> list[Finished[Tag]]:
         """Run one engine step; return what finished, and what the engine refused, if anything."""
@@ -121,7 +117,7 @@ class RequestPump(Generic[Tag]):
     @property
     def prompt_tokens_computed(self) -> int:
         """Prompt tokens the engine ran through the model since this pump started."""
-        return int(self.engine.stats.prompt_tokens_computed) - self._prompt_tokens_at_start
+        return int(self.engine.snapshot().prompt_tokens_computed) - self._prompt_tokens_at_start
 
     @property
     def elapsed(self) -> float:

@@ -329,7 +329,7 @@ def summarize(
     summarizer = Summarizer(engine.tokenizer, engine.max_model_len, options)
     documents = [d for d in load_documents(inputs, on_error) if d.id not in skip_ids]
     return run_summaries(
-        engine, summarizer, documents, concurrency or engine.config.max_num_seqs,
+        engine, summarizer, documents, concurrency or engine.info.max_num_seqs,
         use_tqdm=use_tqdm, on_error=on_error, namespace=namespace,
     )
 

@@ -9,6 +9,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from ragserve.config import EngineConfig
+from ragserve.engine.engine_info import EngineInfo, EngineSnapshot
 from ragserve.engine.llm_engine import LLMEngine
 from ragserve.outputs import RequestOutput
 from ragserve.sampling_params import SamplingParams
@@ -71,6 +72,15 @@ class LLM:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+    @property
+    def info(self) -> EngineInfo:
+        """What the engine is: model, device, KV cache and tier layout (fixed for its life)."""
+        return self.engine.info
+
+    def snapshot(self) -> EngineSnapshot:
+        """The engine's counters now, as a copy (see :class:`EngineSnapshot`)."""
+        return self.engine.snapshot()
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer

@@ -18,7 +18,7 @@ import torch
 
 from ragserve.bench.common import machine_description, write_json
 from ragserve.config import EngineConfig
-from ragserve.models.loader import resolve_device, resolve_dtype
+from ragserve.devices import resolve_device, resolve_dtype
 from ragserve.table import print_table
 
 

@@ -151,11 +151,6 @@ def time_request(
     return timing
 
 
-def weight_bytes(model: Any) -> int:
-    """Bytes of a module's parameters (a tied matrix counts once)."""
-    return sum(p.numel() * p.element_size() for p in model.parameters())
-
-
 def release_device_memory() -> None:
     """Return freed blocks to the device after an engine or model is dropped."""
     import gc

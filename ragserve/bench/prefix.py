@@ -52,8 +52,8 @@ def run(args: argparse.Namespace, config: Any) -> int:
     if config.dtype == "auto":
         config = dataclasses.replace(config, dtype="bfloat16")
     cached = LLM.from_config(config)
-    engine = cached.engine
-    vocab = engine.loaded.model.shape.vocab_size
+    engine, info = cached.engine, cached.info
+    vocab = info.model_shape.vocab_size
     doc = random_prompts(1, args.doc_tokens, vocab, seed=7)[0]
     questions = random_prompts(args.num_questions, args.question_tokens, vocab, seed=8)
     prompts = [doc + q for q in questions]
@@ -100,7 +100,7 @@ def run(args: argparse.Namespace, config: Any) -> int:
                                   "one_question_decode_ms_per_token": decode_ms}
     results["ragserve_uncached"] = {"sequential_s": seq_plain, "concurrent_s": conc_plain}
     if not args.skip_transformers:
-        hf = load_transformers_model(config.model, config.load_format, engine.dtype, engine.device)
+        hf = load_transformers_model(config.model, config.load_format, info.dtype, info.device)
         hf_seconds = sum(transformers_generate(hf, [p], args.output_len, 1, 0)[0] for p in prompts)
         rows.append(["transformers generate", hf_seconds, float("nan"), hf_seconds / len(prompts)])
         results["transformers"] = {"sequential_s": hf_seconds}
@@ -108,7 +108,7 @@ def run(args: argparse.Namespace, config: Any) -> int:
     results["speedup_cached_vs_uncached_concurrent"] = conc_plain / conc_cached
     results["warm_ttft_over_question_only"] = warm_ttft / question_only
     results["hash_ms_per_1k_tokens_at_128k"] = hashing_ms_per_1k_tokens()
-    results["dtype"] = str(engine.dtype).removeprefix("torch.")
+    results["dtype"] = str(info.dtype).removeprefix("torch.")
     print_table(
         f"prefix ({results['dtype']}): {args.num_questions} questions x {args.question_tokens} tokens on a "
         f"{args.doc_tokens}-token document, {args.output_len} new tokens each",

@@ -76,13 +76,13 @@ def run(args: argparse.Namespace, config: Any) -> int:
         overlap_tokens=args.overlap_tokens,
     )
     llm = LLM.from_config(config)
-    engine = llm.engine
-    summarizer = Summarizer(engine.tokenizer, engine.max_model_len, options)
+    engine, info = llm.engine, llm.info
+    summarizer = Summarizer(engine.tokenizer, info.max_model_len, options)
     llm.generate("Warm up.", SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
 
     started = time.perf_counter()
     results = list(run_summaries(engine, summarizer, documents, args.concurrency or config.max_num_seqs))
-    if engine.device.type == "cuda":
+    if info.device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - started
     doc_tokens = sum(r["document_tokens"] for r in results)
@@ -96,9 +96,9 @@ def run(args: argparse.Namespace, config: Any) -> int:
     }
     rows = [_row("ragserve (batched)", side, 1.0)]
     if not args.skip_transformers:
-        dtype, device, eos = engine.dtype, engine.device, list(engine.eos_token_ids)
+        eos = list(info.eos_token_ids)
         del llm, engine
-        hf = load_transformers_model(config.model, config.load_format, dtype, device)
+        hf = load_transformers_model(config.model, config.load_format, info.dtype, info.device)
         naive = _naive_loop(hf, summarizer, documents, eos)
         speedup = naive["seconds"] / seconds
         rows[0][-1] = speedup

@@ -18,7 +18,6 @@ from ragserve.bench.common import (
     resolve_peaks,
     transformers_generate,
     transformers_generate_batch,
-    weight_bytes,
     write_json,
 )
 from ragserve.bench.shapes import generate_flops
@@ -64,8 +63,8 @@ def _run_ragserve(config: EngineConfig, input_lens: list[int], output_lens: list
     started = time.perf_counter()
     llm = LLM.from_config(config)
     load_seconds = time.perf_counter() - started
-    engine = llm.engine
-    prompts = random_prompts(len(input_lens), input_lens, engine.loaded.model.shape.vocab_size)
+    info = llm.info
+    prompts = random_prompts(len(input_lens), input_lens, info.model_shape.vocab_size)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
 
     first = time.perf_counter()
@@ -75,23 +74,22 @@ def _run_ragserve(config: EngineConfig, input_lens: list[int], output_lens: list
 
     started = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=True)
-    if engine.device.type == "cuda":
+    if info.device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - started
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    shape = engine.loaded.model.shape
-    weights = weight_bytes(engine.loaded.model)
+    kv_utilisation = llm.snapshot().kv_utilisation
     llm.close()
     return {
-        "shape": shape,
-        "weight_bytes": weights,
+        "shape": info.model_shape,
+        "weight_bytes": info.weight_bytes,
         "seconds": seconds,
         "output_tokens": out_tokens,
         "startup_to_first_token_s": startup,
-        "kv_utilisation": engine.stats.kv_utilisation,
+        "kv_utilisation": kv_utilisation,
         "prompts": prompts,
-        "dtype": engine.dtype,
-        "device": engine.device,
+        "dtype": info.dtype,
+        "device": info.device,
     }
 
 

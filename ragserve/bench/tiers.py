@@ -15,7 +15,7 @@ import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -26,7 +26,11 @@ from ragserve.bench.common import (
     write_json,
 )
 from ragserve.config import EngineConfig
+from ragserve.engine.engine_info import TierTraffic
 from ragserve.table import print_table
+
+if TYPE_CHECKING:
+    from ragserve.llm import LLM
 
 GIB = 2**30
 
@@ -167,11 +171,11 @@ class _Run:
         )
         llm = LLM.from_config(config)
         engine = llm.engine
-        vocab = engine.loaded.model.shape.vocab_size
+        vocab = llm.info.model_shape.vocab_size
         if not self.doc:
             self.doc = random_prompts(1, self.args.doc_tokens, vocab, seed=11)[0]
             self.questions = random_prompts(5, self.args.question_tokens, vocab, seed=12)
-            self.block_bytes = engine.kv_spec.bytes_per_block
+            self.block_bytes = llm.info.kv_bytes_per_block
             self._check_capacity(cpu_gib or disk_gib)
             # Warm-up on unrelated tokens (Triton compiles once per process), then forget them.
             chunk = self.config.max_num_batched_tokens
@@ -218,11 +222,9 @@ class _Run:
             device = time_request(engine, self.doc + self.questions[1], 1, request_id="device")
             self.record("device tier", device, 0, None)
             llm.reset_prefix_cache()  # evicted blocks are demoted to the CPU tier
-            assert engine.tiers is not None
-            traffic = engine.tiers.traffic
-            before = traffic.loaded_from_cpu
+            before = _traffic(llm).loaded_from_cpu
             cpu = time_request(engine, self.doc + self.questions[2], 1, request_id="cpu")
-            self.record("CPU tier", cpu, traffic.loaded_from_cpu - before,
+            self.record("CPU tier", cpu, _traffic(llm).loaded_from_cpu - before,
                         self.results["references"].get("pinned_h2d_gbps"))
         finally:
             llm.close()
@@ -256,10 +258,8 @@ class _Run:
         try:
             engine = llm.engine
             disk = time_request(engine, self.doc + self.questions[4], 1, request_id="disk")
-            assert engine.tiers is not None
-            traffic = engine.tiers.traffic
             name = "disk tier after restart" + ("" if method != "none" else " (page cache warm)")
-            self.record(name, disk, traffic.loaded_from_disk,
+            self.record(name, disk, _traffic(llm).loaded_from_disk,
                         self.results["references"].get("disk_read_gbps"))
         finally:
             llm.close()
@@ -280,6 +280,13 @@ class _Run:
         print(f"disk read of the {len(files)} record files ({refs['disk_record_bytes'] / GIB:.2f} GiB, "
               f"{refs['disk_filesystem']}, cache drop: {refs['disk_read_page_cache_drop']}): "
               + ", ".join(f"{rate:.2f} GB/s with {n} thread(s)" for n, rate in rates.items()), flush=True)
+
+
+def _traffic(llm: LLM) -> TierTraffic:
+    """Blocks the engine's tiers have moved so far (the engine has tiers here)."""
+    traffic = llm.snapshot().tier_traffic
+    assert traffic is not None
+    return traffic
 
 
 def _print(results: dict[str, Any], args: argparse.Namespace) -> None:

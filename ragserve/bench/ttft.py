@@ -18,12 +18,11 @@ from ragserve.bench.common import (
     release_device_memory,
     resolve_peaks,
     time_request,
-    weight_bytes,
     write_json,
 )
 from ragserve.bench.shapes import decode_floor_s, non_embedding_params, prefill_flops
 from ragserve.config import EngineConfig
-from ragserve.models.llama import ModelShape
+from ragserve.engine.engine_info import EngineInfo, ModelShape
 from ragserve.table import print_table
 
 GIB = 2**30
@@ -72,15 +71,15 @@ def _run_ragserve(config: EngineConfig, lengths: list[int], args: argparse.Names
 
     llm = LLM.from_config(config)
     try:
-        engine = llm.engine
-        shape: ModelShape = engine.loaded.model.shape
+        engine, info = llm.engine, llm.info
+        shape = info.model_shape
         state["shape"] = shape
         vocab = shape.vocab_size
-        weights = weight_bytes(engine.loaded.model)
-        results["memory"] = {"weights_bytes": weights, "kv_cache_bytes": engine.kv_cache.nbytes}
-        if resolve_peaks(args, engine.device):
+        weights = info.weight_bytes
+        results["memory"] = {"weights_bytes": weights, "kv_cache_bytes": info.kv_cache_bytes}
+        if resolve_peaks(args, info.device):
             results["workload"] |= {"peak_tflops": args.peak_tflops, "peak_tbps": args.peak_tbps}
-        results["workload"] |= {"dtype": str(engine.dtype), "device": str(engine.device),
+        results["workload"] |= {"dtype": str(info.dtype), "device": str(info.device),
                                 "non_embedding_params": non_embedding_params(shape),
                                 "weight_bytes": weights}
         # Warm-up: whole chunks, a chunk after cached context and decodes, so Triton
@@ -111,7 +110,7 @@ def _run_ragserve(config: EngineConfig, lengths: list[int], args: argparse.Names
             print(f"ragserve  {length:>7} tokens: TTFT {timing.ttft_s:.3f} s "
                   f"({-(-length // chunk)} chunks of <= {chunk})", flush=True)
             if length == longest:
-                _record_decode(results, timing, engine, length, peak.get("prefill"), args)
+                _record_decode(results, timing, info, length, peak.get("prefill"), args)
             if args.repeat_length:
                 # NOTE: other tokens, so the KV is as cold; only the attention shapes repeat
                 # (cuDNN builds an execution plan for each new shape, 45-600 ms measured).
@@ -125,14 +124,14 @@ def _run_ragserve(config: EngineConfig, lengths: list[int], args: argparse.Names
         release_device_memory()
 
 
-def _record_decode(results: dict[str, Any], timing: RequestTiming, engine: Any, length: int,
+def _record_decode(results: dict[str, Any], timing: RequestTiming, info: EngineInfo, length: int,
                    peak_prefill: int | None, args: argparse.Namespace) -> None:
     memory = results["memory"]
     memory["peak_allocated_prefill_bytes"] = peak_prefill
     if peak_prefill is not None:
         memory["peak_over_weights_and_kv_bytes"] = (
             peak_prefill - memory["weights_bytes"] - memory["kv_cache_bytes"])
-    kv_bytes = (length + args.decode_tokens) * engine.kv_spec.bytes_per_token
+    kv_bytes = (length + args.decode_tokens) * info.kv_bytes_per_token
     results["decode"] = {
         "context": length,
         "tokens": args.decode_tokens,

@@ -17,12 +17,17 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from ragserve.config import EngineConfig
+from ragserve.engine.engine_info import EngineInfo, EngineSnapshot
 from ragserve.engine.llm_engine import LLMEngine
 from ragserve.outputs import RequestOutput
 from ragserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+
+# NOTE: the engine thread runs calls between steps, so a call's timeout must exceed the
+# longest step (a full prefill chunk on a slow device).
+CALL_TIMEOUT_S = 30.0
 
 
 class EngineDeadError(RuntimeError):
@@ -54,6 +59,10 @@ class AsyncEngine:
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="ragserve-engine", daemon=True)
         self._thread.start()
+
+    @property
+    def info(self) -> EngineInfo:
+        return self.engine.info
 
     @property
     def tokenizer(self) -> Any:
@@ -131,8 +140,12 @@ class AsyncEngine:
 
         self._commands.put(abort)
 
-    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
-        """Run ``fn(engine)`` on the engine thread between steps and return its result."""
+    async def call(self, fn: Callable[[LLMEngine], T], timeout: float | None = None) -> T:
+        """Run ``fn(engine)`` on the engine thread between steps and return its result.
+
+        Raises EngineDeadError when the engine is not running, or has not answered within
+        ``timeout`` seconds (None: no limit).
+        """
         if not self.is_alive:
             raise EngineDeadError("the engine is not running")
         loop = asyncio.get_running_loop()
@@ -147,7 +160,31 @@ class AsyncEngine:
                 loop.call_soon_threadsafe(_set_result, future, result)
 
         self._commands.put(run)
-        return await future
+        try:
+            return await asyncio.wait_for(future, timeout)
+        except asyncio.TimeoutError:  # NOTE: not the builtin on Python 3.10
+            raise EngineDeadError(f"the engine did not answer within {timeout:.0f} s") from None
+
+    async def snapshot(self, timeout: float | None = CALL_TIMEOUT_S) -> EngineSnapshot:
+        """``LLMEngine.snapshot`` read on the engine thread; EngineDeadError as for ``call``."""
+        return await self.call(LLMEngine.snapshot, timeout)
+
+    async def pin_prefix(
+        self,
+        pin_id: str,
+        token_ids: list[int],
+        namespace: str = "",
+        timeout: float | None = CALL_TIMEOUT_S,
+    ) -> int:
+        """``LLMEngine.pin_prefix`` on the engine thread; EngineDeadError as for ``call``."""
+        return await self.call(lambda engine: engine.pin_prefix(pin_id, token_ids, namespace), timeout)
+
+    async def unpin_prefix(self, pin_id: str, timeout: float | None = CALL_TIMEOUT_S) -> bool:
+        """``LLMEngine.unpin_prefix`` on the engine thread; EngineDeadError as for ``call``.
+
+        Calls run in order, so this also undoes a pin queued before it.
+        """
+        return await self.call(lambda engine: engine.unpin_prefix(pin_id), timeout)
 
     async def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the engine thread, abort unfinished requests, flush the disk tier."""

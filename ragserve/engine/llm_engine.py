@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import torch
 
@@ -16,9 +18,11 @@ from kvstore.block_pool import BlockPool
 from kvstore.device_cache import KVCacheSpec
 from kvstore.hashing import make_salt
 from kvstore.kv_cache_manager import KVAllocation, KVCacheManager
-from kvstore.tier_stack import TierStack
+from kvstore.tier import TierMetrics
+from kvstore.tier_stack import TierStack, TierTraffic
 from ragserve.config import EngineConfig
 from ragserve.engine.detokenizer import IncrementalDetokenizer
+from ragserve.engine.engine_info import EngineInfo, EngineSnapshot, KVBlockUsage
 from ragserve.engine.model_runner import ModelRunner
 from ragserve.engine.sampler import (
     DeviceSamples,
@@ -86,6 +90,14 @@ class _LaunchedStep:
         return index if self.rows is None else self.rows[index]
 
 
+class _TierReading(NamedTuple):
+    """What the face reports of the tiers below the device (all copies)."""
+
+    metrics: dict[str, TierMetrics]
+    traffic: TierTraffic | None
+    disk_dir: Path | None
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, *, prepare_this_thread: bool = True) -> None:
         """``prepare_this_thread=False`` leaves ``prepare_thread`` to the thread that will
@@ -144,6 +156,7 @@ class LLMEngine:
         async_scheduling = config.async_scheduling
         self.async_scheduling = self.device.type == "cuda" if async_scheduling is None else async_scheduling
         self._lookahead: _LaunchedStep | None = None
+        self.info = self._make_info(backend.name)
         logger.info(
             "engine ready in %.1fs: %s on %s (%s), %d KV blocks of %d tokens (%.2f GiB), "
             "attention %s, decode %s",
@@ -221,6 +234,60 @@ class LLMEngine:
     @property
     def num_kv_blocks(self) -> int:
         return self.block_pool.num_blocks
+
+    # -- the read-only face ------------------------------------------------------------------
+    def _make_info(self, attention_backend: str) -> EngineInfo:
+        config = self.config
+        tiers = self._read_tiers()
+        cpu, disk = tiers.metrics.get("cpu"), tiers.metrics.get("disk")
+        return EngineInfo(
+            model_name=self.model_name,
+            model_fingerprint=self.loaded.fingerprint,
+            device=self.device,
+            dtype=self.dtype,
+            model_shape=self.loaded.model.shape,
+            weight_bytes=sum(p.numel() * p.element_size() for p in self.loaded.model.parameters()),
+            eos_token_ids=tuple(self.eos_token_ids),
+            max_model_len=self.max_model_len,
+            block_size=config.block_size,
+            num_kv_blocks=self.num_kv_blocks,
+            kv_bytes_per_block=self.kv_spec.bytes_per_block,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            enable_prefix_caching=config.enable_prefix_caching,
+            attention_backend=attention_backend,
+            cpu_tier_bytes=cpu.capacity_bytes if cpu is not None else None,
+            disk_tier_dir=tiers.disk_dir,
+            disk_tier_bytes=disk.capacity_bytes if disk is not None else None,
+        )
+
+    def snapshot(self) -> EngineSnapshot:
+        """The engine's counters, copied; call it on the thread that steps the engine."""
+        counters = self.kv_manager.counters
+        tiers = self._read_tiers()
+        return EngineSnapshot(
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            requests_in_flight=self.num_requests,
+            kv_blocks=KVBlockUsage(**self.kv_usage()),
+            queried_tokens=counters.queried_tokens,
+            hit_tokens=counters.hit_tokens,
+            prompt_tokens_computed=self.stats.prompt_tokens_computed,
+            generated_tokens=self.stats.generated_tokens,
+            steps=self.stats.steps,
+            steps_ahead=self.stats.steps_ahead,
+            preemptions=self.scheduler.num_preemptions,
+            kv_utilisation=self.stats.kv_utilisation,
+            tier_metrics=tiers.metrics,
+            tier_traffic=tiers.traffic,
+        )
+
+    def _read_tiers(self) -> _TierReading:
+        """The one place the face reads the tier stack."""
+        if self.tiers is None:
+            return _TierReading({}, None, None)
+        disk_dir = next((Path(t.location) for t in self.tiers.describe() if t.location), None)
+        return _TierReading(self.tiers.metrics(), dataclasses.replace(self.tiers.traffic), disk_dir)
 
     # -- requests ----------------------------------------------------------------------------
     def salt_for(self, namespace: str) -> bytes:

@@ -42,10 +42,6 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
 
-    @property
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
-
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 

@@ -31,6 +31,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, PretrainedConfig, PreTrainedTokenizerBase
 
+from ragserve.devices import resolve_device, resolve_dtype
 from ragserve.models import gguf_loader
 from ragserve.models.default_model import DEFAULT_MODEL_NAME, default_model_path
 from ragserve.models.llama import LlamaForCausalLM, ModelShape
@@ -41,7 +42,6 @@ if TYPE_CHECKING:
     from ragserve.config import EngineConfig
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DUMMY_STD = 0.02
 
 
@@ -73,34 +73,6 @@ class LoadedModel:
     @property
     def dtype(self) -> torch.dtype:
         return self.model.dtype
-
-
-def resolve_device(device: str | torch.device) -> torch.device:
-    """``auto`` -> ``cuda`` when available, else ``cpu``; ValueError for an absent CUDA device."""
-    if isinstance(device, str) and device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    resolved = torch.device(device)
-    if resolved.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"device {device!r} requested but CUDA is not available")
-        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
-            raise ValueError(
-                f"device {device!r} requested but only {torch.cuda.device_count()} CUDA devices exist"
-            )
-    return resolved
-
-
-def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """``auto`` -> float32 on the CPU, bfloat16 on CUDA; names from ``_DTYPES``."""
-    if isinstance(dtype, torch.dtype):
-        if dtype not in _DTYPES.values():
-            raise ValueError(f"dtype {dtype} is not supported; use one of {sorted(_DTYPES)}")
-        return dtype
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {dtype!r}")
-    return _DTYPES[dtype]
 
 
 def load_model_from_config(config: EngineConfig) -> LoadedModel:

@@ -22,6 +22,7 @@ from typing import Any
 from aiohttp import web
 
 from ragserve.engine.async_engine import AsyncEngine
+from ragserve.engine.engine_info import EngineInfo
 from ragserve.server import document_routes, openai_routes, ops_routes, pipeline_routes
 from ragserve.server.admission import WorkAdmission
 from ragserve.server.auth import make_auth_middleware, tenant_name
@@ -31,6 +32,7 @@ from ragserve.server.documents import DocumentService
 from ragserve.server.errors import error_middleware
 from ragserve.server.metrics import ServerMetrics, make_metrics_middleware
 from ragserve.server.prompts import PromptBuilder
+from ragserve.server.request_context import REQUEST_ID
 from ragserve.server.state import (
     ADMISSION,
     CONFIG,
@@ -40,7 +42,6 @@ from ragserve.server.state import (
     METRICS,
     MODEL_NAME,
     PROMPTS,
-    REQUEST_ID,
     STARTED_AT,
 )
 
@@ -81,7 +82,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> web.A
     app[CONFIG] = config
     app[METRICS] = metrics
     app[PROMPTS] = prompts
-    app[DOCUMENTS] = DocumentService(engine, prompts, admission, document_store(engine))
+    app[DOCUMENTS] = DocumentService(engine, prompts, admission, document_store(engine.info))
     app[MODEL_NAME] = config.served_model_name or engine.model_name
     app[STARTED_AT] = int(time.time())
     app[DRAINING] = asyncio.Event()
@@ -104,14 +105,11 @@ async def _start_draining(app: web.Application) -> None:
     )
 
 
-def document_store(engine: AsyncEngine) -> DocumentStore | None:
+def document_store(info: EngineInfo) -> DocumentStore | None:
     """The registry file's home: the disk KV tier's directory, when the engine has one."""
-    config = engine.engine.config
-    if engine.engine.tiers is None or config.kv_disk_gib <= 0:
+    if info.disk_tier_dir is None:
         return None
-    from kvstore.disk_index import resolve_disk_dir
-
-    return DocumentStore(resolve_disk_dir(config.kv_disk_dir), engine.engine.loaded.fingerprint)
+    return DocumentStore(info.disk_tier_dir, info.model_fingerprint)
 
 
 async def _engine_lifecycle(app: web.Application) -> AsyncIterator[None]:

@@ -11,7 +11,7 @@ from typing import Any
 from aiohttp import web
 
 from ragserve.server.errors import APIError
-from ragserve.server.state import TENANT
+from ragserve.server.request_context import TENANT
 
 PROTECTED_PREFIX = "/v1"
 

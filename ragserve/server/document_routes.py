@@ -6,11 +6,12 @@ from typing import Any
 
 from aiohttp import BodyPartReader, web
 
+from ragserve.server.admission_checks import check_admission
 from ragserve.server.body import parse_json_object, require_content_type
 from ragserve.server.errors import APIError, bad_request
-from ragserve.server.generation import check_admission
 from ragserve.server.protocol import DocumentRequest
-from ragserve.server.state import CONFIG, DOCUMENTS, DRAINING, ENGINE, tenant
+from ragserve.server.request_context import tenant
+from ragserve.server.state import CONFIG, DOCUMENTS, DRAINING, ENGINE
 
 TEXT_SUFFIXES = (".txt", ".md", ".markdown")
 TEXT_TYPES = ("text/plain", "text/markdown", "text/x-markdown")

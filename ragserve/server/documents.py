@@ -31,10 +31,9 @@ import xxhash
 from ragserve.engine.async_engine import AsyncEngine
 from ragserve.sampling_params import SamplingParams
 from ragserve.server.admission import WorkAdmission
+from ragserve.server.admission_checks import check_work
 from ragserve.server.document_store import DocumentStore, StoredDocument
-from ragserve.server.engine_access import call_engine
 from ragserve.server.errors import APIError, bad_request
-from ragserve.server.generation import check_work
 from ragserve.server.prompts import PromptBuilder
 
 logger = logging.getLogger(__name__)
@@ -60,7 +59,13 @@ def check_document_id(value: str, param: str = "id") -> str:
 
 
 @dataclass(eq=False)
-class Document:
+class RegisteredDocument:
+    """A document in the server's registry: its tokens, ingestion status and pin.
+
+    Its row on disk is a :class:`StoredDocument`; a batch pipeline's input text is a
+    :class:`pipelines.documents.Document`.
+    """
+
     id: str
     namespace: str
     token_ids: list[int]  # the document in its wrapper
@@ -112,15 +117,15 @@ class DocumentService:
         self.prompts = prompts
         self.admission = admission
         self.store = store
-        self.block_size: int = engine.engine.config.block_size
-        self._docs: dict[tuple[str, str], Document] = {}
+        self.block_size = engine.info.block_size
+        self._docs: dict[tuple[str, str], RegisteredDocument] = {}
         self._ids = itertools.count()
         self._dormant: list[StoredDocument] = []  # stored, of tenants not configured now
         self._changes = 0  # registry changes so far
         self._saved_changes = 0  # changes the file on disk holds
         self._save_lock = asyncio.Lock()
 
-    def get(self, namespace: str, doc_id: str, param: str = "id") -> Document:
+    def get(self, namespace: str, doc_id: str, param: str = "id") -> RegisteredDocument:
         doc = self._docs.get((namespace, check_document_id(doc_id, param)))
         if doc is None:
             raise APIError(
@@ -128,7 +133,7 @@ class DocumentService:
             )
         return doc
 
-    def list_for(self, namespace: str) -> list[Document]:
+    def list_for(self, namespace: str) -> list[RegisteredDocument]:
         docs = [doc for (ns, _), doc in self._docs.items() if ns == namespace]
         return sorted(docs, key=lambda doc: (doc.created, doc.id))
 
@@ -158,14 +163,14 @@ class DocumentService:
             return doc.pinned_tokens
         return len(doc.prefix_ids) // self.block_size * self.block_size
 
-    def existing(self, namespace: str, text: str) -> Document | None:
+    def existing(self, namespace: str, text: str) -> RegisteredDocument | None:
         """The live document holding exactly this text, if any (a failed one does not count)."""
         doc = self._docs.get((namespace, document_id(namespace, text)))
         return doc if doc is not None and doc.status != "failed" else None
 
     async def add(
         self, namespace: str, text: str, metadata: dict[str, Any]
-    ) -> tuple[Document, bool]:
+    ) -> tuple[RegisteredDocument, bool]:
         """Register and start ingesting; returns (document, whether it is new)."""
         existing = self.existing(namespace, text)
         if existing is not None:
@@ -179,13 +184,13 @@ class DocumentService:
         if self.admission is not None:
             check_work(self.admission, len(prefix_ids), 1)
         doc_id = document_id(namespace, text)
-        doc = Document(doc_id, namespace, token_ids, prefix_ids, metadata, int(time.time()))
+        doc = RegisteredDocument(doc_id, namespace, token_ids, prefix_ids, metadata, int(time.time()))
         self._register(doc)
         logger.info("document %s: %d tokens, ingesting", doc_id, len(token_ids))
         await self._save()
         return doc, True
 
-    def _register(self, doc: Document) -> None:
+    def _register(self, doc: RegisteredDocument) -> None:
         self._docs[(doc.namespace, doc.id)] = doc
         doc.task = asyncio.create_task(self._ingest(doc), name=f"ingest-{doc.id}")
         self._changes += 1
@@ -199,7 +204,7 @@ class DocumentService:
                 "text",
                 "context_length_exceeded",
             )
-        num_blocks = self.engine.engine.num_kv_blocks
+        num_blocks = self.engine.info.num_kv_blocks
         needed = -(-(num_prefix_tokens + 1) // self.block_size)
         if needed > num_blocks:
             raise bad_request(
@@ -208,7 +213,7 @@ class DocumentService:
                 "context_length_exceeded",
             )
 
-    async def _ingest(self, doc: Document) -> None:
+    async def _ingest(self, doc: RegisteredDocument) -> None:
         params = SamplingParams(max_tokens=1, temperature=0.0)
         request_id = f"ingest-{doc.id[:16]}-{next(self._ids)}"
         started = time.perf_counter()
@@ -224,10 +229,7 @@ class DocumentService:
                         admission.progress(
                             ticket, prompt=len(doc.prefix_ids), computed=computed, generated=generated
                         )
-            prefix_ids, namespace, pin_id = doc.prefix_ids, doc.namespace, doc.pin_id
-            pinned = await call_engine(
-                self.engine, lambda engine: engine.pin_prefix(pin_id, prefix_ids, namespace)
-            )
+            pinned = await self.engine.pin_prefix(doc.pin_id, doc.prefix_ids, doc.namespace)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the document records why; the server goes on
@@ -245,7 +247,7 @@ class DocumentService:
             pinned,
         )
 
-    async def remove(self, namespace: str, doc_id: str) -> Document:
+    async def remove(self, namespace: str, doc_id: str) -> RegisteredDocument:
         doc = self.get(namespace, doc_id)
         del self._docs[(namespace, doc.id)]
         self._changes += 1
@@ -253,10 +255,9 @@ class DocumentService:
             doc.task.cancel()
             await asyncio.gather(doc.task, return_exceptions=True)
         if self.engine.is_alive:
-            pin_id = doc.pin_id
-            # NOTE: commands run in order on the engine thread, so this unpin also undoes a
+            # NOTE: calls run in order on the engine thread, so this unpin also undoes a
             # pin that a just-cancelled ingestion had already queued.
-            await call_engine(self.engine, lambda engine: engine.unpin_prefix(pin_id))
+            await self.engine.unpin_prefix(doc.pin_id)
         await self._save()
         return doc
 
@@ -281,7 +282,7 @@ class DocumentService:
                 logger.warning("stored document %s not restored: %s", entry.id, exc.message)
                 self._dormant.append(entry)
                 continue
-            doc = Document(
+            doc = RegisteredDocument(
                 entry.id, entry.namespace, entry.token_ids, prefix_ids, entry.metadata, entry.created
             )
             self._register(doc)

@@ -16,7 +16,7 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from ragserve.engine.async_engine import EngineDeadError, RequestAbortedError
-from ragserve.server.state import REQUEST_ID
+from ragserve.server.request_context import REQUEST_ID
 
 logger = logging.getLogger(__name__)
 

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from aiohttp import web
@@ -18,8 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvstore.tier import TierMetrics
-from ragserve.engine.llm_engine import LLMEngine
+from ragserve.engine.engine_info import EngineSnapshot, KVBlockUsage, TierMetrics
 from ragserve.outputs import RequestOutput
 from ragserve.server.admission import WorkAdmission
 
@@ -30,60 +28,22 @@ _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 6
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
-@dataclass
-class EngineSnapshot:
-    """Engine counters read on the engine thread in one go."""
-
-    alive: bool = False
-    running: int = 0
-    waiting: int = 0
-    active_requests: int = 0
-    kv_blocks: dict[str, int] = field(default_factory=dict)
-    hit_rate: float = 0.0
-    queried_tokens: int = 0
-    hit_tokens: int = 0
-    prompt_tokens_computed: int = 0
-    generated_tokens: int = 0
-    steps: int = 0
-    steps_ahead: int = 0
-    preemptions: int = 0
-    documents: dict[str, int] = field(default_factory=dict)
-    tiers: dict[str, TierMetrics] = field(default_factory=dict)
-
-    @classmethod
-    def read(cls, engine: LLMEngine) -> EngineSnapshot:
-        """Runs on the engine thread (``engine.call``)."""
-        counters = engine.kv_manager.counters
-        return cls(
-            alive=True,
-            running=len(engine.scheduler.running),
-            waiting=len(engine.scheduler.waiting),
-            kv_blocks=engine.kv_usage(),
-            hit_rate=counters.hit_rate,
-            queried_tokens=counters.queried_tokens,
-            hit_tokens=counters.hit_tokens,
-            prompt_tokens_computed=engine.stats.prompt_tokens_computed,
-            generated_tokens=engine.stats.generated_tokens,
-            steps=engine.stats.steps,
-            steps_ahead=engine.stats.steps_ahead,
-            preemptions=engine.scheduler.num_preemptions,
-            tiers=_tier_metrics(engine),
-        )
-
-
-def _tier_metrics(engine: LLMEngine) -> dict[str, TierMetrics]:
-    if engine.tiers is None:
-        return {}
-    return engine.tiers.metrics()
-
-
 class _EngineCollector(Collector):
+    """The engine-side values of one scrape.
+
+    ``snapshot`` is None when the engine did not answer: it reads as not alive, its
+    counters as 0 and its labelled families as empty.
+    """
+
     def __init__(self) -> None:
-        self.snapshot = EngineSnapshot()
+        self.snapshot: EngineSnapshot | None = None
+        self.active_requests = 0
+        self.documents: Mapping[str, int] = {}
 
     def collect(self) -> Iterator[Metric]:
-        snap = self.snapshot
-        yield _gauge("ragserve_engine_alive", "1 while the engine thread runs", snap.alive)
+        alive = self.snapshot is not None
+        snap = self.snapshot or _NO_ENGINE
+        yield _gauge("ragserve_engine_alive", "1 while the engine thread runs", alive)
         yield _gauge(
             "ragserve_num_requests_running", "Sequences in the running batch", snap.running
         )
@@ -93,12 +53,12 @@ class _EngineCollector(Collector):
         yield _gauge(
             "ragserve_num_requests_active",
             "Engine requests in flight (admission limit)",
-            snap.active_requests,
+            self.active_requests,
         )
         blocks = GaugeMetricFamily(
             "ragserve_kv_blocks", "Device KV blocks by state", labels=["state"]
         )
-        for state, count in sorted(snap.kv_blocks.items()):
+        for state, count in sorted(snap.kv_blocks.by_state().items() if alive else ()):
             blocks.add_metric([state], count)
         yield blocks
         yield _gauge(
@@ -128,10 +88,28 @@ class _EngineCollector(Collector):
             "ragserve_preemptions", "Sequences preempted for lack of blocks", snap.preemptions
         )
         docs = GaugeMetricFamily("ragserve_documents", "Documents by status", labels=["status"])
-        for status, count in sorted(snap.documents.items()):
+        for status, count in sorted(self.documents.items()):
             docs.add_metric([status], count)
         yield docs
-        yield from _tier_families(snap.tiers)
+        yield from _tier_families(snap.tier_metrics)
+
+
+_NO_ENGINE = EngineSnapshot(
+    running=0,
+    waiting=0,
+    requests_in_flight=0,
+    kv_blocks=KVBlockUsage(total=0, used=0, pinned=0, cached=0, free=0),
+    queried_tokens=0,
+    hit_tokens=0,
+    prompt_tokens_computed=0,
+    generated_tokens=0,
+    steps=0,
+    steps_ahead=0,
+    preemptions=0,
+    kv_utilisation=0.0,
+    tier_metrics={},
+    tier_traffic=None,
+)
 
 
 # (metric suffix, TierMetrics field, help, is_counter) for the CPU and disk KV tiers.
@@ -153,7 +131,7 @@ _TIER_FIELDS = (
 )
 
 
-def _tier_families(tiers: dict[str, TierMetrics]) -> Iterator[Metric]:
+def _tier_families(tiers: Mapping[str, TierMetrics]) -> Iterator[Metric]:
     for suffix, attribute, doc, is_counter in _TIER_FIELDS:
         family_type = CounterMetricFamily if is_counter else GaugeMetricFamily
         family = family_type(f"ragserve_kv_tier_{suffix}", doc, labels=["tier"])
@@ -263,8 +241,14 @@ class ServerMetrics:
         self.cached_tokens.labels(endpoint).inc(output.num_cached_tokens)
         self.completion_tokens.labels(endpoint).inc(sum(len(c.token_ids) for c in output.outputs))
 
-    def render(self, snapshot: EngineSnapshot) -> bytes:
+    def render(
+        self, snapshot: EngineSnapshot | None, active_requests: int, documents: Mapping[str, int]
+    ) -> bytes:
+        """The Prometheus text of every metric. ``snapshot``: the engine's, None when it did
+        not answer; ``active_requests``: engine requests in flight; ``documents``: by status."""
         self._engine.snapshot = snapshot
+        self._engine.active_requests = active_requests
+        self._engine.documents = documents
         return generate_latest(self.registry)
 
 

@@ -20,18 +20,18 @@ from aiohttp import web
 from ragserve.engine.async_engine import EngineDeadError, RequestAbortedError
 from ragserve.outputs import RequestOutput
 from ragserve.sampling_params import SamplingParams
+from ragserve.server.admission_checks import check_admission, estimate_work
 from ragserve.server.body import parse_request
 from ragserve.server.errors import APIError, bad_request, error_body
 from ragserve.server.generation import (
     GenerationJob,
     SSEWriter,
-    check_admission,
     check_context,
-    estimate_work,
     make_sampling_params,
     run_job,
 )
 from ragserve.server.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest
+from ragserve.server.request_context import request_id, tenant
 from ragserve.server.responses import (
     StreamState,
     TokenText,
@@ -50,8 +50,6 @@ from ragserve.server.state import (
     MODEL_NAME,
     PROMPTS,
     STARTED_AT,
-    request_id,
-    tenant,
 )
 
 logger = logging.getLogger(__name__)

@@ -7,8 +7,8 @@ import logging
 from aiohttp import web
 
 from ragserve.engine.async_engine import EngineDeadError
-from ragserve.server.engine_access import call_engine
-from ragserve.server.metrics import CONTENT_TYPE, EngineSnapshot
+from ragserve.engine.engine_info import EngineSnapshot
+from ragserve.server.metrics import CONTENT_TYPE
 from ragserve.server.openapi import build_spec
 from ragserve.server.state import ADMISSION, DOCUMENTS, DRAINING, ENGINE, METRICS
 
@@ -36,15 +36,16 @@ async def health(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     app = request.app
     engine = app[ENGINE]
+    snapshot: EngineSnapshot | None
     try:
-        snapshot = await call_engine(engine, EngineSnapshot.read, SNAPSHOT_TIMEOUT)
+        snapshot = await engine.snapshot(SNAPSHOT_TIMEOUT)
     except EngineDeadError as exc:
         logger.warning("metrics without engine values: %s", exc)
-        snapshot = EngineSnapshot()
-    snapshot.active_requests = engine.num_active_requests
-    snapshot.documents = app[DOCUMENTS].count_by_status()
+        snapshot = None
     app[METRICS].record_admission(app[ADMISSION])
-    body = app[METRICS].render(snapshot)
+    body = app[METRICS].render(
+        snapshot, engine.num_active_requests, app[DOCUMENTS].count_by_status()
+    )
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 

@@ -15,10 +15,11 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pipelines.documents import Document
 from pipelines.summarize import SummarizeOptions
+from ragserve.server.admission_checks import check_admission
 from ragserve.server.body import parse_request
 from ragserve.server.errors import bad_request
-from ragserve.server.generation import check_admission
 from ragserve.server.prompts import DOCUMENT_CLOSE, DOCUMENT_OPEN
+from ragserve.server.request_context import tenant
 from ragserve.server.state import (
     ADMISSION,
     CONFIG,
@@ -27,7 +28,6 @@ from ragserve.server.state import (
     ENGINE,
     METRICS,
     PROMPTS,
-    tenant,
 )
 from ragserve.server.summarize_jobs import ENDPOINT, SummarizeJobs
 
@@ -110,10 +110,11 @@ async def _documents(
         documents = [Document(str(i), text, f"{param}[{i}]") for i, text in enumerate(texts)]
     else:
         prompts = app[PROMPTS]
-        stored = [app[DOCUMENTS].get(namespace, doc_id, "documents") for doc_id in body.documents]
+        docs = app[DOCUMENTS]
+        registered = [docs.get(namespace, doc_id, "documents") for doc_id in body.documents]
         param = "documents"
         documents = []
-        for i, doc in enumerate(stored):
+        for i, doc in enumerate(registered):
             text = await prompts.run(_document_text, prompts.tokenizer, doc.token_ids)
             documents.append(Document(doc.id, text, f"documents[{i}]"))
     for i, document in enumerate(documents):

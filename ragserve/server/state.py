@@ -1,19 +1,17 @@
-"""Typed keys for what the application and each request carry."""
+"""Typed keys for what the application carries."""
 
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-if TYPE_CHECKING:
-    from ragserve.engine.async_engine import AsyncEngine
-    from ragserve.server.admission import WorkAdmission
-    from ragserve.server.config import ServerConfig
-    from ragserve.server.documents import DocumentService
-    from ragserve.server.metrics import ServerMetrics
-    from ragserve.server.prompts import PromptBuilder
+from ragserve.engine.async_engine import AsyncEngine
+from ragserve.server.admission import WorkAdmission
+from ragserve.server.config import ServerConfig
+from ragserve.server.documents import DocumentService
+from ragserve.server.metrics import ServerMetrics
+from ragserve.server.prompts import PromptBuilder
 
 ENGINE: web.AppKey[AsyncEngine] = web.AppKey("engine")
 CONFIG: web.AppKey[ServerConfig] = web.AppKey("config")
@@ -25,18 +23,3 @@ MODEL_NAME: web.AppKey[str] = web.AppKey("model_name", str)
 STARTED_AT: web.AppKey[int] = web.AppKey("started_at", int)
 # Set once shutdown begins: new work is refused while running requests finish.
 DRAINING: web.AppKey[asyncio.Event] = web.AppKey("draining", asyncio.Event)
-
-# Request-scoped values (plain keys: ``web.RequestKey`` needs a newer aiohttp than we require).
-REQUEST_ID = "ragserve.request_id"
-TENANT = "ragserve.tenant"
-
-
-def request_id(request: web.Request) -> str:
-    value: str = request[REQUEST_ID]
-    return value
-
-
-def tenant(request: web.Request) -> str:
-    """The caller's cache namespace: "" without API keys, a digest of its key otherwise."""
-    value: str = request.get(TENANT, "")
-    return value

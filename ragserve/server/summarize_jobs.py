@@ -33,8 +33,8 @@ from pipelines.documents import Document
 from pipelines.summarize import Call, DocumentJob, SummarizeOptions, Summarizer
 from ragserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestAbortedError
 from ragserve.server.admission import Ticket, WorkAdmission
+from ragserve.server.admission_checks import check_work
 from ragserve.server.errors import APIError, bad_request
-from ragserve.server.generation import check_work
 from ragserve.server.metrics import ServerMetrics
 from ragserve.server.prompts import PromptBuilder
 
@@ -183,7 +183,7 @@ class SummarizeJobs:
         self._tickets: dict[str, Ticket] = {}  # job id -> its work in ``admission``
         self.max_jobs = max_jobs
         self.max_queued = max_queued
-        self.concurrency = min(concurrency, engine.engine.config.max_num_seqs)
+        self.concurrency = min(concurrency, engine.info.max_num_seqs)
         self._running = asyncio.Semaphore(max_running)
         self._jobs: dict[str, SummarizeJob] = {}  # creation order: oldest first
         self._request_ids = itertools.count()
@@ -197,7 +197,7 @@ class SummarizeJobs:
         (the engine refuses larger requests), so the default chunk fits both.
         """
         max_model_len = self.engine.max_model_len
-        cache_tokens = self.engine.engine.num_kv_blocks * self.engine.engine.config.block_size
+        cache_tokens = self.engine.info.kv_cache_tokens
         context = min(max_model_len, cache_tokens)
         try:
             return await self.prompts.run(Summarizer, self.prompts.tokenizer, context, options)

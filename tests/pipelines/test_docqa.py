@@ -57,11 +57,11 @@ def llm(smollm_path: str) -> LLM:
 def answers(llm: LLM) -> tuple[dict[str, dict[str, Any]], int]:
     """The batched run over 3 documents x 5 questions, and the prompt tokens it computed."""
     llm.reset_prefix_cache()
-    before = llm.engine.stats.prompt_tokens_computed
+    before = llm.snapshot().prompt_tokens_computed
     documents = [Document(doc_id, text) for doc_id, text in DOCS.items()]
     questions = [{"doc": d, "question": q, "id": f"{d}-{n}"} for d, qs in QUESTIONS.items() for n, q in enumerate(qs)]
     results = {r["id"]: r for r in docqa(llm, documents, questions, max_tokens=MAX_TOKENS, use_tqdm=False)}
-    return results, llm.engine.stats.prompt_tokens_computed - before
+    return results, llm.snapshot().prompt_tokens_computed - before
 
 
 def test_each_document_is_computed_once_for_all_its_questions(llm: LLM, answers: Any) -> None:
@@ -77,7 +77,8 @@ def test_each_document_is_computed_once_for_all_its_questions(llm: LLM, answers:
         cached = sorted(r["cached_tokens"] for r in results.values() if r["doc"] == doc_id)
         assert all(c >= size // BLOCK * BLOCK for c in cached[1:]), (doc_id, size, cached)
     llm.engine.block_pool.check_invariants()
-    assert llm.engine.block_pool.num_used == 0  # every pin released
+    usage = llm.snapshot().kv_blocks
+    assert usage.used == usage.pinned == 0  # every pin released
 
 
 def test_answers_equal_one_by_one_generation_without_cache(smollm_path: str, llm: LLM, answers: Any) -> None:

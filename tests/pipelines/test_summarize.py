@@ -42,7 +42,7 @@ def test_short_document_takes_one_call_and_long_one_a_reduce_tree(llm: LLM) -> N
     long = Document("long", make_text(paragraphs=30, sentences=3, seed=3))
     expected_chunks = len(chunk_text(tokenize_with_offsets(llm.get_tokenizer(), long.text), 96, 8))
     assert expected_chunks >= 10
-    steps, generated = engine.stats.steps, engine.stats.generated_tokens
+    before = llm.snapshot()
 
     results = {r["id"]: r for r in summarize(
         llm, [short, long], max_summary_tokens=16, chunk_tokens=96, overlap_tokens=8, use_tqdm=False
@@ -60,10 +60,12 @@ def test_short_document_takes_one_call_and_long_one_a_reduce_tree(llm: LLM) -> N
         assert result["summary_tokens"] == count_tokens(llm, result["summary"]) <= 16
         assert result["generated_tokens"] >= result["summary_tokens"]
     # Continuous batching: each step advanced several requests, not one at a time.
-    steps, generated = engine.stats.steps - steps, engine.stats.generated_tokens - generated
+    after = llm.snapshot()
+    steps, generated = after.steps - before.steps, after.generated_tokens - before.generated_tokens
     assert generated == sum(r["generated_tokens"] for r in results.values())
     assert steps < generated / 3, (steps, generated)
-    assert not engine.has_unfinished_requests() and engine.block_pool.num_used == 0
+    assert not engine.has_unfinished_requests() and after.requests_in_flight == 0
+    assert after.kv_blocks.used == after.kv_blocks.pinned == 0
 
 
 def test_stopping_early_aborts_the_requests_in_flight(llm: LLM) -> None:
@@ -76,7 +78,7 @@ def test_stopping_early_aborts_the_requests_in_flight(llm: LLM) -> None:
     results.close()  # type: ignore[attr-defined]
     assert not llm.engine.has_unfinished_requests()
     llm.engine.block_pool.check_invariants()
-    assert llm.engine.block_pool.num_used == 0
+    assert llm.snapshot().kv_blocks.used == llm.snapshot().kv_blocks.pinned == 0
 
 
 def make_inputs(folder: Path) -> dict[str, str]:
