@@ -37,4 +37,7 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens served from the KV cache
     error: str | None = None  # set when the engine gave up on the request
+    # Why: None (no room: pinned documents hold the KV cache) or "request_failed" (a fault
+    # of this request alone, e.g. while sampling or detokenizing; the others went on).
+    error_code: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)

@@ -4,6 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# Bounds on what one request may ask for, so that no value can overflow the sampler's
+# tensors or make the stop-string matcher slow for the whole batch.
+MAX_N = 128
+MAX_TOP_K = 2**31 - 1  # the engine also bounds it by the vocabulary
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_BYTES = 1024
+MAX_STOP_TOKEN_IDS = 1024
+SEED_RANGE = (-(2**63), 2**63 - 1)  # what a torch generator accepts, with room for n samples
+
 
 @dataclass
 class SamplingParams:
@@ -36,29 +46,55 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        if not isinstance(self.n, int) or self.n < 1:
-            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        _check_int("n", self.n, 1, MAX_N)
+        _check_real("temperature", self.temperature)
+        _check_real("top_p", self.top_p)
         if not 0.0 <= self.temperature <= 100.0:
             raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k == 0 or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        _check_int("top_k", self.top_k, -1, MAX_TOP_K)
+        if self.top_k == 0:
+            raise ValueError("top_k must be -1 (disabled) or >= 1, got 0")
+        if self.seed is not None:
+            _check_int("seed", self.seed, SEED_RANGE[0], SEED_RANGE[1] - MAX_N)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, 1, 2**31 - 1)
+        _check_int("min_tokens", self.min_tokens, 0, 2**31 - 1)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
             )
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
-        if any(not s for s in self.stop_strings):
-            raise ValueError("stop strings must be non-empty")
-        if any(t < 0 for t in self.stop_token_ids or ()):
-            raise ValueError(f"stop_token_ids must be non-negative, got {self.stop_token_ids}")
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if len(self.stop_strings) > MAX_STOP_STRINGS:
+            raise ValueError(
+                f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(self.stop_strings)}"
+            )
+        for stop in self.stop_strings:
+            if not isinstance(stop, str) or not stop:
+                raise ValueError("stop strings must be non-empty strings")
+            if len(stop.encode("utf-8", "surrogatepass")) > MAX_STOP_STRING_BYTES:
+                raise ValueError(f"a stop string may have at most {MAX_STOP_STRING_BYTES} bytes")
+        stop_ids = self.stop_token_ids or []
+        if len(stop_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed, got {len(stop_ids)}")
+        for token in stop_ids:
+            _check_int("stop_token_ids", token, 0, 2**31 - 1)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _check_int(name: str, value: object, low: int, high: int) -> None:
+    """``value`` is an int (not a bool) in ``[low, high]``, else ValueError naming both."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
+
+
+def _check_real(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")

@@ -12,6 +12,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -38,6 +39,16 @@ class RequestAbortedError(RuntimeError):
     """The request was aborted by ``AsyncEngine.abort`` while a consumer was reading it."""
 
 
+class RequestFailedError(RuntimeError):
+    """This request alone failed inside the engine (sampling, detokenizing, ...); the
+    requests it shared steps with went on unaffected."""
+
+
+class EngineStepError(RuntimeError):
+    """A step failed in a way no single request explains (e.g. a kernel fault): every
+    request in it was stopped; the engine goes on serving new ones."""
+
+
 @dataclass
 class _Sink:
     loop: asyncio.AbstractEventLoop
@@ -57,6 +68,9 @@ class AsyncEngine:
         self._sinks: dict[str, _Sink] = {}
         self._ids = itertools.count()
         self._stopping = threading.Event()
+        # When the engine thread last finished a loop turn: a stalled step shows as an old
+        # value while requests wait (see ``stalled_for``).
+        self._last_turn = time.monotonic()
         self._thread = threading.Thread(target=self._loop, name="ragserve-engine", daemon=True)
         self._thread.start()
 
@@ -84,6 +98,12 @@ class AsyncEngine:
     def is_alive(self) -> bool:
         return self._thread.is_alive() and not self._stopping.is_set()
 
+    def stalled_for(self) -> float:
+        """Seconds the engine thread has been inside one turn while requests wait; 0 when idle."""
+        if not self._sinks:
+            return 0.0
+        return max(0.0, time.monotonic() - self._last_turn)
+
     # -- calls from the event loop ----------------------------------------------------------
     async def generate(
         self,
@@ -107,8 +127,12 @@ class AsyncEngine:
         def add() -> None:
             try:
                 self.engine.add_request(request_id, prompt, params, namespace=namespace)
-            except ValueError as exc:
+            except Exception as exc:
                 self._sinks.pop(request_id, None)
+                if not isinstance(exc, ValueError):  # a fault, not a rejection of the input
+                    logger.exception("adding request %s failed", request_id)
+                    self.engine.abort_request(request_id)
+                    exc = RequestFailedError(f"the request could not be added: {type(exc).__name__}: {exc}")
                 sink.put(exc)
 
         self._commands.put(add)
@@ -202,25 +226,31 @@ class AsyncEngine:
         except Exception:  # NOTE: only start-up work is lost; plans then build on first use
             logger.exception("preparing the engine thread failed")
         while not self._stopping.is_set():
+            self._last_turn = time.monotonic()
             idle = not engine.has_unfinished_requests()
             try:
                 command = self._commands.get(timeout=0.5) if idle else self._commands.get_nowait()
             except queue.Empty:
                 command = None
             while command is not None:
-                command()
+                _run_guarded(command, "an engine command")
                 try:
                     command = self._commands.get_nowait()
                 except queue.Empty:
                     command = None
             if not engine.has_unfinished_requests() or self._stopping.is_set():
-                engine.background_work()
+                _run_guarded(engine.background_work, "background work")
                 continue
             try:
                 outputs = engine.step()
             except Exception as exc:
                 logger.exception("engine step failed; aborting its requests")
-                self._fail_all(exc)
+                self._fail_all(
+                    EngineStepError(
+                        "the engine step failed and stopped every request in it "
+                        f"({type(exc).__name__}: {exc}); new requests are served"
+                    )
+                )
                 continue
             self._dispatch(outputs)
         self._fail_all(EngineDeadError("the engine shut down"))
@@ -238,7 +268,7 @@ class AsyncEngine:
         for output in outputs:
             sink = self._sinks.get(output.request_id)
             if sink is not None:
-                sink.put(RequestAbortedError(output.error) if output.error else output)
+                sink.put(_as_error(output) if output.error else output)
             if output.finished:
                 self._sinks.pop(output.request_id, None)
 
@@ -247,6 +277,24 @@ class AsyncEngine:
             self.engine.abort_request(request_id)
             sink.put(exc)
         self._sinks.clear()
+
+
+def _as_error(output: RequestOutput) -> BaseException:
+    if output.error_code == "request_failed":
+        return RequestFailedError(f"this request failed: {output.error}")
+    return RequestAbortedError(output.error)
+
+
+def _run_guarded(fn: Callable[[], None], what: str) -> None:
+    """Run ``fn`` on the engine thread; an exception is logged, never kills the thread.
+
+    NOTE: commands report their own errors to their callers (``call``, ``generate``);
+    what reaches here is a bug, and the loop must go on serving the others.
+    """
+    try:
+        fn()
+    except Exception:
+        logger.exception("%s failed", what)
 
 
 def _set_result(future: asyncio.Future[Any], result: Any) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -41,6 +42,11 @@ logger = logging.getLogger(__name__)
 
 # Pinned documents may hold at most this share of the device KV blocks.
 MAX_PINNED_FRACTION = 0.5
+FAIL_SAMPLING_ENV = "RAGSERVE_TEST_FAIL_SAMPLING_PREFIX"
+
+
+class InjectedFault(RuntimeError):
+    """Raised by the test-only sampling fault hook (``FAIL_SAMPLING_ENV``)."""
 
 @dataclass
 class EngineStats:
@@ -156,6 +162,11 @@ class LLMEngine:
         async_scheduling = config.async_scheduling
         self.async_scheduling = self.device.type == "cuda" if async_scheduling is None else async_scheduling
         self._lookahead: _LaunchedStep | None = None
+        # Outputs of requests failed alone during a step, returned with that step's outputs.
+        self._failed: list[RequestOutput] = []
+        # Test-only: requests whose id starts with this prefix fail while sampling (set from
+        # RAGSERVE_TEST_FAIL_SAMPLING_PREFIX), to exercise the isolation of request faults.
+        self.fail_sampling_prefix: str | None = os.environ.get(FAIL_SAMPLING_ENV) or None
         self.info = self._make_info(backend.name)
         logger.info(
             "engine ready in %.1fs: %s on %s (%s), %d KV blocks of %d tokens (%.2f GiB), "
@@ -369,6 +380,11 @@ class LLMEngine:
             raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this model has none")
+        if params.top_k > vocab:
+            raise ValueError(f"top_k must be -1 or at most the vocabulary size {vocab}, got {params.top_k}")
+        bad_stops = [t for t in params.stop_token_ids or () if t >= vocab]
+        if bad_stops:
+            raise ValueError(f"stop_token_ids {bad_stops[:5]} are outside the vocabulary [0, {vocab})")
         total = len(token_ids) + self._max_new_tokens(len(token_ids), params)
         needed = self.kv_manager.blocks_needed(total)
         if needed > self.num_kv_blocks:
@@ -466,11 +482,39 @@ class LLMEngine:
         launched = self._take_lookahead() or self._launch_scheduled()
         if launched is None:
             if self.scheduler.waiting and not self.scheduler.running:
-                return [self._reject_unschedulable(self.scheduler.waiting[0])]
-            return []
+                return [*self._take_failed(), self._reject_unschedulable(self.scheduler.waiting[0])]
+            return self._take_failed()
         if self._may_look_ahead(launched):
             self._lookahead = self._launch_lookahead(launched)
-        return self._finish(launched)
+        outputs = self._finish(launched)
+        return [*self._take_failed(), *outputs]
+
+    def _take_failed(self) -> list[RequestOutput]:
+        failed, self._failed = self._failed, []
+        return failed
+
+    def _fail_request(self, request_id: str, message: str) -> None:
+        """Fail one request alone (a fault of its own); the rest of the step goes on.
+
+        Its output, with ``error`` set, is returned by the current step.
+        """
+        request = self._requests.get(request_id)
+        if request is None:
+            return
+        logger.warning("request %s failed alone: %s", request_id, message)
+        output = self._safe_output(request)
+        output.finished = True
+        output.error = message
+        output.error_code = "request_failed"
+        self.abort_request(request_id)
+        self._failed.append(output)
+
+    def _safe_output(self, request: _Request) -> RequestOutput:
+        """The request's output, or a bare one when building it is what failed."""
+        try:
+            return self._make_output(request)
+        except Exception:
+            return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, [])
 
     def _launch_scheduled(self) -> _LaunchedStep | None:
         batch = self.scheduler.schedule()
@@ -484,9 +528,45 @@ class LLMEngine:
             for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True)
             if self._advance(seq, num_new)
         ]
-        if not sampling:
+        return self._sample(logits, sampling)
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], ahead: int = 0) -> _LaunchedStep:
+        """Draw a token for each row of ``logits`` (row ``i`` is ``seqs[i]``).
+
+        A draw that raises is retried row by row to find the requests at fault; they fail
+        alone, and the others draw exactly what they would have drawn without them (each
+        row is sampled on its own, and generator states are restored for the retry).
+        """
+        if not seqs:
             return _LaunchedStep([], None)
-        return _LaunchedStep(sampling, sample_on_device(logits, [self._sample_request(s) for s in sampling]))
+        requests = [self._sample_request(seq, ahead) for seq in seqs]
+        states = [r.generator.get_state() if r.generator is not None else None for r in requests]
+        try:
+            return _LaunchedStep(seqs, self._draw(logits, requests))
+        except Exception:
+            logger.warning("sampling a batch of %d rows failed; retrying row by row", len(seqs))
+        failed: set[str] = set()
+        for row, request in enumerate(requests):
+            _restore(requests, states)
+            try:
+                self._draw(logits[row : row + 1], [request])
+            except Exception as exc:
+                failed.add(seqs[row].request_id)
+                self._fail_request(seqs[row].request_id, f"sampling failed: {type(exc).__name__}: {exc}")
+        _restore(requests, states)
+        keep = [row for row, seq in enumerate(seqs) if seq.request_id not in failed]
+        if not keep:
+            return _LaunchedStep([], None)
+        rows = to_device_async(keep, torch.int64, logits.device)
+        kept = [requests[row] for row in keep]
+        return _LaunchedStep([seqs[row] for row in keep], self._draw(logits[rows], kept))
+
+    def _draw(self, logits: torch.Tensor, requests: list[SampleRequest]) -> DeviceSamples:
+        if self.fail_sampling_prefix is not None:
+            for request in requests:
+                if request.request_id.startswith(self.fail_sampling_prefix):
+                    raise InjectedFault(f"injected sampling fault for {request.request_id}")
+        return sample_on_device(logits, requests)
 
     def _take_lookahead(self) -> _LaunchedStep | None:
         """The step launched ahead, as this step, without the sequences that stopped since."""
@@ -538,8 +618,8 @@ class LLMEngine:
         if rows != list(range(len(token_ids))):
             token_ids = token_ids[to_device_async(rows, torch.int64, token_ids.device)]
         logits = self.runner.execute(seqs, [1] * len(seqs), next_token_ids=token_ids)
-        requests = [self._sample_request(seq, ahead=1) for seq in seqs]
-        return _LaunchedStep(seqs, sample_on_device(logits, requests))
+        ahead = self._sample(logits, seqs, ahead=1)
+        return ahead if ahead.samples is not None else None
 
     def _finish(self, launched: _LaunchedStep) -> list[RequestOutput]:
         """Read the step's tokens (the host sync) and advance its sequences and requests."""
@@ -547,20 +627,36 @@ class LLMEngine:
         now = time.monotonic()
         touched: dict[str, _Request] = {}
         for index, seq in enumerate(launched.seqs):
-            result = results[launched.row(index)]
-            request = self._requests[seq.request_id]
+            request = self._requests.get(seq.request_id)
+            if request is None or seq.is_finished:
+                continue  # failed alone earlier in this step
             touched[seq.request_id] = request
             if seq.num_cached_tokens < 0:
                 seq.num_cached_tokens = max(0, seq.num_prompt_tokens - seq.prompt_tokens_computed)
                 self.kv_manager.record_admission(seq.num_prompt_tokens, seq.num_cached_tokens)
             if request.first_token_time is None:
                 request.first_token_time = now
-            self._append_token(seq, result.token_id, result.logprob, result.top_logprobs)
+            result = results[launched.row(index)]
+            if result.error is not None:
+                self._fail_request(seq.request_id, f"reading logprobs failed: {result.error}")
+                continue
+            try:
+                self._append_token(seq, result.token_id, result.logprob, result.top_logprobs)
+            except Exception as exc:
+                self._fail_request(seq.request_id, f"detokenizing failed: {type(exc).__name__}: {exc}")
+                continue
             if seq.finish_reason is not None:
                 self.scheduler.finish(seq)
         outputs = []
         for request in touched.values():
-            outputs.append(self._make_output(request))
+            if request.request_id not in self._requests:
+                continue
+            try:
+                output = self._make_output(request)
+            except Exception as exc:
+                self._fail_request(request.request_id, f"building the output failed: {type(exc).__name__}: {exc}")
+                continue
+            outputs.append(output)
             if request.finished:
                 del self._requests[request.request_id]
                 self.stats.num_finished += 1
@@ -605,7 +701,7 @@ class LLMEngine:
         banned: list[int] = []
         if seq.num_output_tokens + ahead < params.min_tokens:
             banned = list(params.stop_token_ids or ()) + ([] if params.ignore_eos else self.eos_token_ids)
-        return SampleRequest(params, seq.generator, banned)
+        return SampleRequest(params, seq.generator, banned, seq.request_id)
 
     def _append_token(self, seq: Sequence, token: int, logprob: float | None, top: Any) -> None:
         params = seq.params
@@ -651,3 +747,9 @@ class LLMEngine:
             num_cached_tokens=max(0, min(seq.num_cached_tokens for seq in request.seqs)),
             metrics=metrics,
         )
+
+
+def _restore(requests: list[SampleRequest], states: list[torch.Tensor | None]) -> None:
+    for request, state in zip(requests, states, strict=True):
+        if request.generator is not None and state is not None:
+            request.generator.set_state(state)

@@ -20,6 +20,7 @@ class SampleRequest:
     params: SamplingParams
     generator: torch.Generator | None
     banned_token_ids: list[int]  # e.g. EOS and stop tokens before min_tokens is reached
+    request_id: str = ""  # whose draw this is, for error reports
 
 
 @dataclass
@@ -27,6 +28,7 @@ class SampleResult:
     token_id: int
     logprob: float | None  # of the sampled token, when logprobs were asked for
     top_logprobs: dict[int, Logprob] | None
+    error: str | None = None  # this row's logprobs could not be read; the others are valid
 
 
 def to_device_async(values: list[int] | list[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -123,7 +125,10 @@ def sample_on_device(logits: torch.Tensor, requests: list[SampleRequest]) -> Dev
 
 
 def read_samples(samples: DeviceSamples) -> list[SampleResult]:
-    """Wait for the draws and return one result per row: the step's one host sync."""
+    """Wait for the draws and return one result per row: the step's one host sync.
+
+    A row whose logprobs cannot be read gets ``error`` set; the other rows are unaffected.
+    """
     if samples.ready is not None:
         samples.ready.synchronize()
     token_ids = samples.host_token_ids.tolist()
@@ -135,20 +140,29 @@ def read_samples(samples: DeviceSamples) -> list[SampleResult]:
         if logprobs is None or params.logprobs is None:
             results.append(SampleResult(token, None, None))
             continue
-        row_logprobs = logprobs[row]
-        top = {}
-        if params.logprobs > 0:
-            values, ids = torch.topk(row_logprobs, params.logprobs)
-            top = {
-                int(i): Logprob(float(v), rank + 1)
-                for rank, (v, i) in enumerate(zip(values.tolist(), ids.tolist(), strict=True))
-            }
-        chosen = float(row_logprobs[token])
-        if token not in top:
-            rank = int((row_logprobs > row_logprobs[token]).sum()) + 1
-            top[token] = Logprob(chosen, rank)
+        try:
+            chosen, top = _row_logprobs(logprobs[row], token, params.logprobs)
+        except Exception as exc:
+            results.append(SampleResult(token, None, None, f"{type(exc).__name__}: {exc}"))
+            continue
         results.append(SampleResult(token, chosen, top))
     return results
+
+
+def _row_logprobs(row_logprobs: torch.Tensor, token: int, num_top: int) -> tuple[float, dict[int, Logprob]]:
+    """The sampled token's logprob, and the top ``num_top`` plus the sampled token ranked."""
+    top = {}
+    if num_top > 0:
+        values, ids = torch.topk(row_logprobs, num_top)
+        top = {
+            int(i): Logprob(float(v), rank + 1)
+            for rank, (v, i) in enumerate(zip(values.tolist(), ids.tolist(), strict=True))
+        }
+    chosen = float(row_logprobs[token])
+    if token not in top:
+        rank = int((row_logprobs > row_logprobs[token]).sum()) + 1
+        top[token] = Logprob(chosen, rank)
+    return chosen, top
 
 
 def sample(logits: torch.Tensor, requests: list[SampleRequest]) -> list[SampleResult]:
