@@ -15,6 +15,14 @@ MAX_STOP_TOKEN_IDS = 1024
 SEED_RANGE = (-(2**63), 2**63 - 1)  # what a torch generator accepts, with room for n samples
 
 
+class InvalidParameter(ValueError):
+    """A sampling parameter out of its bounds; ``param`` names it (as the API spells it)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass
 class SamplingParams:
     """What to generate and when to stop; the common subset of vLLM's ``SamplingParams``.
@@ -50,35 +58,44 @@ class SamplingParams:
         _check_real("temperature", self.temperature)
         _check_real("top_p", self.top_p)
         if not 0.0 <= self.temperature <= 100.0:
-            raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
+            raise InvalidParameter(
+                "temperature", f"temperature must be in [0, 100], got {self.temperature}"
+            )
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise InvalidParameter("top_p", f"top_p must be in (0, 1], got {self.top_p}")
         _check_int("top_k", self.top_k, -1, MAX_TOP_K)
         if self.top_k == 0:
-            raise ValueError("top_k must be -1 (disabled) or >= 1, got 0")
+            raise InvalidParameter("top_k", "top_k must be -1 (disabled) or >= 1, got 0")
         if self.seed is not None:
             _check_int("seed", self.seed, SEED_RANGE[0], SEED_RANGE[1] - MAX_N)
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens, 1, 2**31 - 1)
         _check_int("min_tokens", self.min_tokens, 0, 2**31 - 1)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
+            raise InvalidParameter(
+                "min_tokens",
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
             )
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         if len(self.stop_strings) > MAX_STOP_STRINGS:
-            raise ValueError(
-                f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(self.stop_strings)}"
+            raise InvalidParameter(
+                "stop",
+                f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(self.stop_strings)}",
             )
         for stop in self.stop_strings:
             if not isinstance(stop, str) or not stop:
-                raise ValueError("stop strings must be non-empty strings")
+                raise InvalidParameter("stop", "stop strings must be non-empty strings")
             if len(stop.encode("utf-8", "surrogatepass")) > MAX_STOP_STRING_BYTES:
-                raise ValueError(f"a stop string may have at most {MAX_STOP_STRING_BYTES} bytes")
+                raise InvalidParameter(
+                    "stop", f"a stop string may have at most {MAX_STOP_STRING_BYTES} bytes"
+                )
         stop_ids = self.stop_token_ids or []
         if len(stop_ids) > MAX_STOP_TOKEN_IDS:
-            raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed, got {len(stop_ids)}")
+            raise InvalidParameter(
+                "stop_token_ids",
+                f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed, got {len(stop_ids)}",
+            )
         for token in stop_ids:
             _check_int("stop_token_ids", token, 0, 2**31 - 1)
 
@@ -90,11 +107,11 @@ class SamplingParams:
 def _check_int(name: str, value: object, low: int, high: int) -> None:
     """``value`` is an int (not a bool) in ``[low, high]``, else ValueError naming both."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
+        raise InvalidParameter(name, f"{name} must be an integer, got {value!r}")
     if not low <= value <= high:
-        raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
+        raise InvalidParameter(name, f"{name} must be in [{low}, {high}], got {value}")
 
 
 def _check_real(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a number, got {value!r}")
+        raise InvalidParameter(name, f"{name} must be a number, got {value!r}")

@@ -31,20 +31,25 @@ T = TypeVar("T")
 CALL_TIMEOUT_S = 30.0
 
 
-class EngineDeadError(RuntimeError):
+class EngineRequestError(RuntimeError):
+    """Why the engine stopped serving a request (other than rejecting its input)."""
+
+
+class EngineDeadError(EngineRequestError):
     """The engine thread has stopped; no request can be served."""
 
 
-class RequestAbortedError(RuntimeError):
-    """The request was aborted by ``AsyncEngine.abort`` while a consumer was reading it."""
+class RequestAbortedError(EngineRequestError):
+    """The request was aborted by ``AsyncEngine.abort`` while a consumer was reading it,
+    or the engine gave up on it for want of KV room."""
 
 
-class RequestFailedError(RuntimeError):
+class RequestFailedError(EngineRequestError):
     """This request alone failed inside the engine (sampling, detokenizing, ...); the
     requests it shared steps with went on unaffected."""
 
 
-class EngineStepError(RuntimeError):
+class EngineStepError(EngineRequestError):
     """A step failed in a way no single request explains (e.g. a kernel fault): every
     request in it was stopped; the engine goes on serving new ones."""
 

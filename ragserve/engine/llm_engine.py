@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 
 # Pinned documents may hold at most this share of the device KV blocks.
 MAX_PINNED_FRACTION = 0.5
-FAIL_SAMPLING_ENV = "RAGSERVE_TEST_FAIL_SAMPLING_PREFIX"
+FAIL_SAMPLING_ENV = "RAGSERVE_TEST_FAIL_SAMPLING_MARKER"
 
 
 class InjectedFault(RuntimeError):
@@ -164,9 +164,9 @@ class LLMEngine:
         self._lookahead: _LaunchedStep | None = None
         # Outputs of requests failed alone during a step, returned with that step's outputs.
         self._failed: list[RequestOutput] = []
-        # Test-only: requests whose id starts with this prefix fail while sampling (set from
-        # RAGSERVE_TEST_FAIL_SAMPLING_PREFIX), to exercise the isolation of request faults.
-        self.fail_sampling_prefix: str | None = os.environ.get(FAIL_SAMPLING_ENV) or None
+        # Test-only: requests whose id contains this marker fail while sampling (set from
+        # RAGSERVE_TEST_FAIL_SAMPLING_MARKER), to exercise the isolation of request faults.
+        self.fail_sampling_marker: str | None = os.environ.get(FAIL_SAMPLING_ENV) or None
         self.info = self._make_info(backend.name)
         logger.info(
             "engine ready in %.1fs: %s on %s (%s), %d KV blocks of %d tokens (%.2f GiB), "
@@ -562,9 +562,9 @@ class LLMEngine:
         return _LaunchedStep([seqs[row] for row in keep], self._draw(logits[rows], kept))
 
     def _draw(self, logits: torch.Tensor, requests: list[SampleRequest]) -> DeviceSamples:
-        if self.fail_sampling_prefix is not None:
+        if self.fail_sampling_marker is not None:
             for request in requests:
-                if request.request_id.startswith(self.fail_sampling_prefix):
+                if self.fail_sampling_marker in request.request_id:
                     raise InjectedFault(f"injected sampling fault for {request.request_id}")
         return sample_on_device(logits, requests)
 

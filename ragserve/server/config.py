@@ -47,6 +47,11 @@ class ServerConfig:
         10.0, help="seconds running requests get to finish on SIGTERM/SIGINT"
     )
     retry_after_seconds: int = option(1, help="Retry-After of a 503", cli=False)
+    engine_stall_seconds: float = option(
+        120.0,
+        help="/health turns unhealthy when the engine has been inside one step this long "
+        "while requests wait (a step is at most one prefill chunk: seconds, not minutes)",
+    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -63,6 +68,8 @@ class ServerConfig:
             raise ValueError(
                 f"completion_default_max_tokens must be >= 1, got {self.completion_default_max_tokens}"
             )
+        if not self.engine_stall_seconds > 0:
+            raise ValueError(f"engine_stall_seconds must be > 0, got {self.engine_stall_seconds}")
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
         for key in self.api_keys:

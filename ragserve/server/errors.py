@@ -15,7 +15,13 @@ from typing import Any
 from aiohttp import web
 from pydantic import ValidationError
 
-from ragserve.engine.async_engine import EngineDeadError, RequestAbortedError
+from ragserve.engine.async_engine import (
+    EngineDeadError,
+    EngineRequestError,
+    EngineStepError,
+    RequestAbortedError,
+    RequestFailedError,
+)
 from ragserve.server.request_context import REQUEST_ID
 
 logger = logging.getLogger(__name__)
@@ -50,6 +56,24 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.headers = headers or {}
+
+
+# Why the engine stopped serving a request, as the client sees it. A request's own fault
+# and a step's fault are the server's errors (500), but the message says which it was.
+_ENGINE_ERRORS: dict[type[EngineRequestError], tuple[int, str]] = {
+    EngineDeadError: (503, "engine_dead"),
+    RequestAbortedError: (503, "request_aborted"),
+    RequestFailedError: (500, "request_failed"),
+    EngineStepError: (500, "engine_step_failed"),
+}
+
+
+def from_engine_error(exc: EngineRequestError) -> APIError:
+    status, code = next(
+        (value for kind, value in _ENGINE_ERRORS.items() if isinstance(exc, kind)),
+        (500, "engine_error"),
+    )
+    return APIError(status, str(exc), code=code)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -103,10 +127,8 @@ async def error_middleware(request: web.Request, handler: Any) -> web.StreamResp
         if exc.status < 400:
             raise  # redirects and the like pass through
         return error_response(from_http_exception(exc))
-    except EngineDeadError as exc:
-        return error_response(APIError(503, str(exc), code="engine_dead"))
-    except RequestAbortedError as exc:
-        return error_response(APIError(503, str(exc), code="request_aborted"))
+    except EngineRequestError as exc:
+        return error_response(from_engine_error(exc))
     except Exception:
         request_id = request.get(REQUEST_ID, "?")
         logger.exception("request %s failed", request_id)

@@ -43,7 +43,7 @@ def make_sampling_params(**kwargs: Any) -> SamplingParams:
     try:
         return SamplingParams(**kwargs)
     except ValueError as exc:
-        raise bad_request(str(exc)) from None
+        raise bad_request(str(exc), param=getattr(exc, "param", None)) from None
 
 
 def check_context(

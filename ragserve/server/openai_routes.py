@@ -17,12 +17,12 @@ from typing import Any
 
 from aiohttp import web
 
-from ragserve.engine.async_engine import EngineDeadError, RequestAbortedError
+from ragserve.engine.async_engine import EngineRequestError
 from ragserve.outputs import RequestOutput
 from ragserve.sampling_params import SamplingParams
 from ragserve.server.admission_checks import check_admission, estimate_work
 from ragserve.server.body import parse_request
-from ragserve.server.errors import APIError, bad_request, error_body
+from ragserve.server.errors import APIError, bad_request, error_body, from_engine_error
 from ragserve.server.generation import (
     GenerationJob,
     SSEWriter,
@@ -363,10 +363,9 @@ async def _stream(
             logger.info("request %s: the client went away; aborting", request_id(request))
         except APIError as exc:
             await _send_error(sse, exc.status, exc.message, exc.param, exc.code)
-        except EngineDeadError as exc:
-            await _send_error(sse, 503, str(exc), None, "engine_dead")
-        except RequestAbortedError as exc:
-            await _send_error(sse, 503, str(exc), None, "request_aborted")
+        except EngineRequestError as exc:
+            error = from_engine_error(exc)
+            await _send_error(sse, error.status, error.message, None, error.code)
         except Exception:
             logger.exception("request %s failed while streaming", request_id(request))
             message = (

@@ -10,7 +10,7 @@ from ragserve.engine.async_engine import EngineDeadError
 from ragserve.engine.engine_info import EngineSnapshot
 from ragserve.server.metrics import CONTENT_TYPE
 from ragserve.server.openapi import build_spec
-from ragserve.server.state import ADMISSION, DOCUMENTS, DRAINING, ENGINE, METRICS
+from ragserve.server.state import ADMISSION, CONFIG, DOCUMENTS, DRAINING, ENGINE, METRICS
 
 logger = logging.getLogger(__name__)
 
@@ -24,10 +24,15 @@ def add_routes(app: web.Application) -> None:
 
 
 async def health(request: web.Request) -> web.Response:
-    """200 while the engine runs and the server accepts work; 503 otherwise."""
+    """200 while the engine runs and the server accepts work; 503 otherwise: the engine
+    thread died, it has stopped stepping while requests wait, or the server is draining."""
     engine = request.app[ENGINE]
     if not engine.is_alive:
         return web.json_response({"status": "engine_dead"}, status=503)
+    stalled = engine.stalled_for()
+    if stalled > request.app[CONFIG].engine_stall_seconds:
+        body = {"status": "engine_stalled", "stalled_seconds": round(stalled, 1)}
+        return web.json_response(body, status=503)
     if request.app[DRAINING].is_set():
         return web.json_response({"status": "shutting_down"}, status=503)
     return web.json_response({"status": "ok"})

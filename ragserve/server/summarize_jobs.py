@@ -31,7 +31,7 @@ from typing import Any, Literal
 
 from pipelines.documents import Document
 from pipelines.summarize import Call, DocumentJob, SummarizeOptions, Summarizer
-from ragserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestAbortedError
+from ragserve.engine.async_engine import AsyncEngine, EngineRequestError
 from ragserve.server.admission import Ticket, WorkAdmission
 from ragserve.server.admission_checks import check_work
 from ragserve.server.errors import APIError, bad_request
@@ -331,7 +331,7 @@ class SummarizeJobs:
         except asyncio.CancelledError:
             self._finish(job, "cancelled", job.cancel_reason or "cancelled")
             raise
-        except (CallRejectedError, EngineDeadError, RequestAbortedError) as exc:
+        except (CallRejectedError, EngineRequestError) as exc:
             logger.warning("summarize job %s failed: %s", job.id, exc)
             self._finish(job, "failed", str(exc))
         except Exception as exc:  # a bug: the job records it, the server goes on

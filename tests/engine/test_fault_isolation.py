@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,9 @@ def make_engine(model_dir: Path) -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", kv_cache_gib=0.01))
 
 
-def run_all(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, RequestOutput]:
+def run_all(
+    engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]
+) -> dict[str, RequestOutput]:
     for request_id, (prompt, params) in requests.items():
         engine.add_request(request_id, prompt, params)
     finished: dict[str, RequestOutput] = {}
@@ -51,7 +54,7 @@ def victims() -> dict[str, tuple[list[int], SamplingParams]]:
 def test_a_failing_draw_fails_its_request_alone(model_dir: Path) -> None:
     clean = run_all(make_engine(model_dir), victims())
     engine = make_engine(model_dir)
-    engine.fail_sampling_prefix = "boom"
+    engine.fail_sampling_marker = "boom"
     bad_params = SamplingParams(temperature=1.0, top_k=10, seed=1, max_tokens=12, ignore_eos=True)
     mixed = run_all(engine, {**victims(), "boom-1": ([8, 9, 10, 11], bad_params)})
     bad = mixed.pop("boom-1")
@@ -79,7 +82,9 @@ def test_request_parameters_are_bounded_where_they_enter(model_dir: Path) -> Non
     assert not engine.has_unfinished_requests()
 
 
-async def collect(engine: AsyncEngine, prompt: list[int], params: SamplingParams, request_id: str) -> Any:
+async def collect(
+    engine: AsyncEngine, prompt: list[int], params: SamplingParams, request_id: str
+) -> Any:
     try:
         last = None
         async for output in engine.generate(prompt, params, request_id=request_id):
@@ -136,11 +141,38 @@ def test_a_fault_while_adding_fails_that_request_alone(
             monkeypatch.setattr(engine.engine, "tokenize", faulty)
             params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
             bad, good = await asyncio.gather(
-                collect(engine, [9, 9, 9], params, "bad"), collect(engine, PROMPTS[1], params, "good")
+                collect(engine, [9, 9, 9], params, "bad"),
+                collect(engine, PROMPTS[1], params, "good"),
             )
             assert isinstance(bad, RequestFailedError) and "tokenizer fault" in str(bad)
             assert isinstance(good, RequestOutput) and len(good.outputs[0].token_ids) == 4
             assert engine.is_alive
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_a_step_that_does_not_return_shows_as_stalled(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def scenario() -> None:
+        engine = AsyncEngine(EngineConfig(model=str(model_dir), dtype="float32", kv_cache_gib=0.01))
+        try:
+            assert engine.stalled_for() == 0.0
+            execute = engine.engine.runner.execute
+
+            def slow(*args: Any, **kwargs: Any) -> Any:
+                time.sleep(1.5)
+                return execute(*args, **kwargs)
+
+            monkeypatch.setattr(engine.engine.runner, "execute", slow)
+            params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+            request = asyncio.create_task(collect(engine, PROMPTS[0], params, "slow"))
+            await asyncio.sleep(1.0)
+            assert engine.stalled_for() > 0.5
+            assert isinstance(await request, RequestOutput)
+            assert engine.stalled_for() == 0.0
         finally:
             await engine.shutdown()
 
