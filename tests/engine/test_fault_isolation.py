@@ -101,23 +101,25 @@ def test_a_step_fault_fails_its_requests_and_the_engine_serves_on(
         engine = AsyncEngine(EngineConfig(model=str(model_dir), dtype="float32", kv_cache_gib=0.01))
         try:
             execute = engine.engine.runner.execute
-            calls = {"n": 0}
+            fired = []
 
             def faulty(*args: Any, **kwargs: Any) -> Any:
-                calls["n"] += 1
-                if calls["n"] == 2:
+                # NOTE: once all three requests are in the engine, however the adds and
+                # steps interleave on a loaded machine.
+                if not fired and {"r0", "r1", "r2"} <= set(engine.engine._requests):
+                    fired.append(True)
                     raise RuntimeError("device fault")
                 return execute(*args, **kwargs)
 
             monkeypatch.setattr(engine.engine.runner, "execute", faulty)
-            params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+            params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
             first = await asyncio.gather(
                 *(collect(engine, PROMPTS[i], params, f"r{i}") for i in range(3))
             )
             assert all(isinstance(result, EngineStepError) for result in first), first
             assert "device fault" in str(first[0])
             after = await collect(engine, PROMPTS[0], params, "after")
-            assert isinstance(after, RequestOutput) and len(after.outputs[0].token_ids) == 6
+            assert isinstance(after, RequestOutput) and len(after.outputs[0].token_ids) == 40
             assert engine.is_alive
         finally:
             await engine.shutdown()
