@@ -1,16 +1,22 @@
-"""Reading request bodies: content type, size (aiohttp's ``client_max_size``), JSON, schema."""
+"""Reading request bodies: content type, size (aiohttp's ``client_max_size``), a deadline
+(``ServerConfig.body_timeout``), JSON, schema."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import Awaitable
 from typing import Any, TypeVar
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from pydantic import BaseModel
 
 from ragserve.server.errors import APIError, bad_request
+from ragserve.server.state import CONFIG
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
+T = TypeVar("T")
 
 
 def require_content_type(request: web.Request, *allowed: str) -> str:
@@ -21,6 +27,30 @@ def require_content_type(request: web.Request, *allowed: str) -> str:
             code="unsupported_media_type",
         )
     return request.content_type
+
+
+async def within_body_timeout(request: web.Request, reading: Awaitable[T]) -> T:
+    """``reading`` (which reads the body) within ``body_timeout`` seconds: 408 past it; a
+    body whose framing is broken (chunk sizes, a multipart header) is a 400."""
+    timeout = request.app[CONFIG].body_timeout
+    try:
+        return await asyncio.wait_for(reading, timeout)
+    except asyncio.TimeoutError:
+        raise APIError(
+            408,
+            f"the request body did not arrive within {timeout:g} s",
+            code="request_timeout",
+        ) from None
+    except HttpProcessingError as exc:
+        message = str(exc.message).replace("\x00", "\\x00")[:300]
+        raise bad_request(
+            f"malformed request body: {message}", code="invalid_http_request"
+        ) from None
+
+
+async def read_body(request: web.Request) -> bytes:
+    """The whole body (413 past ``client_max_size``; see :func:`within_body_timeout`)."""
+    return await within_body_timeout(request, request.read())
 
 
 def parse_json_object(raw: bytes | str) -> dict[str, Any]:
@@ -49,7 +79,7 @@ def parse_json_object(raw: bytes | str) -> dict[str, Any]:
 async def read_json(request: web.Request) -> dict[str, Any]:
     require_content_type(request, "application/json")
     # NOTE: read() enforces client_max_size and raises 413 with both sizes.
-    return parse_json_object(await request.read())
+    return parse_json_object(await read_body(request))
 
 
 async def parse_request(request: web.Request, model: type[ModelT]) -> ModelT:
