@@ -76,7 +76,11 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> web.A
             make_auth_middleware(config.api_keys),
         ],
     )
-    prompts = PromptBuilder(engine.tokenizer)
+    prompts = PromptBuilder(
+        engine.tokenizer,
+        max_model_len=engine.max_model_len,
+        max_text_bytes=config.max_text_bytes,
+    )
     admission = WorkAdmission(config.max_queue_seconds)
     app[ENGINE] = engine
     app[ADMISSION] = admission

@@ -75,6 +75,15 @@ class ServerConfig:
         64 * 2**10,
         help="output buffered per connection before its writer waits for the client to read",
     )
+    # Text size checked before tokenizing (ragserve.server.text_limits). NOTE: 4 MiB is 8 times
+    # a full 128k-token context of English text (4 bytes a token); SmolLM2's tokenizer takes
+    # about 6 s for it on two shared cores, on the large-input thread.
+    max_text_bytes: int = option(
+        4 * 2**20,
+        help="largest text of one prompt (a chat's messages together, one completion prompt, "
+        "a document), in UTF-8 bytes; text that cannot fit the model's context is refused "
+        "before tokenizing anyway",
+    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -106,3 +115,5 @@ class ServerConfig:
             raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
         if self.write_buffer_bytes < 1024:
             raise ValueError(f"write_buffer_bytes must be >= 1024, got {self.write_buffer_bytes}")
+        if self.max_text_bytes < 1:
+            raise ValueError(f"max_text_bytes must be >= 1, got {self.max_text_bytes}")

@@ -17,7 +17,7 @@ from ragserve.server.body import (
 from ragserve.server.errors import APIError, bad_request
 from ragserve.server.protocol import DocumentRequest
 from ragserve.server.request_context import tenant
-from ragserve.server.state import CONFIG, DOCUMENTS, DRAINING, ENGINE
+from ragserve.server.state import CONFIG, DOCUMENTS, DRAINING, ENGINE, PROMPTS
 
 TEXT_SUFFIXES = (".txt", ".md", ".markdown")
 TEXT_TYPES = ("text/plain", "text/markdown", "text/x-markdown")
@@ -42,6 +42,7 @@ async def upload_document(request: web.Request) -> web.Response:
     else:
         reading = _read_multipart(request, app[CONFIG].max_request_bytes)
         text, metadata = await within_body_timeout(request, reading)
+    app[PROMPTS].text_limit.check([text], "text")
     docs = app[DOCUMENTS]
     namespace = tenant(request)
     if docs.existing(namespace, text) is None:

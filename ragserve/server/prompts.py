@@ -14,21 +14,25 @@ For chat, ``tail_ids`` is the rest of the conversation as the chat template rend
 documents). For completions, the prompt follows the documents directly, so one ingestion
 serves both APIs.
 
-Tokenizer calls run on one worker thread, off the event loop. NOTE: document text is
-encoded by a private copy of the tokenizer set to treat special-token strings as plain
-text: toggling that setting per call would mutate the tokenizer the engine thread is
-decoding with at the same time.
+NOTE: document text is encoded by a private copy of the tokenizer set to treat
+special-token strings as plain text: toggling that setting per call would mutate the
+tokenizer the engine thread is decoding with at the same time.
+
+Tokenizer calls run off the event loop on :class:`TokenizerLanes` (large inputs on their
+own thread). ``text_limit`` bounds the bytes of a prompt's text, checked before
+tokenizing (:mod:`ragserve.server.text_limits`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import copy
+import sys
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from ragserve.server.errors import bad_request
+from ragserve.server.text_limits import TextLimit
+from ragserve.server.tokenizer_lanes import TokenizerLanes
 
 T = TypeVar("T")
 
@@ -40,26 +44,44 @@ _SENTINEL = "\x00ragserve-documents\x00"
 
 
 class PromptBuilder:
-    def __init__(self, tokenizer: Any) -> None:
+    """``text_limit`` comes from ``max_model_len`` and ``max_text_bytes`` (no limit
+    without them)."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        max_model_len: int | None = None,
+        max_text_bytes: int = sys.maxsize,
+    ) -> None:
         if tokenizer is None:
             raise ValueError("the server needs a model with a tokenizer")
         self.tokenizer = tokenizer
-        self._document_tokenizer = copy.deepcopy(tokenizer)
-        self._document_tokenizer.split_special_tokens = True
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ragserve-tokenizer")
+        self._plain_tokenizer = copy.deepcopy(tokenizer)
+        self._plain_tokenizer.split_special_tokens = True
+        backend = getattr(self._plain_tokenizer, "backend_tokenizer", None)
+        if backend is not None:
+            # NOTE: set on the backend now: the first call would set it, racing other threads.
+            backend.encode_special_tokens = True
+        self._lanes = TokenizerLanes()
+        self.text_limit = (
+            TextLimit(max_text_bytes)
+            if max_model_len is None
+            else TextLimit.for_tokenizer(tokenizer, max_model_len, max_text_bytes)
+        )
         self._chat_head = self._render_chat_head()
         self.head_ids = self._encode((self._chat_head or "") + DOCUMENTS_PREAMBLE)
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run a tokenizer call on the tokenizer thread."""
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        """Run a tokenizer call off the event loop; large inputs on their own thread."""
+        return await self._lanes.run(fn, *args)
 
     def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._lanes.close()
 
-    # -- called on the tokenizer thread ------------------------------------------------------
+    # -- called on a tokenizer thread --------------------------------------------------------
     def _encode(self, text: str, special_tokens_as_text: bool = False) -> list[int]:
-        tokenizer = self._document_tokenizer if special_tokens_as_text else self.tokenizer
+        tokenizer = self._plain_tokenizer if special_tokens_as_text else self.tokenizer
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def _render_chat_head(self) -> str | None:
