@@ -14,9 +14,12 @@ For chat, ``tail_ids`` is the rest of the conversation as the chat template rend
 documents). For completions, the prompt follows the documents directly, so one ingestion
 serves both APIs.
 
-NOTE: document text is encoded by a private copy of the tokenizer set to treat
-special-token strings as plain text: toggling that setting per call would mutate the
-tokenizer the engine thread is decoding with at the same time.
+Text from users (document text, completion prompts, chat content) never becomes control
+tokens: it is encoded by a private copy of the tokenizer set to treat special-token
+strings as plain text, and chat messages go through :mod:`ragserve.server.control_tokens`.
+NOTE: a copy, because toggling that setting per call would mutate the tokenizer the engine
+thread is decoding with at the same time. Token ids given by the client are taken as they
+are: that is how a client sends control tokens on purpose.
 
 Tokenizer calls run off the event loop on :class:`TokenizerLanes` (large inputs on their
 own thread). ``text_limit`` bounds the bytes of a prompt's text, checked before
@@ -30,6 +33,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from ragserve.server.control_tokens import ControlTokenGuard
 from ragserve.server.errors import bad_request
 from ragserve.server.text_limits import TextLimit
 from ragserve.server.tokenizer_lanes import TokenizerLanes
@@ -63,6 +67,7 @@ class PromptBuilder:
         if backend is not None:
             # NOTE: set on the backend now: the first call would set it, racing other threads.
             backend.encode_special_tokens = True
+        self._guard = ControlTokenGuard(tokenizer, self._plain_tokenizer)
         self._lanes = TokenizerLanes()
         self.text_limit = (
             TextLimit(max_text_bytes)
@@ -108,24 +113,26 @@ class PromptBuilder:
         return self._encode(DOCUMENT_OPEN + text + DOCUMENT_CLOSE, special_tokens_as_text=True)
 
     def completion_ids(self, prompt: str | list[int], documents: Sequence[list[int]]) -> list[int]:
+        """A text prompt is all user text: special-token strings in it stay plain text."""
         if not documents:
             if isinstance(prompt, list):
                 return list(prompt)
-            return list(self.tokenizer.encode(prompt))  # BOS as the tokenizer adds it
-        body = list(prompt) if isinstance(prompt, list) else self._encode(prompt)
-        return self._join(documents, body)
+            return list(self._plain_tokenizer.encode(prompt))  # BOS as the tokenizer adds it
+        if isinstance(prompt, list):
+            return self._join(documents, list(prompt))
+        return self._join(documents, self._encode(prompt, special_tokens_as_text=True))
 
     def chat_ids(self, messages: list[dict[str, str]], documents: Sequence[list[int]]) -> list[int]:
+        """The chat template's control tokens around the messages' content as plain text."""
+        messages, marks = self._guard.mark(messages)
         if not documents:
             try:
-                ids = self.tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=True, tokenize=True, return_dict=False
-                )
+                text = self._render(messages)
             except Exception as exc:
                 raise bad_request(
                     f"the chat template rejected the messages: {exc}", "messages"
                 ) from None
-            return [int(t) for t in ids]
+            return self._guard.encode(text, marks)
         if self._chat_head is None:
             raise bad_request(
                 "this model's chat template has no system turn, so documents cannot be used "
@@ -149,7 +156,7 @@ class PromptBuilder:
             raise bad_request(
                 "the chat template does not keep the system message as given", "messages"
             )
-        return self._join(documents, self._encode(parts[1]))
+        return self._join(documents, self._guard.encode(parts[1], marks))
 
     def _join(self, documents: Sequence[list[int]], tail: list[int]) -> list[int]:
         ids = list(self.head_ids)
