@@ -27,6 +27,7 @@ from ragserve.server import document_routes, openai_routes, ops_routes, pipeline
 from ragserve.server.admission import WorkAdmission
 from ragserve.server.auth import make_auth_middleware, tenant_name
 from ragserve.server.config import ServerConfig
+from ragserve.server.connections import ConnectionLimits, ServingRunner, ensure_open_file_limit
 from ragserve.server.document_store import DocumentStore
 from ragserve.server.documents import DocumentService
 from ragserve.server.errors import error_middleware
@@ -75,7 +76,11 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> web.A
             make_auth_middleware(config.api_keys),
         ],
     )
-    prompts = PromptBuilder(engine.tokenizer)
+    prompts = PromptBuilder(
+        engine.tokenizer,
+        max_model_len=engine.max_model_len,
+        max_text_bytes=config.max_text_bytes,
+    )
     admission = WorkAdmission(config.max_queue_seconds)
     app[ENGINE] = engine
     app[ADMISSION] = admission
@@ -136,10 +141,13 @@ async def serve(app: web.Application, config: ServerConfig) -> None:
 
     Shutdown: stop listening, refuse new work (503), give running requests
     ``config.shutdown_timeout`` seconds, cancel the rest (aborting their engine requests),
-    then stop the engine.
+    then stop the engine. Connections are bounded as :mod:`ragserve.server.connections`
+    describes.
     """
-    runner = web.AppRunner(
+    ensure_open_file_limit(config.max_connections)
+    runner = ServingRunner(
         app,
+        limits=ConnectionLimits.from_config(config),
         handler_cancellation=True,  # a client that disconnects cancels its handler
         shutdown_timeout=config.shutdown_timeout,
         access_log_format=ACCESS_LOG_FORMAT,

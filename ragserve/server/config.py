@@ -52,6 +52,43 @@ class ServerConfig:
         help="/health turns unhealthy when the engine has been inside one step this long "
         "while requests wait (a step is at most one prefill chunk: seconds, not minutes)",
     )
+    # Connections (ragserve.server.connections). NOTE: aiohttp's keep-alive timer also runs
+    # while a request's head is still arriving, so one setting bounds idle and slow heads.
+    # A client holds a connection for at most that long without sending a request, so it
+    # must open max_connections / keepalive_timeout (68 a second) to fill the cap.
+    keepalive_timeout: float = option(
+        15.0,
+        help="seconds a connection may sit idle, or take to send a request's head, before it "
+        "is closed",
+    )
+    body_timeout: float = option(
+        60.0, help="seconds a request's body may take to arrive in full (408 past it)"
+    )
+    write_timeout: float = option(
+        30.0,
+        help="seconds a response may wait on a client that stopped reading; then the "
+        "connection is cut and its requests are aborted",
+    )
+    max_connections: int = option(
+        1024, help="open connections at most; a connection beyond it gets 503 and is closed"
+    )
+    # NOTE: asyncio's own high-water mark. The kernel's send buffer is capped to it too
+    # (doubled by the kernel), so a stalled reader is noticed once about 3 x 64 KiB wait:
+    # 40 streamed events with 20 top logprobs, a thousand without; one connection's
+    # throughput is then bounded by 128 KiB per round trip (1.3 MB/s at 100 ms).
+    write_buffer_bytes: int = option(
+        64 * 2**10,
+        help="output buffered per connection before its writer waits for the client to read",
+    )
+    # Text size checked before tokenizing (ragserve.server.text_limits). NOTE: 4 MiB is 8 times
+    # a full 128k-token context of English text (4 bytes a token); SmolLM2's tokenizer takes
+    # about 6 s for it on two shared cores, on the large-input thread.
+    max_text_bytes: int = option(
+        4 * 2**20,
+        help="largest text of one prompt (a chat's messages together, one completion prompt, "
+        "a document), in UTF-8 bytes; text that cannot fit the model's context is refused "
+        "before tokenizing anyway",
+    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -77,3 +114,13 @@ class ServerConfig:
                 raise ValueError("API keys must be non-empty and contain no whitespace")
         if len(set(self.api_keys)) != len(self.api_keys):
             raise ValueError("the same API key was given twice")
+        for name in ("keepalive_timeout", "body_timeout", "write_timeout"):
+            value = getattr(self, name)
+            if not value > 0:  # NOTE: also refuses NaN
+                raise ValueError(f"{name} must be > 0, got {value}")
+        if self.max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
+        if self.write_buffer_bytes < 1024:
+            raise ValueError(f"write_buffer_bytes must be >= 1024, got {self.write_buffer_bytes}")
+        if self.max_text_bytes < 1:
+            raise ValueError(f"max_text_bytes must be >= 1, got {self.max_text_bytes}")

@@ -2,20 +2,27 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from aiohttp import BodyPartReader, web
 
 from ragserve.server.admission_checks import check_admission
-from ragserve.server.body import parse_json_object, require_content_type
+from ragserve.server.body import (
+    parse_json_object,
+    read_body,
+    require_content_type,
+    within_body_timeout,
+)
 from ragserve.server.errors import APIError, bad_request
 from ragserve.server.protocol import DocumentRequest
 from ragserve.server.request_context import tenant
-from ragserve.server.state import CONFIG, DOCUMENTS, DRAINING, ENGINE
+from ragserve.server.state import CONFIG, DOCUMENTS, DRAINING, ENGINE, PROMPTS
 
 TEXT_SUFFIXES = (".txt", ".md", ".markdown")
 TEXT_TYPES = ("text/plain", "text/markdown", "text/x-markdown")
 _CHUNK = 64 * 1024
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 def add_routes(app: web.Application) -> None:
@@ -30,10 +37,12 @@ async def upload_document(request: web.Request) -> web.Response:
     app = request.app
     kind = require_content_type(request, "application/json", "multipart/form-data")
     if kind == "application/json":
-        body = DocumentRequest.model_validate(parse_json_object(await request.read()))
+        body = DocumentRequest.model_validate(parse_json_object(await read_body(request)))
         text, metadata = body.text, body.metadata
     else:
-        text, metadata = await _read_multipart(request, app[CONFIG].max_request_bytes)
+        reading = _read_multipart(request, app[CONFIG].max_request_bytes)
+        text, metadata = await within_body_timeout(request, reading)
+    app[PROMPTS].text_limit.check([text], "text")
     docs = app[DOCUMENTS]
     namespace = tenant(request)
     if docs.existing(namespace, text) is None:
@@ -63,6 +72,8 @@ async def _read_multipart(request: web.Request, limit: int) -> tuple[str, dict[s
                 data += chunk
             if part.name == "file":
                 filename = part.filename
+                if filename is not None and _CONTROL.search(filename):
+                    raise bad_request("the file name holds control characters", "file")
                 _check_file_type(filename, part.headers.get("Content-Type", ""))
                 raw_file = bytes(data)
             elif part.name == "metadata":

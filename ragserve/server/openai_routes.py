@@ -171,7 +171,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await parse_request(request, ChatCompletionRequest)
     model, documents = await _prepare(request, body)
     prompts = app[PROMPTS]
-    ids = await prompts.run(prompts.chat_ids, body.template_messages(), documents)
+    messages = body.template_messages()
+    prompts.text_limit.check([m["content"] for m in messages], "messages")
+    ids = await prompts.run(prompts.chat_ids, messages, documents)
     max_tokens, param = body.max_tokens, "max_tokens"
     if body.max_completion_tokens is not None:
         max_tokens, param = body.max_completion_tokens, "max_completion_tokens"
@@ -248,6 +250,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
             f"at most {MAX_BATCH_PROMPTS} prompts per request, got {len(raw_prompts)}", "prompt"
         )
     prompts = app[PROMPTS]
+    for prompt in raw_prompts:
+        if isinstance(prompt, str):
+            prompts.text_limit.check([prompt], "prompt")
     ids_list = [await prompts.run(prompts.completion_ids, p, documents) for p in raw_prompts]
     max_model_len = app[ENGINE].max_model_len
     check_context([len(ids) for ids in ids_list], body.max_tokens, max_model_len, "prompt")

@@ -14,21 +14,29 @@ For chat, ``tail_ids`` is the rest of the conversation as the chat template rend
 documents). For completions, the prompt follows the documents directly, so one ingestion
 serves both APIs.
 
-Tokenizer calls run on one worker thread, off the event loop. NOTE: document text is
-encoded by a private copy of the tokenizer set to treat special-token strings as plain
-text: toggling that setting per call would mutate the tokenizer the engine thread is
-decoding with at the same time.
+Text from users (document text, completion prompts, chat content) never becomes control
+tokens: it is encoded by a private copy of the tokenizer set to treat special-token
+strings as plain text, and chat messages go through :mod:`ragserve.server.control_tokens`.
+NOTE: a copy, because toggling that setting per call would mutate the tokenizer the engine
+thread is decoding with at the same time. Token ids given by the client are taken as they
+are: that is how a client sends control tokens on purpose.
+
+Tokenizer calls run off the event loop on :class:`TokenizerLanes` (large inputs on their
+own thread). ``text_limit`` bounds the bytes of a prompt's text, checked before
+tokenizing (:mod:`ragserve.server.text_limits`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import copy
+import sys
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from ragserve.server.control_tokens import ControlTokenGuard
 from ragserve.server.errors import bad_request
+from ragserve.server.text_limits import TextLimit
+from ragserve.server.tokenizer_lanes import TokenizerLanes
 
 T = TypeVar("T")
 
@@ -40,26 +48,45 @@ _SENTINEL = "\x00ragserve-documents\x00"
 
 
 class PromptBuilder:
-    def __init__(self, tokenizer: Any) -> None:
+    """``text_limit`` comes from ``max_model_len`` and ``max_text_bytes`` (no limit
+    without them)."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        max_model_len: int | None = None,
+        max_text_bytes: int = sys.maxsize,
+    ) -> None:
         if tokenizer is None:
             raise ValueError("the server needs a model with a tokenizer")
         self.tokenizer = tokenizer
-        self._document_tokenizer = copy.deepcopy(tokenizer)
-        self._document_tokenizer.split_special_tokens = True
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ragserve-tokenizer")
+        self._plain_tokenizer = copy.deepcopy(tokenizer)
+        self._plain_tokenizer.split_special_tokens = True
+        backend = getattr(self._plain_tokenizer, "backend_tokenizer", None)
+        if backend is not None:
+            # NOTE: set on the backend now: the first call would set it, racing other threads.
+            backend.encode_special_tokens = True
+        self._guard = ControlTokenGuard(tokenizer, self._plain_tokenizer)
+        self._lanes = TokenizerLanes()
+        self.text_limit = (
+            TextLimit(max_text_bytes)
+            if max_model_len is None
+            else TextLimit.for_tokenizer(tokenizer, max_model_len, max_text_bytes)
+        )
         self._chat_head = self._render_chat_head()
         self.head_ids = self._encode((self._chat_head or "") + DOCUMENTS_PREAMBLE)
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run a tokenizer call on the tokenizer thread."""
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        """Run a tokenizer call off the event loop; large inputs on their own thread."""
+        return await self._lanes.run(fn, *args)
 
     def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._lanes.close()
 
-    # -- called on the tokenizer thread ------------------------------------------------------
+    # -- called on a tokenizer thread --------------------------------------------------------
     def _encode(self, text: str, special_tokens_as_text: bool = False) -> list[int]:
-        tokenizer = self._document_tokenizer if special_tokens_as_text else self.tokenizer
+        tokenizer = self._plain_tokenizer if special_tokens_as_text else self.tokenizer
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def _render_chat_head(self) -> str | None:
@@ -86,24 +113,26 @@ class PromptBuilder:
         return self._encode(DOCUMENT_OPEN + text + DOCUMENT_CLOSE, special_tokens_as_text=True)
 
     def completion_ids(self, prompt: str | list[int], documents: Sequence[list[int]]) -> list[int]:
+        """A text prompt is all user text: special-token strings in it stay plain text."""
         if not documents:
             if isinstance(prompt, list):
                 return list(prompt)
-            return list(self.tokenizer.encode(prompt))  # BOS as the tokenizer adds it
-        body = list(prompt) if isinstance(prompt, list) else self._encode(prompt)
-        return self._join(documents, body)
+            return list(self._plain_tokenizer.encode(prompt))  # BOS as the tokenizer adds it
+        if isinstance(prompt, list):
+            return self._join(documents, list(prompt))
+        return self._join(documents, self._encode(prompt, special_tokens_as_text=True))
 
     def chat_ids(self, messages: list[dict[str, str]], documents: Sequence[list[int]]) -> list[int]:
+        """The chat template's control tokens around the messages' content as plain text."""
+        messages, marks = self._guard.mark(messages)
         if not documents:
             try:
-                ids = self.tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=True, tokenize=True, return_dict=False
-                )
+                text = self._render(messages)
             except Exception as exc:
                 raise bad_request(
                     f"the chat template rejected the messages: {exc}", "messages"
                 ) from None
-            return [int(t) for t in ids]
+            return self._guard.encode(text, marks)
         if self._chat_head is None:
             raise bad_request(
                 "this model's chat template has no system turn, so documents cannot be used "
@@ -127,7 +156,7 @@ class PromptBuilder:
             raise bad_request(
                 "the chat template does not keep the system message as given", "messages"
             )
-        return self._join(documents, self._encode(parts[1]))
+        return self._join(documents, self._guard.encode(parts[1], marks))
 
     def _join(self, documents: Sequence[list[int]], tail: list[int]) -> list[int]:
         ids = list(self.head_ids)
