@@ -8,11 +8,11 @@ document still ingesting does not wait: the engine makes it share the blocks bei
 computed.
 
 With a :class:`~ragserve.server.document_store.DocumentStore` (a server with a disk KV
-tier) the registry is saved on every upload and delete, and :meth:`DocumentService.restore`
-brings it back at start-up: each stored document of a current tenant is registered again
-and re-ingested in the background, which is cheap because its blocks come back from the
-disk tier. Documents of tenants the server no longer has a key for stay in the file,
-untouched, until a server with that key starts.
+tier) each upload writes the document's row and each delete removes it before the response
+is sent, and :meth:`DocumentService.restore` brings them back at start-up: each stored
+document of a current tenant is registered again and re-ingested in the background, which
+is cheap because its blocks come back from the disk tier. Rows of tenants the server no
+longer has a key for stay untouched until a server with that key starts.
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ import contextlib
 import itertools
 import logging
 import re
+import sqlite3
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -32,9 +34,10 @@ from ragserve.engine.async_engine import AsyncEngine
 from ragserve.sampling_params import SamplingParams
 from ragserve.server.admission import WorkAdmission
 from ragserve.server.admission_checks import check_work
-from ragserve.server.document_store import DocumentStore, StoredDocument
+from ragserve.server.document_store import DocumentStore
 from ragserve.server.errors import APIError, bad_request
 from ragserve.server.prompts import PromptBuilder
+from ragserve.server.stored_document import StoredDocument
 
 logger = logging.getLogger(__name__)
 
@@ -120,10 +123,9 @@ class DocumentService:
         self.block_size = engine.info.block_size
         self._docs: dict[tuple[str, str], RegisteredDocument] = {}
         self._ids = itertools.count()
-        self._dormant: list[StoredDocument] = []  # stored, of tenants not configured now
-        self._changes = 0  # registry changes so far
-        self._saved_changes = 0  # changes the file on disk holds
-        self._save_lock = asyncio.Lock()
+        # NOTE: one thread, so registry writes happen in the order they were asked for
+        # (an upload's row is written before a later delete removes it).
+        self._store_thread = ThreadPoolExecutor(1, thread_name_prefix="registry")
 
     def get(self, namespace: str, doc_id: str, param: str = "id") -> RegisteredDocument:
         doc = self._docs.get((namespace, check_document_id(doc_id, param)))
@@ -187,13 +189,12 @@ class DocumentService:
         doc = RegisteredDocument(doc_id, namespace, token_ids, prefix_ids, metadata, int(time.time()))
         self._register(doc)
         logger.info("document %s: %d tokens, ingesting", doc_id, len(token_ids))
-        await self._save()
+        await self._store_call("saved", self._put_row, doc.stored())
         return doc, True
 
     def _register(self, doc: RegisteredDocument) -> None:
         self._docs[(doc.namespace, doc.id)] = doc
         doc.task = asyncio.create_task(self._ingest(doc), name=f"ingest-{doc.id}")
-        self._changes += 1
 
     def _check_fits(self, num_tokens: int, num_prefix_tokens: int) -> None:
         max_len = self.engine.max_model_len
@@ -250,7 +251,6 @@ class DocumentService:
     async def remove(self, namespace: str, doc_id: str) -> RegisteredDocument:
         doc = self.get(namespace, doc_id)
         del self._docs[(namespace, doc.id)]
-        self._changes += 1
         if doc.task is not None and not doc.task.done():
             doc.task.cancel()
             await asyncio.gather(doc.task, return_exceptions=True)
@@ -258,29 +258,31 @@ class DocumentService:
             # NOTE: calls run in order on the engine thread, so this unpin also undoes a
             # pin that a just-cancelled ingestion had already queued.
             await self.engine.unpin_prefix(doc.pin_id)
-        await self._save()
+        await self._store_call("deleted", self._delete_row, doc.namespace, doc.id)
         return doc
 
     # -- persistence -----------------------------------------------------------------------
     async def restore(self, tenants: set[str]) -> int:
-        """Register and re-ingest the stored documents of ``tenants``; returns how many.
+        """Open the registry, register and re-ingest the stored documents of ``tenants``;
+        returns how many.
 
-        Never raises for a bad file or entry (see :mod:`ragserve.server.document_store`).
+        Never raises for a damaged database or row (see
+        :mod:`ragserve.server.document_store`): what is damaged is reported and dropped.
         """
         if self.store is None:
             return 0
-        stored = await asyncio.get_running_loop().run_in_executor(None, self.store.load)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._store_thread, self.store.open)
+        stored = await loop.run_in_executor(self._store_thread, self.store.load)
         restored = 0
         for entry in stored:
             if entry.namespace not in tenants or (entry.namespace, entry.id) in self._docs:
-                self._dormant.append(entry)
                 continue
             prefix_ids = self.prompts.document_prefix(entry.token_ids)
             try:
                 self._check_fits(len(entry.token_ids), len(prefix_ids))
             except APIError as exc:
                 logger.warning("stored document %s not restored: %s", entry.id, exc.message)
-                self._dormant.append(entry)
                 continue
             doc = RegisteredDocument(
                 entry.id, entry.namespace, entry.token_ids, prefix_ids, entry.metadata, entry.created
@@ -292,28 +294,33 @@ class DocumentService:
                 "document registry %s: %d documents restored, %d kept for other tenants",
                 self.store.path, restored, len(stored) - restored,
             )  # fmt: skip
-        self._saved_changes = self._changes  # the file already says this
         return restored
 
-    async def _save(self) -> None:
-        """Write the registry if it changed; later callers share one write. Errors are logged."""
+    def _put_row(self, doc: StoredDocument) -> None:
+        assert self.store is not None
+        self.store.put(doc)
+
+    def _delete_row(self, namespace: str, doc_id: str) -> None:
+        assert self.store is not None
+        self.store.delete(namespace, doc_id)
+
+    async def _store_call(self, what: str, call: Any, *args: Any) -> None:
+        """Run a registry write on the registry thread; errors are logged, never raised.
+
+        NOTE: an upload or delete whose row could not be written still succeeds in memory:
+        the document is served until the restart that forgets (or restores) it."""
         if self.store is None:
             return
-        wanted = self._changes
-        async with self._save_lock:
-            if self._saved_changes >= wanted:
-                return
-            snapshot = self._changes
-            docs = [doc.stored() for doc in self._docs.values()] + self._dormant
-            try:
-                await asyncio.get_running_loop().run_in_executor(None, self.store.save, docs)
-            except OSError as exc:
-                logger.warning("document registry %s not saved: %s", self.store.path, exc)
-                return
-            self._saved_changes = snapshot
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._store_thread, call, *args)
+        except (OSError, sqlite3.Error) as exc:
+            logger.warning("document registry %s: document not %s: %s", self.store.path, what, exc)
 
     async def close(self) -> None:
         tasks = [doc.task for doc in self._docs.values() if doc.task is not None]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self.store is not None:
+            await asyncio.get_running_loop().run_in_executor(self._store_thread, self.store.close)
+        self._store_thread.shutdown(wait=False)

@@ -1,0 +1,88 @@
+"""The registry's table and how one document becomes one row and back.
+
+A row's ``checksum`` (xxh3-64) covers every other field, so a row whose bytes were
+damaged on disk is caught when read even where SQLite's own structure still looks fine.
+Token ids are stored as little-endian uint32.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from array import array
+from typing import Any
+
+import xxhash
+
+from ragserve.server.stored_document import StoredDocument
+
+SCHEMA_VERSION = 1
+SCHEMA = (
+    """CREATE TABLE IF NOT EXISTS documents (
+        row INTEGER PRIMARY KEY AUTOINCREMENT,
+        model TEXT NOT NULL,
+        namespace TEXT NOT NULL,
+        id TEXT NOT NULL,
+        token_ids BLOB NOT NULL,
+        metadata TEXT NOT NULL,
+        created INTEGER NOT NULL,
+        expire_time REAL,
+        checksum TEXT NOT NULL,
+        UNIQUE (model, namespace, id)
+    )""",
+)
+_ID = re.compile(r"[0-9a-f]{32}")
+Row = tuple[Any, ...]
+
+
+class RowError(ValueError):
+    """A row that is not a valid document (damaged or written by something else)."""
+
+
+def encode_row(model: str, doc: StoredDocument) -> Row:
+    """The column values after ``row``, in table order."""
+    tokens = array("I", doc.token_ids)
+    if sys.byteorder == "big":
+        tokens.byteswap()
+    blob = tokens.tobytes()
+    metadata = json.dumps(doc.metadata, separators=(",", ":"), sort_keys=True)
+    expire = float(doc.expire_time) if doc.expire_time is not None else None
+    digest = _checksum(model, doc.namespace, doc.id, blob, metadata, doc.created, expire)
+    return (model, doc.namespace, doc.id, blob, metadata, doc.created, expire, digest)
+
+
+def decode_row(row: Row) -> StoredDocument:
+    """A row as selected (``row`` first, then the columns of :func:`encode_row`).
+    Raises RowError when any field is malformed or the checksum does not match."""
+    if len(row) != 9:
+        raise RowError(f"{len(row)} columns, expected 9")
+    _, model, namespace, doc_id, blob, metadata, created, expire, digest = row
+    if not (isinstance(model, str) and isinstance(namespace, str) and isinstance(doc_id, str)):
+        raise RowError("a key column is not text")
+    if not (isinstance(blob, bytes) and isinstance(metadata, str) and type(created) is int):
+        raise RowError("a value column has the wrong type")
+    if not (expire is None or isinstance(expire, float)):
+        raise RowError("expire_time is not a number")
+    if digest != _checksum(model, namespace, doc_id, blob, metadata, created, expire):
+        raise RowError(f"checksum mismatch for document {doc_id[:32]!r} (damaged row)")
+    if _ID.fullmatch(doc_id) is None or not blob or len(blob) % 4:
+        raise RowError("malformed id or token ids")
+    tokens = array("I")
+    tokens.frombytes(blob)
+    if sys.byteorder == "big":
+        tokens.byteswap()
+    try:
+        parsed = json.loads(metadata)
+    except ValueError as exc:
+        raise RowError(f"metadata is not JSON ({exc})") from None
+    if not isinstance(parsed, dict):
+        raise RowError("metadata is not an object")
+    return StoredDocument(doc_id, namespace, tokens.tolist(), parsed, created, expire)
+
+
+def _checksum(
+    model: str, namespace: str, doc_id: str, blob: bytes, metadata: str, created: int, expire: float | None
+) -> str:
+    head = json.dumps([model, namespace, doc_id, metadata, created, expire]).encode()
+    return xxhash.xxh3_64_hexdigest(head + b"\x00" + blob)
