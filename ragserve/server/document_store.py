@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from ragserve.server.legacy_registry import legacy_path, read_legacy
+from ragserve.server.registry_repair import check
 from ragserve.server.registry_rows import (
     SCHEMA,
     SCHEMA_VERSION,
@@ -68,8 +69,6 @@ class DocumentStore:
 
         Never raises for a damaged or foreign file; raises OSError when the directory
         cannot be created."""
-        from ragserve.server.registry_repair import check_and_repair
-
         self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
         problems: list[str] = []
         with self._lock:
@@ -78,9 +77,11 @@ class DocumentStore:
             except sqlite3.DatabaseError as exc:
                 problems.append(f"cannot be opened ({exc}); started afresh")
                 self._db = self._start_afresh()
-            problems += check_and_repair(self)
-            if self._db is None:  # repair replaced the file: connect to the new one
+            found, intact = check(self._db)
+            if intact is not None:  # damaged: rebuild from the intact rows, reconnect
+                self.replace_with(intact)
                 self._db = self._connect()
+            problems += found
         problems += self._migrate_legacy()
         for problem in problems:
             logger.warning("document registry %s: %s", self.path, problem)
@@ -123,7 +124,7 @@ class DocumentStore:
 
     def replace_with(self, rows: list[tuple[Any, ...]]) -> None:
         """Swap the database for a fresh one holding ``rows`` (raw, already checked).
-        Lock held by the caller; leaves ``self._db`` None (``open`` reconnects)."""
+        Lock held by the caller; leaves ``self._db`` None (the caller reconnects)."""
         if self._db is not None:
             self._db.close()
             self._db = None
@@ -145,10 +146,6 @@ class DocumentStore:
         for suffix in ("-wal", "-shm"):
             self.path.with_name(FILENAME + suffix).unlink(missing_ok=True)
         os.replace(fresh, self.path)
-
-    @property
-    def connection(self) -> sqlite3.Connection | None:
-        return self._db
 
     def _migrate_legacy(self) -> list[str]:
         path = legacy_path(self.directory, self.model)

@@ -14,32 +14,25 @@ repair happens there rather than behind every write.
 from __future__ import annotations
 
 import sqlite3
-from typing import TYPE_CHECKING
 
 from ragserve.server.registry_rows import Row, RowError, decode_row
-
-if TYPE_CHECKING:
-    from ragserve.server.document_store import DocumentStore
 
 _MAX_REPORTED = 5
 
 
-def check_and_repair(store: DocumentStore) -> list[str]:
-    """Problems found (empty when the database is intact). Lock held by the caller."""
-    db = store.connection
-    assert db is not None
+def check(db: sqlite3.Connection) -> tuple[list[str], list[Row] | None]:
+    """(problems found, the intact rows to rebuild the database from); (``[]``, None) when
+    the database is intact. Rows come without their ``row`` column, in rowid order."""
     try:
         report = [str(line[0]) for line in db.execute("PRAGMA integrity_check").fetchall()]
     except sqlite3.DatabaseError as exc:
         report = [str(exc)]
     if report == ["ok"]:
-        return []
+        return [], None
     detail = "; ".join(report[:_MAX_REPORTED]) + (" …" if len(report) > _MAX_REPORTED else "")
     kept, lost = _salvage(db)
-    store.replace_with([row[1:] for row in kept])
-    return [
-        f"integrity check failed ({detail}); {len(kept)} rows kept, {lost} damaged rows dropped"
-    ]
+    problem = f"integrity check failed ({detail}); {len(kept)} rows kept, {lost} damaged rows dropped"
+    return [problem], [row[1:] for row in kept]
 
 
 def _salvage(db: sqlite3.Connection) -> tuple[list[Row], int]:
