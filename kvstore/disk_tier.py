@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 
@@ -27,6 +27,7 @@ from kvstore.disk_index import (
 )
 from kvstore.disk_reader import DiskReader
 from kvstore.disk_writer import DiskWriter
+from kvstore.record_format import RecordError, read_head_file
 from kvstore.tier import (
     BlockLike,
     BlockRecordKey,
@@ -161,6 +162,31 @@ class DiskTier(KVTier):
 
     def discard(self, meta: BlockLike) -> bool:
         return self._index.discard(record_key(meta))
+
+    def block_links(self, fingerprint: str) -> list[tuple[bytes, bytes | None]]:
+        """Reads the header of every record under ``fingerprint`` (other processes' too);
+        records that cannot be read are left out."""
+        if not self._usable():
+            return []
+        self.flush()
+        links = []
+        for path in self._index.record_paths(fingerprint):
+            try:
+                header = read_head_file(path)
+            except (OSError, RecordError):
+                continue
+            links.append((header.block_hash, header.parent_hash))
+        return links
+
+    def purge(self, fingerprint: str, hashes: Collection[bytes]) -> int:
+        """Waits for queued writes first, so none of them lands after the purge.
+
+        NOTE: files are unlinked whether or not this process indexed them: another
+        process sharing the directory may have written them."""
+        if self._closed:
+            return 0
+        self.flush()
+        return self._index.purge([BlockRecordKey(fingerprint, h) for h in hashes])
 
     def lru_keys(self) -> list[BlockRecordKey]:
         """Indexed records, least recently used first."""

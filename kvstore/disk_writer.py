@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from kvstore.disk_index import DiskIndex
-from kvstore.record_format import encode_head, tensor_bytes, write_record_file
+from kvstore.record_format import DIR_MODE, encode_head, tensor_bytes, write_record_file
 from kvstore.tier import BlockLike, BlockRecordKey, TierMetrics
 from kvstore.warn_once import WarnOnce
 
@@ -189,7 +189,7 @@ class DiskWriter:
     def _write_file(self, key: BlockRecordKey, head: bytes, payload: memoryview) -> None:
         directory = os.path.join(self.index.root, key.fingerprint)
         if directory not in self._made_dirs:
-            os.makedirs(directory, exist_ok=True)
+            os.makedirs(directory, mode=DIR_MODE, exist_ok=True)
             self._made_dirs.add(directory)
         try:
             write_record_file(directory, key.block_hash.hex(), head, payload, fsync=self.fsync)

@@ -37,6 +37,9 @@ FORMAT_VERSION = 1
 PREFIX = struct.Struct("<8sIQ")
 MAX_HEADER_BYTES = 1 << 20
 RECORD_SUFFIX = ".kv"
+# NOTE: records hold a tenant's token ids and KV: private to the server's user.
+FILE_MODE = 0o600
+DIR_MODE = 0o700
 TEMP_SUFFIX = ".tmp"
 
 RecordErrorKind = Literal["corrupt", "foreign", "mismatch"]
@@ -255,7 +258,7 @@ def write_record_file(
 ) -> None:
     """Create ``<directory>/<name>.kv`` atomically; no partial file ever has that name."""
     temp = os.path.join(directory, f".{name}.{os.getpid()}.{secrets.token_hex(4)}{TEMP_SUFFIX}")
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
     try:
         # NOTE: the lock tells a starting process that this temp file is alive.
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -277,6 +280,20 @@ def write_record_file(
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
+
+
+def read_head_file(path: str) -> RecordHeader:
+    """The verified header of the record file at ``path`` (the payload is not read).
+
+    Raises RecordError for a damaged head, OSError when the file cannot be read."""
+    with open(path, "rb") as handle:
+        prefix = handle.read(PREFIX.size)
+        if len(prefix) < PREFIX.size:
+            raise RecordError("corrupt", "file shorter than the prefix")
+        header_len = PREFIX.unpack_from(prefix, 0)[1]
+        if header_len > MAX_HEADER_BYTES:
+            raise RecordError("corrupt", f"header length {header_len} is too large")
+        return decode_head(prefix + handle.read(header_len))
 
 
 def remove_abandoned_temp(path: str) -> bool:

@@ -214,6 +214,21 @@ class TierStack:
         if self._durable.put(identity, self.kv_cache[block], blocking=blocking):
             self.traffic.persisted += 1
 
+    # -- purge ------------------------------------------------------------------------------
+    def block_links(self, fingerprint: str) -> list[tuple[bytes, bytes | None]]:
+        """(hash, parent hash) of the blocks every tier holds under salt ``fingerprint``."""
+        return [link for tier in self.tiers for link in tier.block_links(fingerprint)]
+
+    def purge(self, fingerprint: str, hashes: set[bytes]) -> dict[str, int]:
+        """Remove ``hashes`` from every tier, top down, and from the write-through backlog;
+        returns the blocks removed per tier.
+
+        NOTE: top down, because an upper tier hands its evictions to the one below: once
+        the CPU tier has dropped a block, no later eviction can carry it to disk."""
+        for block_hash in hashes:
+            self._backlog.pop(block_hash, None)
+        return {tier.name: tier.purge(fingerprint, hashes) for tier in self.tiers}
+
     # -- lifetime ---------------------------------------------------------------------------
     def flush(self) -> None:
         """Wait until every tier has stored what it accepted (queued disk writes)."""

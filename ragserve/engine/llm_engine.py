@@ -17,7 +17,7 @@ import torch
 from kernels.registry import get_backend
 from kvstore.block_pool import BlockPool
 from kvstore.device_cache import KVCacheSpec
-from kvstore.hashing import make_salt
+from kvstore.hashing import hash_full_blocks, make_salt
 from kvstore.kv_cache_manager import KVAllocation, KVCacheManager
 from kvstore.tier import TierMetrics
 from kvstore.tier_stack import TierStack, TierTraffic
@@ -454,6 +454,28 @@ class LLMEngine:
             return False
         self.kv_manager.free(alloc)
         return True
+
+    def purge_prefix(
+        self, token_ids: list[int], namespace: str = "", keep: list[list[int]] | None = None
+    ) -> dict[str, int]:
+        """Remove the cached full blocks of ``token_ids`` for good: from the prefix cache
+        (without demoting them) and every tier, with every block that follows them in a
+        chain; blocks that a sequence of ``keep`` (same namespace) also has stay.
+
+        Returns blocks removed: ``device`` (prefix-cache entries) and one count per tier.
+        Unpin first: a pinned block stays with its pin, only unindexed."""
+        salt = self.salt_for(namespace)
+        size = self.config.block_size
+        owned = hash_full_blocks(salt, token_ids, size)
+        kept = {h for other in keep or () for h in hash_full_blocks(salt, other, size)}
+        counts = self.kv_manager.purge(salt, owned, kept)
+        return {"device": counts.device, **counts.tiers}
+
+    def locate_prefix(self, token_ids: list[int], namespace: str = "") -> dict[str, int]:
+        """Full blocks of ``token_ids`` held now: ``device`` and one count per tier."""
+        salt = self.salt_for(namespace)
+        hashes = hash_full_blocks(salt, token_ids, self.config.block_size)
+        return self.kv_manager.locate(salt, hashes)
 
     def kv_usage(self) -> dict[str, int]:
         """Device blocks: total, in use by requests, pinned, cached (indexed), free."""

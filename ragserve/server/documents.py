@@ -259,7 +259,21 @@ class DocumentService:
             # pin that a just-cancelled ingestion had already queued.
             await self.engine.unpin_prefix(doc.pin_id)
         await self._store_call("deleted", self._delete_row, doc.namespace, doc.id)
+        await self._purge(doc)
         return doc
+
+    async def _purge(self, doc: RegisteredDocument) -> None:
+        """Remove the document's own KV from every tier; blocks another live document of
+        its tenant shares stay. Errors are logged: the document is gone either way."""
+        if not self.engine.is_alive:
+            return
+        keep = [other.prefix_ids for other in self.list_for(doc.namespace)]
+        try:
+            removed = await self.engine.purge_prefix(doc.prefix_ids, doc.namespace, keep)
+        except Exception as exc:  # NOTE: a failed purge must not fail the DELETE
+            logger.warning("document %s: KV purge failed: %s", doc.id, exc)
+            return
+        logger.info("document %s: KV purged (%s blocks)", doc.id, removed)
 
     # -- persistence -----------------------------------------------------------------------
     async def restore(self, tenants: set[str]) -> int:
