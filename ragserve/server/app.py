@@ -82,7 +82,9 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> web.A
     app[CONFIG] = config
     app[METRICS] = metrics
     app[PROMPTS] = prompts
-    app[DOCUMENTS] = DocumentService(engine, prompts, admission, document_store(engine.info))
+    app[DOCUMENTS] = DocumentService(
+        engine, prompts, admission, document_store(engine.info), config.document_ttl
+    )
     app[MODEL_NAME] = config.served_model_name or engine.model_name
     app[STARTED_AT] = int(time.time())
     app[DRAINING] = asyncio.Event()

@@ -43,6 +43,11 @@ class ServerConfig:
     completion_default_max_tokens: int = option(
         16, help="/v1/completions' max_tokens when not given (OpenAI's default)", cli=False
     )
+    document_ttl: float | None = option(
+        None,
+        help="seconds a document lives when its upload gives no ttl or expire_time "
+        "(default: documents never expire)",
+    )
     shutdown_timeout: float = option(
         10.0, help="seconds running requests get to finish on SIGTERM/SIGINT"
     )
@@ -70,6 +75,8 @@ class ServerConfig:
             )
         if not self.engine_stall_seconds > 0:
             raise ValueError(f"engine_stall_seconds must be > 0, got {self.engine_stall_seconds}")
+        if self.document_ttl is not None and not self.document_ttl > 0:
+            raise ValueError(f"document_ttl must be > 0 seconds, got {self.document_ttl}")
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
         for key in self.api_keys:

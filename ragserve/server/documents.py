@@ -34,6 +34,8 @@ from ragserve.engine.async_engine import AsyncEngine
 from ragserve.sampling_params import SamplingParams
 from ragserve.server.admission import WorkAdmission
 from ragserve.server.admission_checks import check_work
+from ragserve.server.document_expiry import ExpirySweeper
+from ragserve.server.document_lifecycle import DocumentPatch, expire_time_from, rfc3339
 from ragserve.server.document_store import DocumentStore
 from ragserve.server.errors import APIError, bad_request
 from ragserve.server.prompts import PromptBuilder
@@ -78,6 +80,7 @@ class RegisteredDocument:
     status: Status = "ingesting"
     error: str | None = None
     pinned_tokens: int = 0
+    expire_time: float | None = None  # Unix seconds; None: never expires
     task: asyncio.Task[None] | None = field(default=None, repr=False)
 
     @property
@@ -85,13 +88,22 @@ class RegisteredDocument:
         return f"doc-{self.id}"
 
     def stored(self) -> StoredDocument:
-        return StoredDocument(self.id, self.namespace, self.token_ids, self.metadata, self.created)
+        return StoredDocument(
+            self.id, self.namespace, self.token_ids, self.metadata, self.created, self.expire_time
+        )
 
-    def to_json(self, block_size: int) -> dict[str, Any]:
-        return {
+    def expired(self, now: float) -> bool:
+        return self.expire_time is not None and self.expire_time <= now
+
+    def to_json(self, block_size: int, kv: dict[str, int] | None = None) -> dict[str, Any]:
+        """The API's view. ``kv``: full blocks of the document's prefix held now, per place
+        (``device``, then each tier); only ``GET /v1/documents/{id}`` looks them up."""
+        body = {
             "id": self.id,
             "object": "document",
             "created": self.created,
+            "create_time": rfc3339(self.created),
+            "expire_time": rfc3339(self.expire_time),
             "status": self.status,
             "tokens": len(self.token_ids),
             "prefix_tokens": len(self.prefix_ids),
@@ -100,6 +112,9 @@ class RegisteredDocument:
             "metadata": self.metadata,
             "error": self.error,
         }
+        if kv is not None:
+            body["kv_blocks"] = kv
+        return body
 
 
 class DocumentService:
@@ -115,12 +130,15 @@ class DocumentService:
         prompts: PromptBuilder,
         admission: WorkAdmission | None = None,
         store: DocumentStore | None = None,
+        default_ttl: float | None = None,
     ) -> None:
         self.engine = engine
         self.prompts = prompts
         self.admission = admission
         self.store = store
         self.block_size = engine.info.block_size
+        self.default_ttl = default_ttl
+        self.expiry = ExpirySweeper(self._expiring, self._expire)
         self._docs: dict[tuple[str, str], RegisteredDocument] = {}
         self._ids = itertools.count()
         # NOTE: one thread, so registry writes happen in the order they were asked for
@@ -129,7 +147,7 @@ class DocumentService:
 
     def get(self, namespace: str, doc_id: str, param: str = "id") -> RegisteredDocument:
         doc = self._docs.get((namespace, check_document_id(doc_id, param)))
-        if doc is None:
+        if doc is None or doc.expired(time.time()):  # NOTE: expired is gone, swept or not
             raise APIError(
                 404, f"document {doc_id} not found", param=param, code="document_not_found"
             )
@@ -168,12 +186,23 @@ class DocumentService:
     def existing(self, namespace: str, text: str) -> RegisteredDocument | None:
         """The live document holding exactly this text, if any (a failed one does not count)."""
         doc = self._docs.get((namespace, document_id(namespace, text)))
-        return doc if doc is not None and doc.status != "failed" else None
+        if doc is None or doc.status == "failed" or doc.expired(time.time()):
+            return None
+        return doc
 
     async def add(
-        self, namespace: str, text: str, metadata: dict[str, Any]
+        self,
+        namespace: str,
+        text: str,
+        metadata: dict[str, Any],
+        ttl: float | None = None,
+        expire_time: float | str | None = None,
     ) -> tuple[RegisteredDocument, bool]:
-        """Register and start ingesting; returns (document, whether it is new)."""
+        """Register and start ingesting; returns (document, whether it is new).
+
+        ``ttl`` / ``expire_time``: see :mod:`ragserve.server.document_lifecycle`; an
+        upload of a known text keeps the known document as it is."""
+        expires = expire_time_from(ttl, expire_time, time.time(), self.default_ttl)
         existing = self.existing(namespace, text)
         if existing is not None:
             return existing, False
@@ -186,7 +215,11 @@ class DocumentService:
         if self.admission is not None:
             check_work(self.admission, len(prefix_ids), 1)
         doc_id = document_id(namespace, text)
+        stale = self._docs.get((namespace, doc_id))
+        if stale is not None:  # expired (not swept yet) or failed: it goes first, like a DELETE
+            await self.remove(namespace, doc_id, even_expired=True)
         doc = RegisteredDocument(doc_id, namespace, token_ids, prefix_ids, metadata, int(time.time()))
+        doc.expire_time = expires
         self._register(doc)
         logger.info("document %s: %d tokens, ingesting", doc_id, len(token_ids))
         await self._store_call("saved", self._put_row, doc.stored())
@@ -248,8 +281,35 @@ class DocumentService:
             pinned,
         )
 
-    async def remove(self, namespace: str, doc_id: str) -> RegisteredDocument:
+    async def update(self, namespace: str, doc_id: str, patch: DocumentPatch) -> RegisteredDocument:
+        """PATCH: change the expiry and/or the metadata; the row is rewritten before return."""
         doc = self.get(namespace, doc_id)
+        fields = patch.model_fields_set
+        if "ttl" in fields or "expire_time" in fields:
+            if patch.ttl is None and patch.expire_time is None:
+                doc.expire_time = None  # null: never expires
+            else:
+                doc.expire_time = expire_time_from(patch.ttl, patch.expire_time, time.time())
+        if patch.metadata is not None:
+            doc.metadata = patch.metadata
+        await self._store_call("saved", self._put_row, doc.stored())
+        return doc
+
+    def _expiring(self) -> list[tuple[str, str, float]]:
+        return [
+            (doc.namespace, doc.id, doc.expire_time)
+            for doc in self._docs.values()
+            if doc.expire_time is not None
+        ]
+
+    async def remove(
+        self, namespace: str, doc_id: str, even_expired: bool = False
+    ) -> RegisteredDocument:
+        """Unpin, delete the row, purge the KV (see ``_purge``). ``even_expired``: the
+        expiry sweep's call (``get`` treats an expired document as absent)."""
+        doc = self._docs.get((namespace, doc_id)) if even_expired else None
+        if doc is None:
+            doc = self.get(namespace, doc_id)
         del self._docs[(namespace, doc.id)]
         if doc.task is not None and not doc.task.done():
             doc.task.cancel()
@@ -261,6 +321,9 @@ class DocumentService:
         await self._store_call("deleted", self._delete_row, doc.namespace, doc.id)
         await self._purge(doc)
         return doc
+
+    async def _expire(self, namespace: str, doc_id: str) -> None:
+        await self.remove(namespace, doc_id, even_expired=True)
 
     async def _purge(self, doc: RegisteredDocument) -> None:
         """Remove the document's own KV from every tier; blocks another live document of
@@ -283,16 +346,21 @@ class DocumentService:
         Never raises for a damaged database or row (see
         :mod:`ragserve.server.document_store`): what is damaged is reported and dropped.
         """
+        self.expiry.start()
         if self.store is None:
             return 0
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._store_thread, self.store.open)
         stored = await loop.run_in_executor(self._store_thread, self.store.load)
         restored = 0
+        now = time.time()
         for entry in stored:
             if entry.namespace not in tenants or (entry.namespace, entry.id) in self._docs:
                 continue
             prefix_ids = self.prompts.document_prefix(entry.token_ids)
+            if entry.expire_time is not None and entry.expire_time <= now:
+                await self._drop_expired(entry, prefix_ids)
+                continue
             try:
                 self._check_fits(len(entry.token_ids), len(prefix_ids))
             except APIError as exc:
@@ -301,6 +369,7 @@ class DocumentService:
             doc = RegisteredDocument(
                 entry.id, entry.namespace, entry.token_ids, prefix_ids, entry.metadata, entry.created
             )
+            doc.expire_time = entry.expire_time
             self._register(doc)
             restored += 1
         if stored:
@@ -309,6 +378,15 @@ class DocumentService:
                 self.store.path, restored, len(stored) - restored,
             )  # fmt: skip
         return restored
+
+    async def _drop_expired(self, entry: StoredDocument, prefix_ids: list[int]) -> None:
+        """A stored document that expired while no server ran: row and KV go now."""
+        await self._store_call("deleted", self._delete_row, entry.namespace, entry.id)
+        doc = RegisteredDocument(
+            entry.id, entry.namespace, entry.token_ids, prefix_ids, entry.metadata, entry.created
+        )
+        await self._purge(doc)
+        logger.info("document %s expired while the server was down; deleted", entry.id)
 
     def _put_row(self, doc: StoredDocument) -> None:
         assert self.store is not None
@@ -331,6 +409,7 @@ class DocumentService:
             logger.warning("document registry %s: document not %s: %s", self.store.path, what, exc)
 
     async def close(self) -> None:
+        await self.expiry.stop()
         tasks = [doc.task for doc in self._docs.values() if doc.task is not None]
         for task in tasks:
             task.cancel()
