@@ -184,14 +184,20 @@ class LLMEngine:
 
     def _open_tiers(self) -> TierStack | None:
         config = self.config
-        if not config.enable_prefix_caching or (config.kv_cpu_gib <= 0 and config.kv_disk_gib <= 0):
+        disk_gib = config.disk_tier_gib
+        if not config.enable_prefix_caching or (config.kv_cpu_gib <= 0 and disk_gib <= 0):
             return None
+        if config.kv_disk_gib is None and disk_gib > 0:
+            logger.info(
+                "disk KV tier on in %s with the default budget of %g GiB (--kv-disk-gib sets it)",
+                config.kv_disk_dir, disk_gib,
+            )  # fmt: skip
         try:
             return TierStack.from_budgets(
                 self.kv_cache,
                 self.block_pool,
                 cpu_gib=config.kv_cpu_gib,
-                disk_gib=config.kv_disk_gib,
+                disk_gib=disk_gib,
                 disk_dir=config.kv_disk_dir,
             )
         except OSError as exc:

@@ -72,7 +72,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> web.A
             request_id_middleware,
             make_metrics_middleware(metrics),
             error_middleware,
-            make_auth_middleware(config.api_keys),
+            make_auth_middleware(config.api_keys, config.metrics_key),
         ],
     )
     prompts = PromptBuilder(engine.tokenizer)

@@ -23,6 +23,11 @@ class ServerConfig:
         help="require 'Authorization: Bearer KEY' on /v1; repeat for more tenants",
         flag="--api-key",
     )
+    metrics_key: str | None = option(
+        None,
+        help="a key that opens /metrics alone (for a scraper); with --api-key set, /metrics "
+        "needs an API key or this one",
+    )
     served_model_name: str | None = option(
         None, help="the model name clients use (default: the engine's)"
     )
@@ -82,5 +87,11 @@ class ServerConfig:
         for key in self.api_keys:
             if not key or any(c.isspace() for c in key):
                 raise ValueError("API keys must be non-empty and contain no whitespace")
+        if self.metrics_key is not None and (
+            not self.metrics_key or any(c.isspace() for c in self.metrics_key)
+        ):
+            raise ValueError("the metrics key must be non-empty and contain no whitespace")
+        if self.metrics_key is not None and self.metrics_key in self.api_keys:
+            raise ValueError("the metrics key must differ from every API key")
         if len(set(self.api_keys)) != len(self.api_keys):
             raise ValueError("the same API key was given twice")
