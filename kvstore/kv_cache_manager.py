@@ -30,6 +30,8 @@ class KVAllocation:
     block_hashes: list[BlockHash] = field(default_factory=list)
     num_registered: int = 0  # leading blocks already indexed in the prefix cache
     persist: bool = False  # write computed blocks through to disk at once
+    # Blocks loaded into this allocation from each tier (by tier name), over its life.
+    loaded_blocks: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -172,7 +174,7 @@ class KVCacheManager:
             return 0
         # NOTE: allocating may evict cached device blocks (demoting them), never live ones.
         blocks = self.pool.allocate(len(run))
-        loaded = self.tiers.load_many(run, blocks)
+        loaded = self.tiers.load_many(run, blocks, served=alloc.loaded_blocks)
         self.pool.release(blocks[loaded:])
         for block, identity in zip(blocks[:loaded], run, strict=False):
             self.pool.register(block, identity)

@@ -134,13 +134,19 @@ class TierStack:
         """Some tier indexes the block (no payload read; a load may still miss)."""
         return any(tier.contains(identity) for tier in self.tiers)
 
-    def load_many(self, identities: Sequence[BlockIdentity], blocks: Sequence[int]) -> int:
+    def load_many(
+        self,
+        identities: Sequence[BlockIdentity],
+        blocks: Sequence[int],
+        served: dict[str, int] | None = None,
+    ) -> int:
         """Load ``identities[i]`` into device block ``blocks[i]`` as one batch.
 
         Returns how many leading blocks were loaded and verified: the caller uses
         ``blocks[:n]`` and must treat the rest (from the first miss on) as garbage, even
         where a later block happened to load. The copies are queued on the device's current
         stream, so work queued there afterwards (the forward pass) sees the loaded blocks.
+        ``served``, when given, gains the blocks served per tier name.
         """
         if len(identities) != len(blocks):
             raise ValueError(f"{len(identities)} blocks to load but {len(blocks)} device blocks")
@@ -150,10 +156,14 @@ class TierStack:
         sources = self._load_rows(identities, blocks)
         self.traffic.load_seconds += time.perf_counter() - started
         loaded = next((i for i, source in enumerate(sources) if source is None), len(sources))
-        served = Counter(sources[:loaded])
-        self.traffic.loaded_from_cpu += served["cpu"]
-        self.traffic.loaded_from_disk += served["disk"]
+        per_tier = Counter(sources[:loaded])
+        self.traffic.loaded_from_cpu += per_tier["cpu"]
+        self.traffic.loaded_from_disk += per_tier["disk"]
         self.traffic.discarded_loads += sum(source is not None for source in sources[loaded:])
+        if served is not None:
+            for name, count in per_tier.items():
+                if name is not None:
+                    served[name] = served.get(name, 0) + count
         return loaded
 
     def _load_rows(

@@ -764,6 +764,7 @@ class LLMEngine:
             for seq in request.seqs
         ]
         metrics = {"arrival_time": request.arrival_time}
+        cached = max(0, min(seq.num_cached_tokens for seq in request.seqs))
         if request.first_token_time is not None:
             metrics["first_token_time"] = request.first_token_time
         return RequestOutput(
@@ -772,9 +773,22 @@ class LLMEngine:
             prompt_token_ids=request.prompt_token_ids,
             outputs=completions,
             finished=request.finished,
-            num_cached_tokens=max(0, min(seq.num_cached_tokens for seq in request.seqs)),
+            num_cached_tokens=cached,
+            cached_tokens_by_tier=_by_tier(cached, request.seqs[0].kv.loaded_blocks, self.config.block_size),
             metrics=metrics,
         )
+
+
+def _by_tier(cached: int, loaded_blocks: dict[str, int], block_size: int) -> dict[str, int]:
+    """Split ``cached`` prompt tokens into those loaded from each tier and the rest, which
+    were on the device already. NOTE: a preempted sequence may load a block twice; the
+    split is capped so that it always sums to ``cached``."""
+    split: dict[str, int] = {}
+    left = cached
+    for name, blocks in sorted(loaded_blocks.items()):
+        split[name] = min(left, blocks * block_size)
+        left -= split[name]
+    return {"device": left, **split}
 
 
 def _restore(requests: list[SampleRequest], states: list[torch.Tensor | None]) -> None:

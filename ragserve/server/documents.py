@@ -153,6 +153,10 @@ class DocumentService:
             )
         return doc
 
+    def known(self, namespace: str, doc_id: str) -> RegisteredDocument | None:
+        """The registered document, expired or not; None when unknown (never raises)."""
+        return self._docs.get((namespace, doc_id))
+
     def list_for(self, namespace: str) -> list[RegisteredDocument]:
         docs = [doc for (ns, _), doc in self._docs.items() if ns == namespace]
         return sorted(docs, key=lambda doc: (doc.created, doc.id))

@@ -69,6 +69,17 @@ def test_get_shows_times_tokens_and_kv_places(server: ServerProcess) -> None:
     full = get(server, doc["id"]).json()
     assert full["tokens"] == doc["tokens"] and full["status"] == "ready"
     assert full["kv_blocks"]["device"] == doc["prefix_tokens"] // BLOCK_SIZE
+    body = {
+        "messages": [{"role": "user", "content": "Which lane is runner 3 in?"}],
+        "documents": [doc["id"]],
+        "max_tokens": 2,
+    }
+    answer = requests.post(f"{server.url}/v1/chat/completions", json=body, headers=AUTH, timeout=120)
+    assert answer.status_code == 200, answer.text
+    usage = answer.json()["usage"]
+    cached = usage["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= doc["prefix_tokens"] // BLOCK_SIZE * BLOCK_SIZE
+    assert usage["ragserve_cache"] == {"cached_tokens_by_tier": {"device": cached}, "documents": []}
 
 
 @pytest.mark.e2e
