@@ -27,6 +27,7 @@ from kvstore.disk_index import (
 )
 from kvstore.disk_reader import DiskReader
 from kvstore.disk_writer import DiskWriter
+from kvstore.record_cipher import RecordCipher
 from kvstore.record_format import RecordError, read_head_file
 from kvstore.tier import (
     BlockLike,
@@ -71,6 +72,7 @@ class DiskTier(KVTier):
         disk_full_retry_s: float = 30.0,
         fsync: bool = True,
         disable_on_error: bool = False,
+        cipher: RecordCipher | None = None,
     ) -> None:
         self.block_shape = check_block_shape(block_shape)
         self.dtype = dtype
@@ -85,7 +87,7 @@ class DiskTier(KVTier):
         self.root = resolve_disk_dir(directory)
         self.capacity_bytes = int(capacity_bytes)
         self._index = DiskIndex(self.root, self.capacity_bytes)
-        self._reader = DiskReader(self._index, self.block_shape, dtype, num_readers)
+        self._reader = DiskReader(self._index, self.block_shape, dtype, num_readers, cipher)
         self._writer = DiskWriter(
             self._index,
             self.block_shape,
@@ -94,6 +96,7 @@ class DiskTier(KVTier):
             max_pending_writes=max_pending_writes,
             disk_full_retry_s=disk_full_retry_s,
             fsync=fsync,
+            cipher=cipher,
         )
         self._closed = False
         self._disabled = False

@@ -31,6 +31,7 @@ import torch
 from kvstore.block_pool import BlockIdentity, BlockPool
 from kvstore.cpu_tier import CpuTier
 from kvstore.disk_tier import DiskTier
+from kvstore.record_cipher import RecordCipher
 from kvstore.tier import BlockLike, EvictCallback, KVTier, TierMetrics
 
 GIB = 1 << 30
@@ -102,6 +103,7 @@ class TierStack:
         cpu_gib: float,
         disk_gib: float,
         disk_dir: str | os.PathLike[str] | None = None,
+        cipher: RecordCipher | None = None,
     ) -> TierStack:
         """A CPU tier over a disk tier from the engine's ``kv_cpu_gib`` / ``kv_disk_gib`` /
         ``kv_disk_dir``; a budget of 0 leaves that tier out (one must be positive).
@@ -113,7 +115,7 @@ class TierStack:
         if cpu_gib > 0:
             tiers.append(CpuTier(block_shape, dtype, int(cpu_gib * GIB)))
         if disk_gib > 0:
-            tiers.append(DiskTier(block_shape, dtype, int(disk_gib * GIB), disk_dir))
+            tiers.append(DiskTier(block_shape, dtype, int(disk_gib * GIB), disk_dir, cipher=cipher))
         return cls(tiers, kv_cache, pool)
 
     @property

@@ -53,6 +53,12 @@ class EngineConfig:
         help="disk tier for KV blocks, kept across restarts (default: "
         f"{DEFAULT_DISK_GIB:g} with --kv-disk-dir, else no disk tier; 0 turns it off)",
     )
+    kv_encryption_key_file: str | None = option(
+        None,
+        help="encrypt disk-tier records at rest (AES-256-GCM, a key derived per tenant) "
+        "under the key in this file (at least 32 bytes); a wrong or missing key only misses; "
+        "given alone it turns the disk tier on like --kv-disk-dir",
+    )
     kv_load_gib_per_step: float = option(
         1.0,
         help="KV loaded from the CPU/disk tiers per step, all sequences together "
@@ -95,6 +101,8 @@ class EngineConfig:
             raise ValueError(
                 "kv_disk_dir names a disk tier that kv_disk_gib=0 turns off; drop one of them"
             )
+        if self.kv_encryption_key_file and self.kv_disk_gib == 0:
+            raise ValueError("kv_encryption_key_file encrypts the disk tier that kv_disk_gib=0 turns off")
         if not self.enable_prefix_caching and (self.kv_cpu_gib > 0 or self.disk_tier_gib > 0):
             raise ValueError(
                 "the CPU and disk KV tiers hold prefix-cache blocks: they need prefix caching "
@@ -104,7 +112,7 @@ class EngineConfig:
     @property
     def disk_tier_gib(self) -> float:
         """The disk tier's budget: ``kv_disk_gib``, else ``DEFAULT_DISK_GIB`` when
-        ``kv_disk_dir`` is given, else 0 (no disk tier)."""
+        ``kv_disk_dir`` or ``kv_encryption_key_file`` asks for a disk tier, else 0 (none)."""
         if self.kv_disk_gib is not None:
             return self.kv_disk_gib
-        return DEFAULT_DISK_GIB if self.kv_disk_dir else 0.0
+        return DEFAULT_DISK_GIB if self.kv_disk_dir or self.kv_encryption_key_file else 0.0

@@ -19,6 +19,7 @@ from kvstore.block_pool import BlockPool
 from kvstore.device_cache import KVCacheSpec
 from kvstore.hashing import hash_full_blocks, make_salt
 from kvstore.kv_cache_manager import KVAllocation, KVCacheManager
+from kvstore.record_cipher import RecordCipher
 from kvstore.tier import TierMetrics
 from kvstore.tier_stack import TierStack, TierTraffic
 from ragserve.config import EngineConfig
@@ -190,8 +191,14 @@ class LLMEngine:
         if config.kv_disk_gib is None and disk_gib > 0:
             logger.info(
                 "disk KV tier on in %s with the default budget of %g GiB (--kv-disk-gib sets it)",
-                config.kv_disk_dir, disk_gib,
+                config.kv_disk_dir or "the default folder", disk_gib,
             )  # fmt: skip
+        cipher = None
+        if config.kv_encryption_key_file:
+            try:
+                cipher = RecordCipher.from_file(config.kv_encryption_key_file)
+            except (OSError, ValueError) as exc:
+                raise ValueError(f"the KV encryption key cannot be used: {exc}") from exc
         try:
             return TierStack.from_budgets(
                 self.kv_cache,
@@ -199,6 +206,7 @@ class LLMEngine:
                 cpu_gib=config.kv_cpu_gib,
                 disk_gib=disk_gib,
                 disk_dir=config.kv_disk_dir,
+                cipher=cipher,
             )
         except OSError as exc:
             raise ValueError(f"the KV disk directory cannot be used: {exc}") from exc

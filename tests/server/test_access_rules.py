@@ -68,11 +68,13 @@ def test_flag_combinations_are_meaningful_or_refused() -> None:
     assert EngineConfig(kv_disk_dir="/tmp/kv").disk_tier_gib == DEFAULT_DISK_GIB
     assert EngineConfig(kv_disk_dir="/tmp/kv", kv_disk_gib=0.5).disk_tier_gib == 0.5
     assert EngineConfig(kv_disk_gib=0.5).disk_tier_gib == 0.5  # the default folder
+    assert EngineConfig(kv_encryption_key_file="/tmp/key").disk_tier_gib == DEFAULT_DISK_GIB
     refused = [
         {"kv_disk_dir": "/tmp/kv", "kv_disk_gib": 0},
         {"enable_prefix_caching": False, "kv_cpu_gib": 1.0},
         {"enable_prefix_caching": False, "kv_disk_dir": "/tmp/kv"},
         {"kv_disk_gib": -1.0},
+        {"kv_encryption_key_file": "/tmp/key", "kv_disk_gib": 0},
     ]
     for fields in refused:
         with pytest.raises(ValueError):
