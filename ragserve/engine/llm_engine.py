@@ -283,6 +283,7 @@ class LLMEngine:
             attention_backend=attention_backend,
             cpu_tier_bytes=cpu.capacity_bytes if cpu is not None else None,
             disk_tier_dir=tiers.disk_dir,
+            disk_tier_key_file=config.kv_encryption_key_file if tiers.disk_dir else None,
             disk_tier_bytes=disk.capacity_bytes if disk is not None else None,
         )
 

@@ -28,6 +28,7 @@ from ragserve.server.admission import WorkAdmission
 from ragserve.server.auth import make_auth_middleware, tenant_name
 from ragserve.server.config import ServerConfig
 from ragserve.server.document_store import DocumentStore
+from ragserve.server.registry_cipher import RegistryCipher
 from ragserve.server.documents import DocumentService
 from ragserve.server.errors import error_middleware
 from ragserve.server.metrics import ServerMetrics, make_metrics_middleware
@@ -111,7 +112,11 @@ def document_store(info: EngineInfo) -> DocumentStore | None:
     """The registry file's home: the disk KV tier's directory, when the engine has one."""
     if info.disk_tier_dir is None:
         return None
-    return DocumentStore(info.disk_tier_dir, info.model_fingerprint)
+    cipher = None
+    if info.disk_tier_key_file is not None:
+        # NOTE: the engine already read this file at start-up; it is readable and long enough.
+        cipher = RegistryCipher.from_file(info.disk_tier_key_file)
+    return DocumentStore(info.disk_tier_dir, info.model_fingerprint, cipher)
 
 
 async def _engine_lifecycle(app: web.Application) -> AsyncIterator[None]:

@@ -31,11 +31,13 @@ from pathlib import Path
 from typing import Any
 
 from ragserve.server.legacy_registry import legacy_path, read_legacy
+from ragserve.server.registry_cipher import RegistryCipher
 from ragserve.server.registry_repair import check
 from ragserve.server.registry_rows import (
     SCHEMA,
     SCHEMA_VERSION,
     RowError,
+    RowLocked,
     decode_row,
     encode_row,
 )
@@ -56,9 +58,15 @@ class DocumentStore:
     only: its writes are logged and dropped.
     """
 
-    def __init__(self, directory: str | os.PathLike[str], model_fingerprint: str) -> None:
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        model_fingerprint: str,
+        cipher: RegistryCipher | None = None,
+    ) -> None:
         self.directory = Path(directory)
         self.model = model_fingerprint
+        self.cipher = cipher
         self.path = self.directory / FILENAME
         self._lock = threading.Lock()
         self._db: sqlite3.Connection | None = None
@@ -164,7 +172,8 @@ class DocumentStore:
             with self._lock:
                 db = self._require()
                 with _transaction(db):
-                    db.executemany(_INSERT_IF_ABSENT, [encode_row(self.model, d) for d in docs])
+                    rows = [encode_row(self.model, d, self.cipher) for d in docs]
+                    db.executemany(_INSERT_IF_ABSENT, rows)
         except sqlite3.Error as exc:
             return [*problems, f"migration of {path.name} failed ({exc}); it is kept"]
         path.unlink(missing_ok=True)
@@ -182,7 +191,9 @@ class DocumentStore:
             docs, damaged = [], []
             for row in raw:
                 try:
-                    docs.append(decode_row(row))
+                    docs.append(decode_row(row, self.cipher))
+                except RowLocked as exc:
+                    logger.warning("document registry %s: row %d kept, not served: %s", self.path, row[0], exc)
                 except RowError as exc:
                     logger.warning("document registry %s: row %d dropped: %s", self.path, row[0], exc)
                     damaged.append((row[0],))
@@ -196,7 +207,7 @@ class DocumentStore:
         with self._lock:
             db = self._require()
             with _transaction(db):
-                db.execute(_UPSERT, encode_row(self.model, doc))
+                db.execute(_UPSERT, encode_row(self.model, doc, self.cipher))
 
     def delete(self, namespace: str, doc_id: str) -> bool:
         """Delete one document's row; whether there was one. Raises sqlite3.Error."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import sqlite3
 
-from ragserve.server.registry_rows import Row, RowError, decode_row
+from ragserve.server.registry_rows import Row, RowError, RowLocked, decode_row
 
 _MAX_REPORTED = 5
 
@@ -54,6 +54,8 @@ def _salvage(db: sqlite3.Connection) -> tuple[list[Row], int]:
             continue  # deleted (or on a lost page: counted below when it shows)
         try:
             decode_row(row)
+        except RowLocked:
+            pass  # intact, sealed: kept for a server with the key
         except RowError:
             lost += 1
             continue

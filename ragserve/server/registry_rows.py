@@ -2,7 +2,9 @@
 
 A row's ``checksum`` (xxh3-64) covers every other field, so a row whose bytes were
 damaged on disk is caught when read even where SQLite's own structure still looks fine.
-Token ids are stored as little-endian uint32.
+Token ids are stored as little-endian uint32. With a :class:`RegistryCipher` the token ids
+and the metadata are sealed together into the ``token_ids`` column (prefixed ``SEALED``),
+and ``metadata`` holds ``{}``.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 
 import xxhash
 
+from ragserve.server.registry_cipher import RegistryCipher, SealedFieldError
 from ragserve.server.stored_document import StoredDocument
 
 SCHEMA_VERSION = 1
@@ -36,25 +39,36 @@ _ID = re.compile(r"[0-9a-f]{32}")
 Row = tuple[Any, ...]
 
 
+SEALED = b"SEALED1\x00"
+
+
 class RowError(ValueError):
     """A row that is not a valid document (damaged or written by something else)."""
 
 
-def encode_row(model: str, doc: StoredDocument) -> Row:
+class RowLocked(RowError):
+    """An intact row sealed under a key this server does not have: kept, not served."""
+
+
+def encode_row(model: str, doc: StoredDocument, cipher: RegistryCipher | None = None) -> Row:
     """The column values after ``row``, in table order."""
     tokens = array("I", doc.token_ids)
     if sys.byteorder == "big":
         tokens.byteswap()
     blob = tokens.tobytes()
     metadata = json.dumps(doc.metadata, separators=(",", ":"), sort_keys=True)
+    if cipher is not None:
+        inner = len(blob).to_bytes(8, "little") + blob + metadata.encode()
+        blob, metadata = SEALED + cipher.seal(doc.namespace, doc.id, inner), "{}"
     expire = float(doc.expire_time) if doc.expire_time is not None else None
     digest = _checksum(model, doc.namespace, doc.id, blob, metadata, doc.created, expire)
     return (model, doc.namespace, doc.id, blob, metadata, doc.created, expire, digest)
 
 
-def decode_row(row: Row) -> StoredDocument:
+def decode_row(row: Row, cipher: RegistryCipher | None = None) -> StoredDocument:
     """A row as selected (``row`` first, then the columns of :func:`encode_row`).
-    Raises RowError when any field is malformed or the checksum does not match."""
+    Raises RowError when any field is malformed or the checksum does not match, RowLocked
+    for an intact sealed row that ``cipher`` (or its absence) cannot open."""
     if len(row) != 9:
         raise RowError(f"{len(row)} columns, expected 9")
     _, model, namespace, doc_id, blob, metadata, created, expire, digest = row
@@ -66,6 +80,15 @@ def decode_row(row: Row) -> StoredDocument:
         raise RowError("expire_time is not a number")
     if digest != _checksum(model, namespace, doc_id, blob, metadata, created, expire):
         raise RowError(f"checksum mismatch for document {doc_id[:32]!r} (damaged row)")
+    if blob.startswith(SEALED):
+        if cipher is None:
+            raise RowLocked(f"document {doc_id[:32]!r} is encrypted and no key is configured")
+        try:
+            inner = cipher.open(namespace, doc_id, blob[len(SEALED) :])
+        except SealedFieldError:
+            raise RowLocked(f"document {doc_id[:32]!r} is encrypted under another key") from None
+        size = int.from_bytes(inner[:8], "little")
+        blob, metadata = inner[8 : 8 + size], inner[8 + size :].decode()
     if _ID.fullmatch(doc_id) is None or not blob or len(blob) % 4:
         raise RowError("malformed id or token ids")
     tokens = array("I")

@@ -218,3 +218,24 @@ def _fingerprint(registry: Path) -> str:
         return str(models.pop())
     finally:
         db.close()
+
+
+def test_encrypted_rows_hide_their_tokens_and_wait_for_their_key(tmp_path: Path) -> None:
+    from ragserve.server.registry_cipher import RegistryCipher
+
+    key, other = RegistryCipher(b"k" * 32), RegistryCipher(b"o" * 32)
+    store = DocumentStore(tmp_path, FP, key)
+    store.open()
+    doc = StoredDocument("7" * 32, "tenant-a", [70001, 70002, 70003], {"secret": "plans"}, 5)
+    store.put(doc)
+    store.close()
+    raw = b"".join(p.read_bytes() for p in tmp_path.iterdir())
+    assert b"plans" not in raw and (70001).to_bytes(4, "little") + (70002).to_bytes(4, "little") not in raw
+    for cipher in (None, other):  # no key, another key: not served, never dropped
+        locked = DocumentStore(tmp_path, FP, cipher)
+        locked.open()
+        assert locked.load() == []
+        locked.close()
+    again = DocumentStore(tmp_path, FP, key)
+    again.open()
+    assert again.load() == [doc]
