@@ -69,14 +69,19 @@ class RecordCipher:
         nonce = os.urandom(NONCE_BYTES)
         return nonce + aead.encrypt(nonce, bytes(payload), identity)
 
-    def open(self, salt: bytes, identity: bytes, sealed: bytes | memoryview) -> bytes:
-        """The plaintext; CipherError when the key or the bytes are wrong."""
+    def open_into(
+        self, salt: bytes, identity: bytes, sealed: bytes | bytearray | memoryview, out: memoryview
+    ) -> None:
+        """Decrypt straight into ``out`` (exactly the plaintext's length); CipherError when
+        the key or the bytes are wrong, and then ``out`` holds no usable bytes.
+
+        NOTE: no copies on the way: the restore path reads many large blocks."""
         aead, _ = self._aead(salt)
-        sealed = bytes(sealed)
-        if len(sealed) < SEAL_OVERHEAD:
-            raise CipherError("sealed payload too short")
+        view = memoryview(sealed)
+        if len(view) != len(out) + SEAL_OVERHEAD:
+            raise CipherError("sealed payload has the wrong length")
         try:
-            return aead.decrypt(sealed[:NONCE_BYTES], sealed[NONCE_BYTES:], identity)
+            aead.decrypt_into(bytes(view[:NONCE_BYTES]), view[NONCE_BYTES:], identity, out)
         except InvalidTag:
             raise CipherError("authentication failed (another key, or damaged)") from None
 
