@@ -24,27 +24,33 @@ from kvstore.tier import BlockMeta
 def _metas(count: int, block_tokens: int) -> list[BlockMeta]:
     salt = b"restore-bench-salt"
     return [
-        BlockMeta(index.to_bytes(16, "little"), None, tuple(range(index, index + block_tokens)), salt)
+        BlockMeta(
+            index.to_bytes(16, "little"), None, tuple(range(index, index + block_tokens)), salt
+        )
         for index in range(count)
     ]
 
 
-def measure(blocks: int, shape: tuple[int, ...], repeats: int, cipher: RecordCipher | None) -> float:
+def measure(
+    blocks: int, shape: tuple[int, ...], repeats: int, cipher: RecordCipher | None
+) -> float:
     """Best restore rate in GB/s (payload bytes over wall time of one batched load)."""
     metas = _metas(blocks, shape[2])
     data = torch.randn((blocks, *shape))
-    with tempfile.TemporaryDirectory() as root:
-        with DiskTier(shape, torch.float32, 1 << 40, root, cipher=cipher, fsync=False) as tier:
-            for meta, block in zip(metas, data, strict=True):
-                assert tier.put(meta, block, blocking=True)
-            tier.flush()
-            dest = torch.empty_like(data)
-            best = float("inf")
-            for _ in range(repeats):
-                start = time.perf_counter()
-                found = tier.load_many_into(metas, dest)
-                best = min(best, time.perf_counter() - start)
-                assert all(found) and torch.equal(dest, data)
+    with (
+        tempfile.TemporaryDirectory() as root,
+        DiskTier(shape, torch.float32, 1 << 40, root, cipher=cipher, fsync=False) as tier,
+    ):
+        for meta, block in zip(metas, data, strict=True):
+            assert tier.put(meta, block, blocking=True)
+        tier.flush()
+        dest = torch.empty_like(data)
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            found = tier.load_many_into(metas, dest)
+            best = min(best, time.perf_counter() - start)
+            assert all(found) and torch.equal(dest, data)
     return data.numel() * data.element_size() / best / 1e9
 
 

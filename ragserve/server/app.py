@@ -28,11 +28,11 @@ from ragserve.server.admission import WorkAdmission
 from ragserve.server.auth import make_auth_middleware, tenant_name
 from ragserve.server.config import ServerConfig
 from ragserve.server.document_store import DocumentStore
-from ragserve.server.registry_cipher import RegistryCipher
 from ragserve.server.documents import DocumentService
 from ragserve.server.errors import error_middleware
 from ragserve.server.metrics import ServerMetrics, make_metrics_middleware
 from ragserve.server.prompts import PromptBuilder
+from ragserve.server.registry_cipher import RegistryCipher
 from ragserve.server.request_context import REQUEST_ID
 from ragserve.server.state import (
     ADMISSION,

@@ -39,14 +39,18 @@ def expire_time_from(
         raise bad_request("give ttl or expire_time, not both", "ttl", "invalid_expiry")
     if ttl is not None:
         if not (isinstance(ttl, int | float) and math.isfinite(ttl) and 0 < ttl <= MAX_TTL_S):
-            raise bad_request(f"ttl must be seconds in (0, {MAX_TTL_S:.0f}], got {ttl!r}", "ttl", "invalid_expiry")
+            raise bad_request(
+                f"ttl must be seconds in (0, {MAX_TTL_S:.0f}], got {ttl!r}", "ttl", "invalid_expiry"
+            )
         return now + float(ttl)
     if expire_time is not None:
         when = _parse_time(expire_time)
         if when <= now:
             raise bad_request("expire_time is in the past", "expire_time", "invalid_expiry")
         if when - now > MAX_TTL_S:
-            raise bad_request("expire_time is too far in the future", "expire_time", "invalid_expiry")
+            raise bad_request(
+                "expire_time is too far in the future", "expire_time", "invalid_expiry"
+            )
         return when
     return now + default_ttl if default_ttl is not None else None
 
@@ -73,5 +77,7 @@ def _parse_time(value: float | str) -> float:
             "invalid_expiry",
         ) from None
     if parsed.tzinfo is None:
-        raise bad_request("expire_time needs a time zone (e.g. a trailing Z)", "expire_time", "invalid_expiry")
+        raise bad_request(
+            "expire_time needs a time zone (e.g. a trailing Z)", "expire_time", "invalid_expiry"
+        )
     return parsed.timestamp()

@@ -193,9 +193,13 @@ class DocumentStore:
                 try:
                     docs.append(decode_row(row, self.cipher))
                 except RowLocked as exc:
-                    logger.warning("document registry %s: row %d kept, not served: %s", self.path, row[0], exc)
+                    logger.warning(
+                        "document registry %s: row %d kept, not served: %s", self.path, row[0], exc
+                    )
                 except RowError as exc:
-                    logger.warning("document registry %s: row %d dropped: %s", self.path, row[0], exc)
+                    logger.warning(
+                        "document registry %s: row %d dropped: %s", self.path, row[0], exc
+                    )
                     damaged.append((row[0],))
             if damaged:
                 with _transaction(db):

@@ -66,7 +66,11 @@ def _document(entry: Any) -> StoredDocument | None:
     if not isinstance(entry, dict):
         return None
     doc_id, namespace = entry.get("id"), entry.get("namespace")
-    token_ids, metadata, created = entry.get("token_ids"), entry.get("metadata"), entry.get("created")
+    token_ids, metadata, created = (
+        entry.get("token_ids"),
+        entry.get("metadata"),
+        entry.get("created"),
+    )
     valid = (
         isinstance(doc_id, str)
         and _ID.fullmatch(doc_id) is not None

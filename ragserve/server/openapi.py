@@ -8,8 +8,8 @@ from aiohttp import web
 from pydantic import BaseModel
 
 import ragserve
-from ragserve.server.pipeline_routes import SummarizeRequest
 from ragserve.server.document_lifecycle import DocumentPatch
+from ragserve.server.pipeline_routes import SummarizeRequest
 from ragserve.server.protocol import ChatCompletionRequest, CompletionRequest, DocumentRequest
 from ragserve.server.state import CONFIG
 

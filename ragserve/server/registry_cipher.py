@@ -49,7 +49,9 @@ class RegistryCipher:
 
     def open(self, namespace: str, doc_id: str, sealed: bytes) -> bytes:
         try:
-            return self._aead(namespace).decrypt(sealed[:_NONCE], sealed[_NONCE:], _bound(namespace, doc_id))
+            return self._aead(namespace).decrypt(
+                sealed[:_NONCE], sealed[_NONCE:], _bound(namespace, doc_id)
+            )
         except (InvalidTag, ValueError):
             raise SealedFieldError("cannot be opened with this key") from None
 

@@ -31,7 +31,9 @@ def check(db: sqlite3.Connection) -> tuple[list[str], list[Row] | None]:
         return [], None
     detail = "; ".join(report[:_MAX_REPORTED]) + (" …" if len(report) > _MAX_REPORTED else "")
     kept, lost = _salvage(db)
-    problem = f"integrity check failed ({detail}); {len(kept)} rows kept, {lost} damaged rows dropped"
+    problem = (
+        f"integrity check failed ({detail}); {len(kept)} rows kept, {lost} damaged rows dropped"
+    )
     return [problem], [row[1:] for row in kept]
 
 

@@ -105,7 +105,13 @@ def decode_row(row: Row, cipher: RegistryCipher | None = None) -> StoredDocument
 
 
 def _checksum(
-    model: str, namespace: str, doc_id: str, blob: bytes, metadata: str, created: int, expire: float | None
+    model: str,
+    namespace: str,
+    doc_id: str,
+    blob: bytes,
+    metadata: str,
+    created: int,
+    expire: float | None,
 ) -> str:
     head = json.dumps([model, namespace, doc_id, metadata, created, expire]).encode()
     return xxhash.xxh3_64_hexdigest(head + b"\x00" + blob)

@@ -54,7 +54,10 @@ def test_wrong_or_missing_key_misses(tmp_path: Path, reader_key: bytes | None) -
     write(tmp_path, KEY)
     with tier(tmp_path, reader_key) as disk:
         assert disk.get(META) is None
-        assert disk.metrics().misses + disk.metrics().foreign_records + disk.metrics().corrupt_records >= 1
+        assert (
+            disk.metrics().misses + disk.metrics().foreign_records + disk.metrics().corrupt_records
+            >= 1
+        )
 
 
 def test_a_plain_record_misses_under_a_key(tmp_path: Path) -> None:

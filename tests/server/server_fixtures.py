@@ -26,10 +26,11 @@ class ServerProcess(_BaseServerProcess):
 
     ``scrape_headers``: what ``metrics`` sends (a key when the server has keys)."""
 
-    scrape_headers: dict[str, str] = {}
+    scrape_headers: dict[str, str] | None = None
 
     def metrics(self) -> dict[str, float]:
-        response = requests.get(f"{self.url}/metrics", headers=self.scrape_headers, timeout=30)
+        headers = self.scrape_headers or {}
+        response = requests.get(f"{self.url}/metrics", headers=headers, timeout=30)
         assert response.status_code == 200, response.text[:300]
         return parse_metrics(response.text)
 

@@ -29,7 +29,9 @@ async def _ok(request: web.Request) -> web.Response:
 
 def statuses(keys: tuple[str, ...], metrics_key: str | None, sent: str | None) -> dict[str, int]:
     async def run() -> dict[str, int]:
-        app = web.Application(middlewares=[error_middleware, make_auth_middleware(keys, metrics_key)])
+        app = web.Application(
+            middlewares=[error_middleware, make_auth_middleware(keys, metrics_key)]
+        )
         for path in PATHS:
             app.router.add_get(path, _ok)
         server = TestServer(app)

@@ -1,4 +1,4 @@
-"""DELETE purges a document's KV from every tier of a real server with a disk tier.
+"""DELETE and expiry purge a document's KV from every tier of a real server with a disk tier.
 
 After the DELETE returns no file under the KV directory holds the document's token ids
 (every file's bytes are scanned for them as the records and the registry encode them),
@@ -19,7 +19,7 @@ import pytest
 import requests
 
 from ragserve.server.document_store import FILENAME
-from tests.server.server_fixtures import BLOCK_SIZE, running_server, wait_ready
+from tests.server.server_fixtures import BLOCK_SIZE, running_server, wait_for, wait_ready
 
 pytestmark = pytest.mark.e2e
 
@@ -29,7 +29,10 @@ GRAM = 4  # token windows this long are searched for
 
 
 def text(topic: str, count: int = 30) -> str:
-    return " ".join(f"The {topic} archive lists shelf {i} under code {(i * 31 + len(topic)) % 89}." for i in range(count))
+    return " ".join(
+        f"The {topic} archive lists shelf {i} under code {(i * 31 + len(topic)) % 89}."
+        for i in range(count)
+    )
 
 
 def stored_tokens(kv: Path) -> dict[str, list[int]]:
@@ -77,10 +80,21 @@ def ask(url: str, doc_id: str) -> dict[str, Any]:
 
 def test_delete_purges_the_document_from_every_file(tmp_path: Path) -> None:
     kv = tmp_path / "kv"
-    args = ("--kv-cpu-gib", "0.05", "--kv-disk-gib", "0.2", "--kv-disk-dir", str(kv), "--api-key", KEY)
+    args = (
+        "--kv-cpu-gib",
+        "0.05",
+        "--kv-disk-gib",
+        "0.2",
+        "--kv-disk-dir",
+        str(kv),
+        "--api-key",
+        KEY,
+    )
     with running_server(*args, log_path=tmp_path / "server.log") as server:
         gone, kept = (
-            requests.post(f"{server.url}/v1/documents", json={"text": text(t)}, headers=AUTH, timeout=60).json()
+            requests.post(
+                f"{server.url}/v1/documents", json={"text": text(t)}, headers=AUTH, timeout=60
+            ).json()
             for t in ("granite", "marble")
         )
         for doc in (gone, kept):
@@ -92,7 +106,9 @@ def test_delete_purges_the_document_from_every_file(tmp_path: Path) -> None:
         assert files_holding(kv, patterns), "the scan finds the document before the DELETE"
         before = server.metrics()['ragserve_kv_tier_blocks{tier="disk"}']
 
-        deleted = requests.delete(f"{server.url}/v1/documents/{gone['id']}", headers=AUTH, timeout=60)
+        deleted = requests.delete(
+            f"{server.url}/v1/documents/{gone['id']}", headers=AUTH, timeout=60
+        )
         assert deleted.status_code == 200
         assert files_holding(kv, patterns) == []
         after = server.metrics()['ragserve_kv_tier_blocks{tier="disk"}']
@@ -103,6 +119,21 @@ def test_delete_purges_the_document_from_every_file(tmp_path: Path) -> None:
         full = kept["prefix_tokens"] // BLOCK_SIZE * BLOCK_SIZE
         assert usage["prompt_tokens_details"]["cached_tokens"] >= full
         assert "KV purged" in server.log()
+
+        # Expiry purges the same way.
+        brief = requests.post(
+            f"{server.url}/v1/documents",
+            json={"text": text("basalt"), "ttl": 4},
+            headers=AUTH,
+            timeout=60,
+        ).json()
+        brief_tokens = stored_tokens(kv)[
+            brief["id"]
+        ]  # its row is written before the upload returns
+        wait_ready(server.url, brief["id"], AUTH, timeout=60)
+        brief_patterns = needles(grams(brief_tokens) - grams(tokens[kept["id"]]))
+        assert wait_for(lambda: "expired and was deleted" in server.log(), 30)
+        assert files_holding(kv, brief_patterns) == []
 
     for path in [kv, *kv.rglob("*")]:
         mode = stat.S_IMODE(path.stat().st_mode)

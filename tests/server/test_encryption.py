@@ -9,14 +9,16 @@ from typing import Any
 import pytest
 import requests
 
-from tests.server.test_document_purge import files_holding, grams, needles, stored_tokens
 from tests.server.server_fixtures import running_server, wait_ready
+from tests.server.test_document_purge import files_holding, grams, needles, stored_tokens
 
 pytestmark = pytest.mark.e2e
 
 KEY = "sk-encryption-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-TEXT = " ".join(f"Vault {i} opens with dial {(i * 53) % 97} then {(i * 17) % 89}." for i in range(30))
+TEXT = " ".join(
+    f"Vault {i} opens with dial {(i * 53) % 97} then {(i * 17) % 89}." for i in range(30)
+)
 
 
 def serve(kv: Path, log: Path, key_file: Path | None) -> Any:
@@ -36,7 +38,9 @@ def answer(url: str, doc_id: str) -> tuple[str, int]:
     response = requests.post(f"{url}/v1/chat/completions", json=body, headers=AUTH, timeout=120)
     assert response.status_code == 200, response.text
     data = response.json()
-    return data["choices"][0]["message"]["content"], data["usage"]["prompt_tokens_details"]["cached_tokens"]
+    return data["choices"][0]["message"]["content"], data["usage"]["prompt_tokens_details"][
+        "cached_tokens"
+    ]
 
 
 def upload(url: str) -> str:

@@ -25,7 +25,9 @@ from tests.server.server_fixtures import BLOCK_SIZE, running_server, wait_ready
 
 KEY = "sk-registry-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-DOC = " ".join(f"Clause {i}: the tenant returns the keys on the last day of the lease." for i in range(24))
+DOC = " ".join(
+    f"Clause {i}: the tenant returns the keys on the last day of the lease." for i in range(24)
+)
 FP = "ab" * 32
 
 
@@ -95,7 +97,9 @@ def test_a_damaged_row_is_reported_and_dropped_alone(
     assert opened(tmp_path).load() == docs[:2] + docs[3:]  # dropped for good, nothing else
 
 
-def test_a_damaged_page_loses_only_its_rows(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_damaged_page_loses_only_its_rows(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     store = opened(tmp_path)
     docs = [stored(f"{n:032x}", tokens=400) for n in range(30)]  # about 2 rows a page
     for doc in docs:
@@ -202,7 +206,9 @@ def test_documents_survive_a_restart(tmp_path: Path) -> None:
         listed = requests.get(f"{third.url}/v1/documents", headers=AUTH, timeout=30).json()
         assert listed["data"] == []
         assert "started afresh" in third.log()
-        upload = requests.post(f"{third.url}/v1/documents", json={"text": DOC}, headers=AUTH, timeout=60)
+        upload = requests.post(
+            f"{third.url}/v1/documents", json={"text": DOC}, headers=AUTH, timeout=60
+        )
         assert upload.status_code == 202
     assert [d.id for d in opened(tmp_path / "kv", _fingerprint(registry)).load()] == [doc["id"]]
 
@@ -230,7 +236,10 @@ def test_encrypted_rows_hide_their_tokens_and_wait_for_their_key(tmp_path: Path)
     store.put(doc)
     store.close()
     raw = b"".join(p.read_bytes() for p in tmp_path.iterdir())
-    assert b"plans" not in raw and (70001).to_bytes(4, "little") + (70002).to_bytes(4, "little") not in raw
+    assert (
+        b"plans" not in raw
+        and (70001).to_bytes(4, "little") + (70002).to_bytes(4, "little") not in raw
+    )
     for cipher in (None, other):  # no key, another key: not served, never dropped
         locked = DocumentStore(tmp_path, FP, cipher)
         locked.open()

@@ -33,7 +33,10 @@ def tier(directory: Path) -> tuple[str, ...]:
 
 
 def text(topic: str, count: int = 20) -> str:
-    return " ".join(f"In the {topic} ledger, entry {i} reads {(i * 13 + len(topic)) % 97}." for i in range(count))
+    return " ".join(
+        f"In the {topic} ledger, entry {i} reads {(i * 13 + len(topic)) % 97}."
+        for i in range(count)
+    )
 
 
 def upload(url: str, body: str) -> requests.Response:
@@ -142,11 +145,13 @@ def test_kill_9_during_uploads_and_deletes(tmp_path: Path) -> None:
 def test_two_servers_on_one_directory(tmp_path: Path) -> None:
     kv = tmp_path / "kv"
     ids: set[str] = set()
-    with running_server(*tier(kv), log_path=tmp_path / "a.log") as one:
-        with running_server(*tier(kv), log_path=tmp_path / "b.log") as two:
-            for number in range(6):
-                response = upload((one if number % 2 else two).url, text(f"shared{number}", 6))
-                assert response.status_code == 202, response.text
-                ids.add(response.json()["id"])
+    with (
+        running_server(*tier(kv), log_path=tmp_path / "a.log") as one,
+        running_server(*tier(kv), log_path=tmp_path / "b.log") as two,
+    ):
+        for number in range(6):
+            response = upload((one if number % 2 else two).url, text(f"shared{number}", 6))
+            assert response.status_code == 202, response.text
+            ids.add(response.json()["id"])
     with running_server(*tier(kv), log_path=tmp_path / "c.log") as again:
         assert listed(again.url) == ids
