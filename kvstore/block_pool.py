@@ -122,6 +122,24 @@ class BlockPool:
         self._index[identity.block_hash] = block
         return True
 
+    def forget(self, block_hash: BlockHash) -> bool:
+        """Drop a block from the index without running the eviction hooks (a purge: its
+        contents must not be demoted). A block still referenced stays with its holders,
+        unindexed, and is freed as an ordinary uncached block. True if it was indexed."""
+        block = self._index.pop(block_hash, None)
+        if block is None:
+            return False
+        self.identities[block] = None
+        return True
+
+    def cached_links(self, salt: bytes) -> list[tuple[BlockHash, BlockHash]]:
+        """(hash, parent hash) of every indexed block under ``salt``."""
+        return [
+            (identity.block_hash, identity.parent_hash)
+            for identity in self.identities
+            if identity is not None and identity.salt == salt
+        ]
+
     def evict_all_free(self) -> int:
         """Drop every free block from the index (reset_prefix_cache). Returns how many."""
         dropped = 0

@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 
 import torch
 
@@ -296,6 +296,26 @@ class CpuTier(KVTier):
                 return False
             self._free.append(entry[0])
             return True
+
+    def block_links(self, fingerprint: str) -> list[tuple[bytes, bytes | None]]:
+        with self._lock:
+            return [
+                (meta.block_hash, meta.parent_hash)
+                for key, (_, meta) in self._index.items()
+                if key.fingerprint == fingerprint
+            ]
+
+    def purge(self, fingerprint: str, hashes: Collection[bytes]) -> int:
+        removed = 0
+        with self._lock:
+            self._wait_for_reads_locked()  # NOTE: a slot an async copy still reads is not zeroed
+            for block_hash in hashes:
+                entry = self._index.pop(BlockRecordKey(fingerprint, block_hash), None)
+                if entry is not None:
+                    self._storage[entry[0]].zero_()
+                    self._free.append(entry[0])
+                    removed += 1
+        return removed
 
     def lru_metas(self) -> list[BlockLike]:
         """Stored blocks, least recently used first."""

@@ -21,7 +21,13 @@ import threading
 from collections import OrderedDict
 from pathlib import Path
 
-from kvstore.record_format import RECORD_SUFFIX, TEMP_SUFFIX, remove_abandoned_temp
+from kvstore.record_format import (
+    DIR_MODE,
+    FILE_MODE,
+    RECORD_SUFFIX,
+    TEMP_SUFFIX,
+    remove_abandoned_temp,
+)
 from kvstore.tier import BlockRecordKey, TierMetrics
 from kvstore.warn_once import WarnOnce
 
@@ -47,8 +53,8 @@ def check_writable(root: Path) -> None:
     """Create ``root`` if needed and write a probe file in it, or raise TierDirectoryError."""
     probe = root / f".probe.{os.getpid()}.{secrets.token_hex(4)}{TEMP_SUFFIX}"
     try:
-        root.mkdir(parents=True, exist_ok=True)
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        root.mkdir(parents=True, exist_ok=True, mode=DIR_MODE)
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
         try:
             os.write(fd, b"probe")
         finally:
@@ -152,6 +158,29 @@ class DiskIndex:
         if present:
             self.remove_files([key])
         return present
+
+    def purge(self, keys: list[BlockRecordKey]) -> int:
+        """Forget ``keys`` and unlink their files, indexed or not; how many files were removed."""
+        removed = 0
+        for key in keys:
+            self.forget(key)
+            try:
+                os.unlink(self.path(key))
+                removed += 1
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                self._warn(f"unlink-{exc.errno}", "cannot remove KV record: %s", exc)
+        return removed
+
+    def record_paths(self, fingerprint: str) -> list[str]:
+        """Paths of the record files under salt ``fingerprint`` now on disk."""
+        directory = os.path.join(self.root, fingerprint)
+        try:
+            with os.scandir(directory) as entries:
+                return [e.path for e in entries if e.name.endswith(RECORD_SUFFIX)]
+        except FileNotFoundError:
+            return []
 
     def remove_rejected(self, key: BlockRecordKey, inode: int) -> None:
         """Forget a record that failed verification and remove its file, if the file is

@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from kvstore.disk_index import DiskIndex
+from kvstore.record_cipher import RecordCipher
 from kvstore.record_format import RecordError, read_record_into
 from kvstore.tier import BlockLike, TierMetrics, record_key
 from kvstore.warn_once import WarnOnce
@@ -77,9 +78,15 @@ class DiskReader:
     """
 
     def __init__(
-        self, index: DiskIndex, block_shape: tuple[int, ...], dtype: torch.dtype, num_readers: int
+        self,
+        index: DiskIndex,
+        block_shape: tuple[int, ...],
+        dtype: torch.dtype,
+        num_readers: int,
+        cipher: RecordCipher | None = None,
     ) -> None:
         self.index = index
+        self.cipher = cipher
         self.block_shape = block_shape
         self.dtype = dtype
         self._num_readers = num_readers
@@ -178,7 +185,9 @@ class DiskReader:
         target = dest if staging is None else staging.take()
         try:
             info = os.fstat(fd)
-            read_record_into(fd, info.st_size, meta, self.dtype, self.block_shape, target)
+            read_record_into(
+                fd, info.st_size, meta, self.dtype, self.block_shape, target, self.cipher
+            )
         except RecordError as err:
             self._reject(meta, path, info.st_ino, err)
             return False

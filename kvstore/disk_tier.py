@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 
@@ -27,6 +27,8 @@ from kvstore.disk_index import (
 )
 from kvstore.disk_reader import DiskReader
 from kvstore.disk_writer import DiskWriter
+from kvstore.record_cipher import RecordCipher
+from kvstore.record_format import RecordError, read_head_file
 from kvstore.tier import (
     BlockLike,
     BlockRecordKey,
@@ -70,6 +72,7 @@ class DiskTier(KVTier):
         disk_full_retry_s: float = 30.0,
         fsync: bool = True,
         disable_on_error: bool = False,
+        cipher: RecordCipher | None = None,
     ) -> None:
         self.block_shape = check_block_shape(block_shape)
         self.dtype = dtype
@@ -84,7 +87,7 @@ class DiskTier(KVTier):
         self.root = resolve_disk_dir(directory)
         self.capacity_bytes = int(capacity_bytes)
         self._index = DiskIndex(self.root, self.capacity_bytes)
-        self._reader = DiskReader(self._index, self.block_shape, dtype, num_readers)
+        self._reader = DiskReader(self._index, self.block_shape, dtype, num_readers, cipher)
         self._writer = DiskWriter(
             self._index,
             self.block_shape,
@@ -93,6 +96,7 @@ class DiskTier(KVTier):
             max_pending_writes=max_pending_writes,
             disk_full_retry_s=disk_full_retry_s,
             fsync=fsync,
+            cipher=cipher,
         )
         self._closed = False
         self._disabled = False
@@ -161,6 +165,31 @@ class DiskTier(KVTier):
 
     def discard(self, meta: BlockLike) -> bool:
         return self._index.discard(record_key(meta))
+
+    def block_links(self, fingerprint: str) -> list[tuple[bytes, bytes | None]]:
+        """Reads the header of every record under ``fingerprint`` (other processes' too);
+        records that cannot be read are left out."""
+        if not self._usable():
+            return []
+        self.flush()
+        links = []
+        for path in self._index.record_paths(fingerprint):
+            try:
+                header = read_head_file(path)
+            except (OSError, RecordError):
+                continue
+            links.append((header.block_hash, header.parent_hash))
+        return links
+
+    def purge(self, fingerprint: str, hashes: Collection[bytes]) -> int:
+        """Waits for queued writes first, so none of them lands after the purge.
+
+        NOTE: files are unlinked whether or not this process indexed them: another
+        process sharing the directory may have written them."""
+        if self._closed:
+            return 0
+        self.flush()
+        return self._index.purge([BlockRecordKey(fingerprint, h) for h in hashes])
 
     def lru_keys(self) -> list[BlockRecordKey]:
         """Indexed records, least recently used first."""

@@ -25,7 +25,14 @@ from dataclasses import dataclass
 import torch
 
 from kvstore.disk_index import DiskIndex
-from kvstore.record_format import encode_head, tensor_bytes, write_record_file
+from kvstore.record_cipher import RecordCipher
+from kvstore.record_format import (
+    DIR_MODE,
+    encode_head,
+    seal_record,
+    tensor_bytes,
+    write_record_file,
+)
 from kvstore.tier import BlockLike, BlockRecordKey, TierMetrics
 from kvstore.warn_once import WarnOnce
 
@@ -59,8 +66,10 @@ class DiskWriter:
         max_pending_writes: int,
         disk_full_retry_s: float,
         fsync: bool,
+        cipher: RecordCipher | None = None,
     ) -> None:
         self.index = index
+        self.cipher = cipher
         self.block_shape = block_shape
         self.dtype = dtype
         self.disk_full_retry_s = disk_full_retry_s
@@ -160,7 +169,13 @@ class DiskWriter:
                     self._counts.dropped_demotions += 1
                     return
             payload = tensor_bytes(item.block)
-            head = encode_head(item.meta, self.dtype, self.block_shape, payload)
+            if self.cipher is None:
+                head = encode_head(item.meta, self.dtype, self.block_shape, payload)
+            else:
+                head, sealed = seal_record(
+                    item.meta, self.dtype, self.block_shape, payload, self.cipher
+                )
+                payload = memoryview(sealed)
             size = len(head) + len(payload)
             if not self.index.reserve(size):
                 with self._lock:
@@ -189,7 +204,7 @@ class DiskWriter:
     def _write_file(self, key: BlockRecordKey, head: bytes, payload: memoryview) -> None:
         directory = os.path.join(self.index.root, key.fingerprint)
         if directory not in self._made_dirs:
-            os.makedirs(directory, exist_ok=True)
+            os.makedirs(directory, mode=DIR_MODE, exist_ok=True)
             self._made_dirs.add(directory)
         try:
             write_record_file(directory, key.block_hash.hex(), head, payload, fsync=self.fsync)

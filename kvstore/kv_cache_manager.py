@@ -6,11 +6,13 @@ state lives in its ``KVAllocation``; the manager updates it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvstore.block_pool import BlockIdentity, BlockPool
 from kvstore.hashing import ROOT_PARENT, BlockHash, hash_full_blocks
+from kvstore.purge import PurgeCounts, doomed_blocks
+from kvstore.tier import BlockMeta, salt_fingerprint
 from kvstore.tier_stack import TierStack
 
 # NOTE: 1 GiB is ~20 ms of pinned host-to-device copies on an NVIDIA H200 (512 blocks of
@@ -28,6 +30,8 @@ class KVAllocation:
     block_hashes: list[BlockHash] = field(default_factory=list)
     num_registered: int = 0  # leading blocks already indexed in the prefix cache
     persist: bool = False  # write computed blocks through to disk at once
+    # Blocks loaded into this allocation from each tier (by tier name), over its life.
+    loaded_blocks: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -170,7 +174,7 @@ class KVCacheManager:
             return 0
         # NOTE: allocating may evict cached device blocks (demoting them), never live ones.
         blocks = self.pool.allocate(len(run))
-        loaded = self.tiers.load_many(run, blocks)
+        loaded = self.tiers.load_many(run, blocks, served=alloc.loaded_blocks)
         self.pool.release(blocks[loaded:])
         for block, identity in zip(blocks[:loaded], run, strict=False):
             self.pool.register(block, identity)
@@ -238,6 +242,36 @@ class KVCacheManager:
     def record_admission(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
         self.counters.queried_tokens += num_prompt_tokens
         self.counters.hit_tokens += num_hit_tokens
+
+    def purge(self, salt: bytes, owned: Sequence[BlockHash], kept: Iterable[BlockHash]) -> PurgeCounts:
+        """Remove the blocks of ``owned`` (a chain of hashes under ``salt``) that ``kept``
+        does not hold, and their descendants, from the prefix cache and every tier (see
+        :mod:`kvstore.purge`). Call between steps.
+
+        NOTE: a block a running sequence is computing right now is registered when it is
+        done; the caller stops such sequences first (a deleted document's ingestion is)."""
+        counts = PurgeCounts()
+        if not self.enable_prefix_caching:
+            return counts
+        fingerprint = salt_fingerprint(salt)
+        links: list[tuple[bytes, bytes | None]] = list(self.pool.cached_links(salt))
+        if self.tiers is not None:
+            links += self.tiers.block_links(fingerprint)
+        doomed = doomed_blocks(owned, kept, links)
+        counts.device = sum(self.pool.forget(block_hash) for block_hash in doomed)
+        if self.tiers is not None:
+            counts.tiers = self.tiers.purge(fingerprint, doomed)
+        return counts
+
+    def locate(self, salt: bytes, hashes: Sequence[BlockHash]) -> dict[str, int]:
+        """How many of the blocks ``hashes`` (under ``salt``) each place holds now:
+        ``device`` (the prefix cache) and one count per tier. A block may be in several."""
+        counts = {"device": sum(self.pool.cached_identity(h) is not None for h in hashes)}
+        if self.tiers is not None:
+            metas = [BlockMeta(h, None, (), salt) for h in hashes]
+            for tier in self.tiers.tiers:
+                counts[tier.name] = sum(tier.contains(meta) for meta in metas)
+        return counts
 
     def reset_prefix_cache(self) -> int:
         return self.pool.evict_all_free()

@@ -6,6 +6,9 @@
   length, ``xxh`` xxh3_64 of the payload.
 - payload: the block's raw bytes, C order, host byte order (little-endian on every
   supported host).
+- encrypted records (see ``record_cipher``): ``tokens`` is empty and ``tdig`` holds a keyed
+  digest of them, ``enc`` names the cipher, and the payload is the sealed bytes (``plen``
+  and ``xxh`` describe those).
 
 A reader knows the payload length from the expected dtype and shape, so one scatter read
 of ``file_size - plen`` head bytes plus ``plen`` payload bytes fetches a whole record.
@@ -22,6 +25,7 @@ import fcntl
 import os
 import secrets
 import struct
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -30,6 +34,13 @@ import msgpack
 import torch
 import xxhash
 
+from kvstore.record_cipher import (
+    CIPHER_NAME,
+    SEAL_OVERHEAD,
+    CipherError,
+    RecordCipher,
+    identity_bytes,
+)
 from kvstore.tier import HASH_BYTES, BlockLike, block_nbytes
 
 MAGIC = b"RAGSKV\x00\x01"
@@ -37,6 +48,9 @@ FORMAT_VERSION = 1
 PREFIX = struct.Struct("<8sIQ")
 MAX_HEADER_BYTES = 1 << 20
 RECORD_SUFFIX = ".kv"
+# NOTE: records hold a tenant's token ids and KV: private to the server's user.
+FILE_MODE = 0o600
+DIR_MODE = 0o700
 TEMP_SUFFIX = ".tmp"
 
 RecordErrorKind = Literal["corrupt", "foreign", "mismatch"]
@@ -62,6 +76,7 @@ class RecordHeader:
     shape: tuple[int, ...]
     payload_len: int
     payload_xxh3: int
+    token_digest: bytes | None = None  # encrypted records: a keyed digest, no token ids
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -86,26 +101,41 @@ def encode_head(
     payload: bytes | memoryview,
     *,
     version: int = FORMAT_VERSION,
+    token_digest: bytes | None = None,
 ) -> bytes:
     """Prefix plus header for ``payload``; the record is ``head + payload``.
 
     ``version`` exists to write records of other format versions (compatibility tests).
+    ``token_digest``: an encrypted record's (``payload`` is then the sealed bytes).
     """
-    header = msgpack.packb(
-        {
-            "v": version,
-            "hash": meta.block_hash,
-            "parent": meta.parent_hash,
-            "tokens": list(meta.token_ids),
-            "salt": meta.salt,
-            "dtype": dtype_name(dtype),
-            "shape": [int(dim) for dim in shape],
-            "plen": len(payload),
-            "xxh": xxhash.xxh3_64_intdigest(payload),
-        },
-        use_bin_type=True,
-    )
+    fields: dict[str, Any] = {
+        "v": version,
+        "hash": meta.block_hash,
+        "parent": meta.parent_hash,
+        "tokens": list(meta.token_ids) if token_digest is None else [],
+        "salt": meta.salt,
+        "dtype": dtype_name(dtype),
+        "shape": [int(dim) for dim in shape],
+        "plen": len(payload),
+        "xxh": xxhash.xxh3_64_intdigest(payload),
+    }
+    if token_digest is not None:
+        fields.update(tdig=token_digest, enc=CIPHER_NAME)
+    header = msgpack.packb(fields, use_bin_type=True)
     return PREFIX.pack(MAGIC, len(header), xxhash.xxh3_64_intdigest(header)) + header
+
+
+def seal_record(
+    meta: BlockLike,
+    dtype: torch.dtype,
+    shape: Sequence[int],
+    payload: bytes | memoryview,
+    cipher: RecordCipher,
+) -> tuple[bytes, bytes]:
+    """(head, sealed payload) of an encrypted record; the file is ``head + sealed``."""
+    sealed = cipher.seal(meta.salt, identity_bytes(meta.block_hash, meta.parent_hash, meta.salt), payload)
+    digest = cipher.token_digest(meta.salt, meta.token_ids)
+    return encode_head(meta, dtype, shape, sealed, token_digest=digest), sealed
 
 
 def encode_record(meta: BlockLike, block: torch.Tensor) -> bytes:
@@ -165,7 +195,9 @@ def _typed_header(fields: dict[str, Any]) -> RecordHeader:
     payload_len, payload_xxh3 = fields["plen"], fields["xxh"]
     if not isinstance(dtype, str) or type(payload_len) is not int or type(payload_xxh3) is not int:
         raise TypeError("dtype, plen or xxh has the wrong type")
+    digest = fields.get("tdig")
     return RecordHeader(
+        token_digest=None if digest is None else as_bytes(digest, "tdig"),
         version=fields["v"],
         block_hash=block_hash,
         parent_hash=None if parent is None else as_bytes(parent, "parent"),
@@ -179,14 +211,26 @@ def _typed_header(fields: dict[str, Any]) -> RecordHeader:
 
 
 def verify_header(
-    header: RecordHeader, meta: BlockLike, dtype: torch.dtype, shape: Sequence[int]
+    header: RecordHeader,
+    meta: BlockLike,
+    dtype: torch.dtype,
+    shape: Sequence[int],
+    cipher: RecordCipher | None = None,
 ) -> None:
-    """Check that the record is the block ``meta`` names, in the expected layout."""
+    """Check that the record is the block ``meta`` names, in the expected layout.
+
+    With ``cipher`` only encrypted records pass (their token digest under this key must
+    match); without, only plain ones."""
     if header.salt != meta.salt:
         raise RecordError("foreign", "salt (model fingerprint / tenant) differs")
     if header.block_hash != meta.block_hash:
         raise RecordError("mismatch", f"hash {header.block_hash.hex()} != {meta.block_hash.hex()}")
-    if header.token_ids != tuple(meta.token_ids):
+    if (header.token_digest is None) != (cipher is None):
+        raise RecordError("foreign", "encrypted record without the key, or plain with encryption on")
+    if cipher is not None:
+        if header.token_digest != cipher.token_digest(meta.salt, meta.token_ids):
+            raise RecordError("foreign", "token digest differs (another key, or other tokens)")
+    elif header.token_ids != tuple(meta.token_ids):
         raise RecordError("mismatch", "token ids differ")
     if header.parent_hash != meta.parent_hash:
         raise RecordError("mismatch", "parent hash differs")
@@ -230,13 +274,18 @@ def read_record_into(
     dtype: torch.dtype,
     shape: Sequence[int],
     target: torch.Tensor,
+    cipher: RecordCipher | None = None,
 ) -> None:
     """Read and verify the record of ``size`` bytes open as ``fd``.
 
     One scatter read puts the head in a small buffer and the payload straight into
     ``target`` (a contiguous CPU tensor of ``dtype`` and ``shape``), then everything is
-    verified. On ``RecordError`` the contents of ``target`` are unspecified.
+    verified. On ``RecordError`` the contents of ``target`` are unspecified. With
+    ``cipher`` the sealed payload is read, verified and opened, then copied in.
     """
+    if cipher is not None:
+        _read_sealed_into(fd, size, meta, dtype, shape, target, cipher)
+        return
     head_len = size - block_nbytes(shape, dtype)
     if not PREFIX.size <= head_len <= PREFIX.size + MAX_HEADER_BYTES:
         raise RecordError("corrupt", f"a file of {size} bytes cannot hold this block")
@@ -250,12 +299,56 @@ def read_record_into(
     verify_payload(header, payload)
 
 
+_SCRATCH = threading.local()
+
+
+def _scratch(size: int) -> memoryview:
+    """This thread's reusable read buffer of ``size`` bytes.
+
+    NOTE: a fresh bytearray per read is zero-filled first: a whole extra pass over every
+    restored block."""
+    buffer: bytearray | None = getattr(_SCRATCH, "buffer", None)
+    if buffer is None or len(buffer) < size:
+        buffer = _SCRATCH.buffer = bytearray(size)
+    return memoryview(buffer)[:size]
+
+
+def _read_sealed_into(
+    fd: int,
+    size: int,
+    meta: BlockLike,
+    dtype: torch.dtype,
+    shape: Sequence[int],
+    target: torch.Tensor,
+    cipher: RecordCipher,
+) -> None:
+    sealed_len = block_nbytes(shape, dtype) + SEAL_OVERHEAD
+    head_len = size - sealed_len
+    if not PREFIX.size <= head_len <= PREFIX.size + MAX_HEADER_BYTES:
+        raise RecordError("corrupt", f"a file of {size} bytes cannot hold this sealed block")
+    head, sealed = bytearray(head_len), _scratch(sealed_len)
+    got = os.preadv(fd, [head, sealed], 0)
+    if got != size:
+        raise RecordError("corrupt", f"short read: {got} of {size} bytes")
+    header = decode_head(head)
+    verify_header(header, meta, dtype, shape, cipher)
+    if header.payload_len != sealed_len:
+        raise RecordError("corrupt", f"payload length {sealed_len} != header's {header.payload_len}")
+    # NOTE: the GCM tag authenticates every sealed byte, so the payload's xxh3 (still
+    # written, for tools) is not computed again on this path.
+    identity = identity_bytes(meta.block_hash, meta.parent_hash, meta.salt)
+    try:
+        cipher.open_into(meta.salt, identity, sealed, tensor_bytes(target))
+    except CipherError as exc:
+        raise RecordError("foreign", str(exc)) from None
+
+
 def write_record_file(
     directory: str, name: str, head: bytes, payload: memoryview, *, fsync: bool = True
 ) -> None:
     """Create ``<directory>/<name>.kv`` atomically; no partial file ever has that name."""
     temp = os.path.join(directory, f".{name}.{os.getpid()}.{secrets.token_hex(4)}{TEMP_SUFFIX}")
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
     try:
         # NOTE: the lock tells a starting process that this temp file is alive.
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -277,6 +370,20 @@ def write_record_file(
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
+
+
+def read_head_file(path: str) -> RecordHeader:
+    """The verified header of the record file at ``path`` (the payload is not read).
+
+    Raises RecordError for a damaged head, OSError when the file cannot be read."""
+    with open(path, "rb") as handle:
+        prefix = handle.read(PREFIX.size)
+        if len(prefix) < PREFIX.size:
+            raise RecordError("corrupt", "file shorter than the prefix")
+        header_len = PREFIX.unpack_from(prefix, 0)[1]
+        if header_len > MAX_HEADER_BYTES:
+            raise RecordError("corrupt", f"header length {header_len} is too large")
+        return decode_head(prefix + handle.read(header_len))
 
 
 def remove_abandoned_temp(path: str) -> bool:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import abc
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple, Protocol, TypeVar
 
@@ -197,6 +197,16 @@ class KVTier(abc.ABC):
     def has_room(self) -> bool:
         """True if a ``put`` now would be stored or queued rather than dropped."""
         return True
+
+    def block_links(self, fingerprint: str) -> list[tuple[bytes, bytes | None]]:
+        """(block hash, parent hash) of every block stored under salt ``fingerprint``."""
+        raise NotImplementedError(f"the {self.name} tier cannot list its blocks")
+
+    def purge(self, fingerprint: str, hashes: Collection[bytes]) -> int:
+        """Remove the blocks ``hashes`` under ``fingerprint`` for good, writes still queued
+        for them included; returns how many were stored. After it returns, no storage of
+        this tier holds their bytes (a file is unlinked, a host slot is zeroed)."""
+        raise NotImplementedError(f"the {self.name} tier cannot purge blocks")
 
     def flush(self) -> None:  # noqa: B027 (synchronous tiers have nothing to flush)
         """Wait until every accepted ``put`` is durable in this tier."""

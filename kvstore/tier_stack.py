@@ -31,6 +31,7 @@ import torch
 from kvstore.block_pool import BlockIdentity, BlockPool
 from kvstore.cpu_tier import CpuTier
 from kvstore.disk_tier import DiskTier
+from kvstore.record_cipher import RecordCipher
 from kvstore.tier import BlockLike, EvictCallback, KVTier, TierMetrics
 
 GIB = 1 << 30
@@ -102,6 +103,7 @@ class TierStack:
         cpu_gib: float,
         disk_gib: float,
         disk_dir: str | os.PathLike[str] | None = None,
+        cipher: RecordCipher | None = None,
     ) -> TierStack:
         """A CPU tier over a disk tier from the engine's ``kv_cpu_gib`` / ``kv_disk_gib`` /
         ``kv_disk_dir``; a budget of 0 leaves that tier out (one must be positive).
@@ -113,7 +115,7 @@ class TierStack:
         if cpu_gib > 0:
             tiers.append(CpuTier(block_shape, dtype, int(cpu_gib * GIB)))
         if disk_gib > 0:
-            tiers.append(DiskTier(block_shape, dtype, int(disk_gib * GIB), disk_dir))
+            tiers.append(DiskTier(block_shape, dtype, int(disk_gib * GIB), disk_dir, cipher=cipher))
         return cls(tiers, kv_cache, pool)
 
     @property
@@ -134,13 +136,19 @@ class TierStack:
         """Some tier indexes the block (no payload read; a load may still miss)."""
         return any(tier.contains(identity) for tier in self.tiers)
 
-    def load_many(self, identities: Sequence[BlockIdentity], blocks: Sequence[int]) -> int:
+    def load_many(
+        self,
+        identities: Sequence[BlockIdentity],
+        blocks: Sequence[int],
+        served: dict[str, int] | None = None,
+    ) -> int:
         """Load ``identities[i]`` into device block ``blocks[i]`` as one batch.
 
         Returns how many leading blocks were loaded and verified: the caller uses
         ``blocks[:n]`` and must treat the rest (from the first miss on) as garbage, even
         where a later block happened to load. The copies are queued on the device's current
         stream, so work queued there afterwards (the forward pass) sees the loaded blocks.
+        ``served``, when given, gains the blocks served per tier name.
         """
         if len(identities) != len(blocks):
             raise ValueError(f"{len(identities)} blocks to load but {len(blocks)} device blocks")
@@ -150,10 +158,14 @@ class TierStack:
         sources = self._load_rows(identities, blocks)
         self.traffic.load_seconds += time.perf_counter() - started
         loaded = next((i for i, source in enumerate(sources) if source is None), len(sources))
-        served = Counter(sources[:loaded])
-        self.traffic.loaded_from_cpu += served["cpu"]
-        self.traffic.loaded_from_disk += served["disk"]
+        per_tier = Counter(sources[:loaded])
+        self.traffic.loaded_from_cpu += per_tier["cpu"]
+        self.traffic.loaded_from_disk += per_tier["disk"]
         self.traffic.discarded_loads += sum(source is not None for source in sources[loaded:])
+        if served is not None:
+            for name, count in per_tier.items():
+                if name is not None:
+                    served[name] = served.get(name, 0) + count
         return loaded
 
     def _load_rows(
@@ -213,6 +225,21 @@ class TierStack:
         assert self._durable is not None
         if self._durable.put(identity, self.kv_cache[block], blocking=blocking):
             self.traffic.persisted += 1
+
+    # -- purge ------------------------------------------------------------------------------
+    def block_links(self, fingerprint: str) -> list[tuple[bytes, bytes | None]]:
+        """(hash, parent hash) of the blocks every tier holds under salt ``fingerprint``."""
+        return [link for tier in self.tiers for link in tier.block_links(fingerprint)]
+
+    def purge(self, fingerprint: str, hashes: set[bytes]) -> dict[str, int]:
+        """Remove ``hashes`` from every tier, top down, and from the write-through backlog;
+        returns the blocks removed per tier.
+
+        NOTE: top down, because an upper tier hands its evictions to the one below: once
+        the CPU tier has dropped a block, no later eviction can carry it to disk."""
+        for block_hash in hashes:
+            self._backlog.pop(block_hash, None)
+        return {tier.name: tier.purge(fingerprint, hashes) for tier in self.tiers}
 
     # -- lifetime ---------------------------------------------------------------------------
     def flush(self) -> None:

@@ -8,6 +8,8 @@ from ragserve.config_flags import check_choices, option
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+# The disk tier's budget when --kv-disk-dir is given without --kv-disk-gib.
+DEFAULT_DISK_GIB = 16.0
 
 
 @dataclass(frozen=True)
@@ -41,9 +43,22 @@ class EngineConfig:
     )
     kv_cpu_gib: float = option(0.0, help="host memory tier for KV blocks evicted from the device")
     kv_disk_dir: str | None = option(
-        None, help="disk tier folder (default: $XDG_CACHE_HOME/ragserve/kv or ~/.cache/ragserve/kv)"
+        None,
+        help="disk tier folder; given alone it turns the disk tier on with a "
+        f"{DEFAULT_DISK_GIB:g} GiB budget (default folder: $XDG_CACHE_HOME/ragserve/kv or "
+        "~/.cache/ragserve/kv)",
     )
-    kv_disk_gib: float = option(0.0, help="disk tier for KV blocks, kept across restarts")
+    kv_disk_gib: float | None = option(
+        None,
+        help="disk tier for KV blocks, kept across restarts (default: "
+        f"{DEFAULT_DISK_GIB:g} with --kv-disk-dir, else no disk tier; 0 turns it off)",
+    )
+    kv_encryption_key_file: str | None = option(
+        None,
+        help="encrypt disk-tier records at rest (AES-256-GCM, a key derived per tenant) "
+        "under the key in this file (at least 32 bytes); a wrong or missing key only misses; "
+        "given alone it turns the disk tier on like --kv-disk-dir",
+    )
     kv_load_gib_per_step: float = option(
         1.0,
         help="KV loaded from the CPU/disk tiers per step, all sequences together "
@@ -79,5 +94,25 @@ class EngineConfig:
         check_choices(self)
         if self.kv_load_gib_per_step <= 0:
             raise ValueError(f"kv_load_gib_per_step must be > 0, got {self.kv_load_gib_per_step}")
-        if self.kv_cpu_gib < 0 or self.kv_disk_gib < 0:
+        if self.kv_cpu_gib < 0 or (self.kv_disk_gib is not None and self.kv_disk_gib < 0):
             raise ValueError("kv_cpu_gib and kv_disk_gib must be >= 0")
+        # NOTE: combinations that used to be silently ignored are refused here.
+        if self.kv_disk_gib == 0 and self.kv_disk_dir:
+            raise ValueError(
+                "kv_disk_dir names a disk tier that kv_disk_gib=0 turns off; drop one of them"
+            )
+        if self.kv_encryption_key_file and self.kv_disk_gib == 0:
+            raise ValueError("kv_encryption_key_file encrypts the disk tier that kv_disk_gib=0 turns off")
+        if not self.enable_prefix_caching and (self.kv_cpu_gib > 0 or self.disk_tier_gib > 0):
+            raise ValueError(
+                "the CPU and disk KV tiers hold prefix-cache blocks: they need prefix caching "
+                "(drop --no-prefix-caching, or the --kv-cpu-gib / --kv-disk-* flags)"
+            )
+
+    @property
+    def disk_tier_gib(self) -> float:
+        """The disk tier's budget: ``kv_disk_gib``, else ``DEFAULT_DISK_GIB`` when
+        ``kv_disk_dir`` or ``kv_encryption_key_file`` asks for a disk tier, else 0 (none)."""
+        if self.kv_disk_gib is not None:
+            return self.kv_disk_gib
+        return DEFAULT_DISK_GIB if self.kv_disk_dir or self.kv_encryption_key_file else 0.0

@@ -36,6 +36,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens served from the KV cache
+    # Of those, per place: "device" (already there) and each tier they were loaded from.
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     error: str | None = None  # set when the engine gave up on the request
     # Why: None (no room: pinned documents hold the KV cache) or "request_failed" (a fault
     # of this request alone, e.g. while sampling or detokenizing; the others went on).

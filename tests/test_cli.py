@@ -91,7 +91,6 @@ def test_engine_config_from_args_round_trips() -> None:
         dtype="bfloat16",
         block_size=32,
         kv_cache_gib=0.5,
-        enable_prefix_caching=False,
         enforce_eager=True,
         async_scheduling=False,
         kv_disk_dir="/tmp/kv",

@@ -165,9 +165,11 @@ class _Run:
     def _engine(self, cpu_gib: float, disk_gib: float) -> Any:
         from ragserve import LLM
 
+        key_file = self.config.kv_encryption_key_file
         config = dataclasses.replace(
             self.config, kv_cpu_gib=cpu_gib, kv_disk_gib=disk_gib,
             kv_disk_dir=str(self.disk_dir) if disk_gib > 0 else None,
+            kv_encryption_key_file=key_file if disk_gib > 0 else None,  # NOTE: disk records only
         )
         llm = LLM.from_config(config)
         engine = llm.engine

@@ -215,6 +215,22 @@ class AsyncEngine:
         """
         return await self.call(lambda engine: engine.unpin_prefix(pin_id), timeout)
 
+    async def purge_prefix(
+        self,
+        token_ids: list[int],
+        namespace: str = "",
+        keep: list[list[int]] | None = None,
+        timeout: float | None = CALL_TIMEOUT_S,
+    ) -> dict[str, int]:
+        """``LLMEngine.purge_prefix`` on the engine thread; EngineDeadError as for ``call``."""
+        return await self.call(lambda engine: engine.purge_prefix(token_ids, namespace, keep), timeout)
+
+    async def locate_prefix(
+        self, token_ids: list[int], namespace: str = "", timeout: float | None = CALL_TIMEOUT_S
+    ) -> dict[str, int]:
+        """``LLMEngine.locate_prefix`` on the engine thread; EngineDeadError as for ``call``."""
+        return await self.call(lambda engine: engine.locate_prefix(token_ids, namespace), timeout)
+
     async def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the engine thread, abort unfinished requests, flush the disk tier."""
         self._stopping.set()

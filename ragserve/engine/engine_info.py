@@ -59,6 +59,8 @@ class EngineInfo:
     cpu_tier_bytes: int | None
     disk_tier_dir: Path | None
     disk_tier_bytes: int | None
+    # The key file disk records are encrypted under (None: stored in the clear).
+    disk_tier_key_file: str | None = None
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -17,8 +17,9 @@ import torch
 from kernels.registry import get_backend
 from kvstore.block_pool import BlockPool
 from kvstore.device_cache import KVCacheSpec
-from kvstore.hashing import make_salt
+from kvstore.hashing import hash_full_blocks, make_salt
 from kvstore.kv_cache_manager import KVAllocation, KVCacheManager
+from kvstore.record_cipher import RecordCipher
 from kvstore.tier import TierMetrics
 from kvstore.tier_stack import TierStack, TierTraffic
 from ragserve.config import EngineConfig
@@ -184,15 +185,28 @@ class LLMEngine:
 
     def _open_tiers(self) -> TierStack | None:
         config = self.config
-        if not config.enable_prefix_caching or (config.kv_cpu_gib <= 0 and config.kv_disk_gib <= 0):
+        disk_gib = config.disk_tier_gib
+        if not config.enable_prefix_caching or (config.kv_cpu_gib <= 0 and disk_gib <= 0):
             return None
+        if config.kv_disk_gib is None and disk_gib > 0:
+            logger.info(
+                "disk KV tier on in %s with the default budget of %g GiB (--kv-disk-gib sets it)",
+                config.kv_disk_dir or "the default folder", disk_gib,
+            )  # fmt: skip
+        cipher = None
+        if config.kv_encryption_key_file:
+            try:
+                cipher = RecordCipher.from_file(config.kv_encryption_key_file)
+            except (OSError, ValueError) as exc:
+                raise ValueError(f"the KV encryption key cannot be used: {exc}") from exc
         try:
             return TierStack.from_budgets(
                 self.kv_cache,
                 self.block_pool,
                 cpu_gib=config.kv_cpu_gib,
-                disk_gib=config.kv_disk_gib,
+                disk_gib=disk_gib,
                 disk_dir=config.kv_disk_dir,
+                cipher=cipher,
             )
         except OSError as exc:
             raise ValueError(f"the KV disk directory cannot be used: {exc}") from exc
@@ -269,6 +283,7 @@ class LLMEngine:
             attention_backend=attention_backend,
             cpu_tier_bytes=cpu.capacity_bytes if cpu is not None else None,
             disk_tier_dir=tiers.disk_dir,
+            disk_tier_key_file=config.kv_encryption_key_file if tiers.disk_dir else None,
             disk_tier_bytes=disk.capacity_bytes if disk is not None else None,
         )
 
@@ -454,6 +469,28 @@ class LLMEngine:
             return False
         self.kv_manager.free(alloc)
         return True
+
+    def purge_prefix(
+        self, token_ids: list[int], namespace: str = "", keep: list[list[int]] | None = None
+    ) -> dict[str, int]:
+        """Remove the cached full blocks of ``token_ids`` for good: from the prefix cache
+        (without demoting them) and every tier, with every block that follows them in a
+        chain; blocks that a sequence of ``keep`` (same namespace) also has stay.
+
+        Returns blocks removed: ``device`` (prefix-cache entries) and one count per tier.
+        Unpin first: a pinned block stays with its pin, only unindexed."""
+        salt = self.salt_for(namespace)
+        size = self.config.block_size
+        owned = hash_full_blocks(salt, token_ids, size)
+        kept = {h for other in keep or () for h in hash_full_blocks(salt, other, size)}
+        counts = self.kv_manager.purge(salt, owned, kept)
+        return {"device": counts.device, **counts.tiers}
+
+    def locate_prefix(self, token_ids: list[int], namespace: str = "") -> dict[str, int]:
+        """Full blocks of ``token_ids`` held now: ``device`` and one count per tier."""
+        salt = self.salt_for(namespace)
+        hashes = hash_full_blocks(salt, token_ids, self.config.block_size)
+        return self.kv_manager.locate(salt, hashes)
 
     def kv_usage(self) -> dict[str, int]:
         """Device blocks: total, in use by requests, pinned, cached (indexed), free."""
@@ -736,6 +773,7 @@ class LLMEngine:
             for seq in request.seqs
         ]
         metrics = {"arrival_time": request.arrival_time}
+        cached = max(0, min(seq.num_cached_tokens for seq in request.seqs))
         if request.first_token_time is not None:
             metrics["first_token_time"] = request.first_token_time
         return RequestOutput(
@@ -744,9 +782,22 @@ class LLMEngine:
             prompt_token_ids=request.prompt_token_ids,
             outputs=completions,
             finished=request.finished,
-            num_cached_tokens=max(0, min(seq.num_cached_tokens for seq in request.seqs)),
+            num_cached_tokens=cached,
+            cached_tokens_by_tier=_by_tier(cached, request.seqs[0].kv.loaded_blocks, self.config.block_size),
             metrics=metrics,
         )
+
+
+def _by_tier(cached: int, loaded_blocks: dict[str, int], block_size: int) -> dict[str, int]:
+    """Split ``cached`` prompt tokens into those loaded from each tier and the rest, which
+    were on the device already. NOTE: a preempted sequence may load a block twice; the
+    split is capped so that it always sums to ``cached``."""
+    split: dict[str, int] = {}
+    left = cached
+    for name, blocks in sorted(loaded_blocks.items()):
+        split[name] = min(left, blocks * block_size)
+        left -= split[name]
+    return {"device": left, **split}
 
 
 def _restore(requests: list[SampleRequest], states: list[torch.Tensor | None]) -> None:

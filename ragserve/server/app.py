@@ -33,6 +33,7 @@ from ragserve.server.documents import DocumentService
 from ragserve.server.errors import error_middleware
 from ragserve.server.metrics import ServerMetrics, make_metrics_middleware
 from ragserve.server.prompts import PromptBuilder
+from ragserve.server.registry_cipher import RegistryCipher
 from ragserve.server.request_context import REQUEST_ID
 from ragserve.server.state import (
     ADMISSION,
@@ -73,7 +74,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> web.A
             request_id_middleware,
             make_metrics_middleware(metrics),
             error_middleware,
-            make_auth_middleware(config.api_keys),
+            make_auth_middleware(config.api_keys, config.metrics_key),
         ],
     )
     prompts = PromptBuilder(
@@ -87,7 +88,9 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> web.A
     app[CONFIG] = config
     app[METRICS] = metrics
     app[PROMPTS] = prompts
-    app[DOCUMENTS] = DocumentService(engine, prompts, admission, document_store(engine.info))
+    app[DOCUMENTS] = DocumentService(
+        engine, prompts, admission, document_store(engine.info), config.document_ttl
+    )
     app[MODEL_NAME] = config.served_model_name or engine.model_name
     app[STARTED_AT] = int(time.time())
     app[DRAINING] = asyncio.Event()
@@ -114,7 +117,11 @@ def document_store(info: EngineInfo) -> DocumentStore | None:
     """The registry file's home: the disk KV tier's directory, when the engine has one."""
     if info.disk_tier_dir is None:
         return None
-    return DocumentStore(info.disk_tier_dir, info.model_fingerprint)
+    cipher = None
+    if info.disk_tier_key_file is not None:
+        # NOTE: the engine already read this file at start-up; it is readable and long enough.
+        cipher = RegistryCipher.from_file(info.disk_tier_key_file)
+    return DocumentStore(info.disk_tier_dir, info.model_fingerprint, cipher)
 
 
 async def _engine_lifecycle(app: web.Application) -> AsyncIterator[None]:

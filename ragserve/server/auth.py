@@ -1,4 +1,9 @@
-"""Bearer-key authentication for ``/v1``; each key is a tenant with its own cache namespace."""
+"""Bearer-key authentication; each API key is a tenant with its own cache namespace.
+
+With API keys set, ``/v1`` and ``/openapi.json`` (which describes it) need one of them,
+and ``/metrics`` needs one of them or the separate metrics key. A metrics key alone
+protects ``/metrics`` only. ``/health`` stays open: load balancers probe it.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +19,8 @@ from ragserve.server.errors import APIError
 from ragserve.server.request_context import TENANT
 
 PROTECTED_PREFIX = "/v1"
+SPEC_PATH = "/openapi.json"
+METRICS_PATH = "/metrics"
 
 
 def tenant_name(api_key: str) -> str:
@@ -30,15 +37,20 @@ def read_api_key_file(path: str) -> list[str]:
     return keys
 
 
-def make_auth_middleware(api_keys: Iterable[str]) -> Any:
-    """Without keys every caller is the anonymous tenant ""; with keys, ``/v1`` needs one."""
+def make_auth_middleware(api_keys: Iterable[str], metrics_key: str | None = None) -> Any:
+    """Without keys every caller is the anonymous tenant ""; the rules are the module's."""
     tenants = [(key.encode(), tenant_name(key)) for key in api_keys]
+    # NOTE: the metrics key is no tenant: it opens /metrics and nothing else.
+    scrapers = tenants + ([(metrics_key.encode(), "")] if metrics_key else [])
 
     @web.middleware
     async def auth_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
         request[TENANT] = ""
-        if tenants and request.path.startswith(PROTECTED_PREFIX):
+        path = request.path
+        if tenants and (path.startswith(PROTECTED_PREFIX) or path == SPEC_PATH):
             request[TENANT] = _authenticate(request.headers.get("Authorization", ""), tenants)
+        elif scrapers and path == METRICS_PATH:
+            _authenticate(request.headers.get("Authorization", ""), scrapers)
         response: web.StreamResponse = await handler(request)
         return response
 

@@ -23,6 +23,11 @@ class ServerConfig:
         help="require 'Authorization: Bearer KEY' on /v1; repeat for more tenants",
         flag="--api-key",
     )
+    metrics_key: str | None = option(
+        None,
+        help="a key that opens /metrics alone (for a scraper); with --api-key set, /metrics "
+        "needs an API key or this one",
+    )
     served_model_name: str | None = option(
         None, help="the model name clients use (default: the engine's)"
     )
@@ -42,6 +47,11 @@ class ServerConfig:
     )
     completion_default_max_tokens: int = option(
         16, help="/v1/completions' max_tokens when not given (OpenAI's default)", cli=False
+    )
+    document_ttl: float | None = option(
+        None,
+        help="seconds a document lives when its upload gives no ttl or expire_time "
+        "(default: documents never expire)",
     )
     shutdown_timeout: float = option(
         10.0, help="seconds running requests get to finish on SIGTERM/SIGINT"
@@ -107,11 +117,19 @@ class ServerConfig:
             )
         if not self.engine_stall_seconds > 0:
             raise ValueError(f"engine_stall_seconds must be > 0, got {self.engine_stall_seconds}")
+        if self.document_ttl is not None and not self.document_ttl > 0:
+            raise ValueError(f"document_ttl must be > 0 seconds, got {self.document_ttl}")
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
         for key in self.api_keys:
             if not key or any(c.isspace() for c in key):
                 raise ValueError("API keys must be non-empty and contain no whitespace")
+        if self.metrics_key is not None and (
+            not self.metrics_key or any(c.isspace() for c in self.metrics_key)
+        ):
+            raise ValueError("the metrics key must be non-empty and contain no whitespace")
+        if self.metrics_key is not None and self.metrics_key in self.api_keys:
+            raise ValueError("the metrics key must differ from every API key")
         if len(set(self.api_keys)) != len(self.api_keys):
             raise ValueError("the same API key was given twice")
         for name in ("keepalive_timeout", "body_timeout", "write_timeout"):

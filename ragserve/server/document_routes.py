@@ -1,4 +1,5 @@
-"""``/v1/documents``: upload (JSON or a multipart .txt/.md file), inspect, list, delete."""
+"""``/v1/documents``: upload (JSON or a multipart .txt/.md file), inspect, list, change
+(PATCH: expiry, metadata), delete."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from ragserve.server.body import (
     require_content_type,
     within_body_timeout,
 )
+from ragserve.server.document_lifecycle import DocumentPatch
 from ragserve.server.errors import APIError, bad_request
 from ragserve.server.protocol import DocumentRequest
 from ragserve.server.request_context import tenant
@@ -29,6 +31,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/documents", upload_document)
     app.router.add_get("/v1/documents", list_documents)
     app.router.add_get("/v1/documents/{id}", get_document)
+    app.router.add_patch("/v1/documents/{id}", patch_document)
     app.router.add_delete("/v1/documents/{id}", delete_document)
 
 
@@ -36,9 +39,12 @@ async def upload_document(request: web.Request) -> web.Response:
     """202 with ``status: ingesting`` for a new document, 200 with its state for a known one."""
     app = request.app
     kind = require_content_type(request, "application/json", "multipart/form-data")
+    ttl: float | None = None
+    expire_time: float | str | None = None
     if kind == "application/json":
         body = DocumentRequest.model_validate(parse_json_object(await read_body(request)))
         text, metadata = body.text, body.metadata
+        ttl, expire_time = body.ttl, body.expire_time
     else:
         reading = _read_multipart(request, app[CONFIG].max_request_bytes)
         text, metadata = await within_body_timeout(request, reading)
@@ -47,7 +53,7 @@ async def upload_document(request: web.Request) -> web.Response:
     namespace = tenant(request)
     if docs.existing(namespace, text) is None:
         check_admission(app[ENGINE], app[CONFIG], 1, app[DRAINING].is_set())
-    doc, created = await docs.add(namespace, text, metadata)
+    doc, created = await docs.add(namespace, text, metadata, ttl, expire_time)
     return web.json_response(doc.to_json(docs.block_size), status=202 if created else 200)
 
 
@@ -127,6 +133,16 @@ async def list_documents(request: web.Request) -> web.Response:
 async def get_document(request: web.Request) -> web.Response:
     docs = request.app[DOCUMENTS]
     doc = docs.get(tenant(request), request.match_info["id"])
+    kv = await request.app[ENGINE].locate_prefix(doc.prefix_ids, doc.namespace)
+    return web.json_response(doc.to_json(docs.block_size, kv))
+
+
+async def patch_document(request: web.Request) -> web.Response:
+    """Change ``ttl`` / ``expire_time`` (null: never expires) and/or ``metadata``."""
+    require_content_type(request, "application/json")
+    patch = DocumentPatch.model_validate(parse_json_object(await read_body(request)))
+    docs = request.app[DOCUMENTS]
+    doc = await docs.update(tenant(request), request.match_info["id"], patch)
     return web.json_response(doc.to_json(docs.block_size))
 
 

@@ -1,167 +1,277 @@
-"""The document registry on disk, next to the disk KV tier, so a restart keeps documents.
+"""The document registry: one SQLite database in the KV directory, one row per document.
 
-One JSON file per model in the disk tier's directory (the tier indexes only its own
-sub-directories, so the file never looks like a KV record to it)::
+``documents.sqlite3`` (WAL mode, ``synchronous=FULL``) holds a ``documents`` table keyed
+by (model fingerprint, tenant namespace, document id); ``PRAGMA user_version`` is the
+schema version. Contracts:
 
-    {"format": "ragserve-documents", "version": 1, "model": <fingerprint>,
-     "checksum": <xxh3-64 hex of the canonical "documents" JSON>,
-     "documents": [{"id", "namespace", "token_ids", "metadata", "created"}, ...]}
-
-Writes are atomic (temporary file, fsync, rename, fsync of the directory): a reader sees
-the old file or the new one, never a mix. A file that cannot be read, does not parse,
-fails its checksum, or belongs to another format, version or model is logged and
-ignored (and replaced by the next write); it never stops the server. Entries whose
-fields are malformed are skipped one by one.
+- Atomic per document: ``put`` and ``delete`` are one transaction each, committed before
+  they return, so after ``kill -9`` at any moment a row is there whole or not at all.
+- Several processes may use one directory: each operation is a short transaction, and
+  SQLite's file locks order them (writers wait up to ``BUSY_TIMEOUT_S``).
+- Damage is found and contained: every row carries a checksum of its fields, and
+  :meth:`DocumentStore.open` runs ``PRAGMA integrity_check``. A damaged row is reported
+  and dropped; when the database itself is damaged the readable rows are copied to a fresh
+  database that replaces it (see :mod:`ragserve.server.registry_repair`). A database that
+  cannot be opened at all is reported and started afresh. Nothing here stops the server.
+- Files are private: the database (and the ``-wal``/``-shm`` files SQLite gives the same
+  mode) are created 0600.
+- A JSON registry of earlier versions (``documents-<fp>.json``) is imported on first open
+  and then removed, since it holds token ids a later DELETE could not reach.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import re
-import secrets
-from dataclasses import dataclass
+import sqlite3
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import xxhash
+from ragserve.server.legacy_registry import legacy_path, read_legacy
+from ragserve.server.registry_cipher import RegistryCipher
+from ragserve.server.registry_repair import check
+from ragserve.server.registry_rows import (
+    SCHEMA,
+    SCHEMA_VERSION,
+    RowError,
+    RowLocked,
+    decode_row,
+    encode_row,
+)
+from ragserve.server.stored_document import StoredDocument
 
 logger = logging.getLogger(__name__)
 
-FORMAT = "ragserve-documents"
-VERSION = 1
-_ID = re.compile(r"[0-9a-f]{32}")
-
-
-@dataclass(frozen=True)
-class StoredDocument:
-    id: str
-    namespace: str
-    token_ids: list[int]
-    metadata: dict[str, Any]
-    created: int
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "namespace": self.namespace,
-            "token_ids": self.token_ids,
-            "metadata": self.metadata,
-            "created": self.created,
-        }
+FILENAME = "documents.sqlite3"
+BUSY_TIMEOUT_S = 30.0
+FILE_MODE = 0o600
 
 
 class DocumentStore:
-    """Load and save the registry file of one model in ``directory``."""
+    """The registry rows of one model in ``directory``. Thread-safe; blocking calls.
 
-    def __init__(self, directory: str | os.PathLike[str], model_fingerprint: str) -> None:
+    Call :meth:`open` once (it checks, repairs and migrates), then :meth:`load`,
+    :meth:`put`, :meth:`delete`. An instance that failed to open keeps working in memory
+    only: its writes are logged and dropped.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        model_fingerprint: str,
+        cipher: RegistryCipher | None = None,
+    ) -> None:
         self.directory = Path(directory)
         self.model = model_fingerprint
-        self.path = self.directory / f"documents-{model_fingerprint[:16]}.json"
+        self.cipher = cipher
+        self.path = self.directory / FILENAME
+        self._lock = threading.Lock()
+        self._db: sqlite3.Connection | None = None
 
-    def load(self) -> list[StoredDocument]:
-        """The stored documents; [] (with a warning) when the file is absent or unusable."""
+    # -- opening -------------------------------------------------------------------------
+    def open(self) -> list[str]:
+        """Open (creating, checking, repairing, migrating); returns the problems found.
+
+        Never raises for a damaged or foreign file; raises OSError when the directory
+        cannot be created."""
+        self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        problems: list[str] = []
+        with self._lock:
+            try:
+                self._db = self._connect()
+            except sqlite3.DatabaseError as exc:
+                problems.append(f"cannot be opened ({exc}); started afresh")
+                self._db = self._start_afresh()
+            found, intact = check(self._db)
+            if intact is not None:  # damaged: rebuild from the intact rows, reconnect
+                self.replace_with(intact)
+                self._db = self._connect()
+            problems += found
+        problems += self._migrate_legacy()
+        for problem in problems:
+            logger.warning("document registry %s: %s", self.path, problem)
+        return problems
+
+    def _connect(self) -> sqlite3.Connection:
+        _create_private(self.path)
+        db = sqlite3.connect(
+            self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False
+        )
         try:
-            raw = self.path.read_bytes()
+            version = db.execute("PRAGMA user_version").fetchone()[0]
+            if version > SCHEMA_VERSION:
+                raise sqlite3.DatabaseError(
+                    f"schema version {version} is newer than this server's {SCHEMA_VERSION}"
+                )
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=FULL")
+            # NOTE: a deleted row's bytes are overwritten, not left in a free page.
+            db.execute("PRAGMA secure_delete=ON")
+            with _transaction(db):
+                for statement in SCHEMA:
+                    db.execute(statement)
+                db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+        except BaseException:
+            db.close()
+            raise
+        return db
+
+    def _start_afresh(self) -> sqlite3.Connection:
+        """Replace an unusable database with an empty one.
+
+        NOTE: a newer schema is kept aside rather than deleted: a newer server may want it."""
+        aside = self.path.with_name(f"{FILENAME}.unusable")
+        for suffix in ("", "-wal", "-shm"):
+            source = self.path.with_name(FILENAME + suffix)
+            if source.exists():
+                os.replace(source, aside.with_name(aside.name + suffix))
+        return self._connect()
+
+    def replace_with(self, rows: list[tuple[Any, ...]]) -> None:
+        """Swap the database for a fresh one holding ``rows`` (raw, already checked).
+        Lock held by the caller; leaves ``self._db`` None (the caller reconnects)."""
+        if self._db is not None:
+            self._db.close()
+            self._db = None
+        fresh = self.path.with_name(f".{FILENAME}.{os.getpid()}.rebuild")
+        for suffix in ("", "-wal", "-shm"):
+            fresh.with_name(fresh.name + suffix).unlink(missing_ok=True)
+        _create_private(fresh)
+        db = sqlite3.connect(fresh, isolation_level=None)
+        try:
+            with _transaction(db):
+                for statement in SCHEMA:
+                    db.execute(statement)
+                db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+                db.executemany(_INSERT, rows)
+        finally:
+            db.close()
+        # NOTE: the old -wal/-shm belong to the damaged file; they must not be replayed
+        # against the new one.
+        for suffix in ("-wal", "-shm"):
+            self.path.with_name(FILENAME + suffix).unlink(missing_ok=True)
+        os.replace(fresh, self.path)
+
+    def _migrate_legacy(self) -> list[str]:
+        path = legacy_path(self.directory, self.model)
+        try:
+            problem, docs, skipped = read_legacy(path, self.model)
         except FileNotFoundError:
             return []
         except OSError as exc:
-            logger.warning("document registry %s cannot be read (%s); ignored", self.path, exc)
-            return []
-        problem, entries = _parse(raw, self.model)
+            return [f"the JSON registry {path.name} cannot be read ({exc}); not migrated"]
+        problems = []
         if problem is not None:
-            logger.warning("document registry %s ignored: %s", self.path, problem)
-            return []
-        docs = []
-        for number, entry in enumerate(entries):
-            doc = _document(entry)
-            if doc is None:
-                logger.warning("document registry %s: entry %d is malformed; skipped", self.path, number)
-                continue
-            docs.append(doc)
-        return docs
-
-    def save(self, docs: list[StoredDocument]) -> None:
-        """Replace the file atomically. Raises OSError (the caller logs it)."""
-        documents = [doc.to_json() for doc in docs]
-        payload = {
-            "format": FORMAT,
-            "version": VERSION,
-            "model": self.model,
-            "checksum": _checksum(documents),
-            "documents": documents,
-        }
-        data = json.dumps(payload, separators=(",", ":")).encode()
-        self.directory.mkdir(parents=True, exist_ok=True)
-        temp = self.path.with_name(f".{self.path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+            problems.append(f"the JSON registry {path.name} was not migrated: {problem}")
+        if skipped:
+            problems.append(f"{skipped} malformed entries of {path.name} were not migrated")
         try:
-            with temp.open("wb") as handle:
-                handle.write(data)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(temp, self.path)
-        except BaseException:
-            temp.unlink(missing_ok=True)
-            raise
-        _fsync_directory(self.directory)
+            with self._lock:
+                db = self._require()
+                with _transaction(db):
+                    rows = [encode_row(self.model, d, self.cipher) for d in docs]
+                    db.executemany(_INSERT_IF_ABSENT, rows)
+        except sqlite3.Error as exc:
+            return [*problems, f"migration of {path.name} failed ({exc}); it is kept"]
+        path.unlink(missing_ok=True)
+        logger.info("document registry: %d documents migrated from %s", len(docs), path.name)
+        return problems
+
+    # -- rows ----------------------------------------------------------------------------
+    def load(self) -> list[StoredDocument]:
+        """This model's documents, oldest first. Damaged rows are reported and deleted."""
+        with self._lock:
+            db = self._db
+            if db is None:
+                return []
+            raw = db.execute(_SELECT + " WHERE model = ? ORDER BY row", (self.model,)).fetchall()
+            docs, damaged = [], []
+            for row in raw:
+                try:
+                    docs.append(decode_row(row, self.cipher))
+                except RowLocked as exc:
+                    logger.warning(
+                        "document registry %s: row %d kept, not served: %s", self.path, row[0], exc
+                    )
+                except RowError as exc:
+                    logger.warning(
+                        "document registry %s: row %d dropped: %s", self.path, row[0], exc
+                    )
+                    damaged.append((row[0],))
+            if damaged:
+                with _transaction(db):
+                    db.executemany("DELETE FROM documents WHERE row = ?", damaged)
+            return docs
+
+    def put(self, doc: StoredDocument) -> None:
+        """Insert or replace one document's row. Raises sqlite3.Error / OSError."""
+        with self._lock:
+            db = self._require()
+            with _transaction(db):
+                db.execute(_UPSERT, encode_row(self.model, doc, self.cipher))
+
+    def delete(self, namespace: str, doc_id: str) -> bool:
+        """Delete one document's row; whether there was one. Raises sqlite3.Error."""
+        with self._lock:
+            db = self._require()
+            with _transaction(db):
+                cursor = db.execute(
+                    "DELETE FROM documents WHERE model = ? AND namespace = ? AND id = ?",
+                    (self.model, namespace, doc_id),
+                )
+            # NOTE: the WAL still holds the pages as they were before the delete; moving
+            # them into the database and truncating the log leaves no copy of the row.
+            busy = db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0]
+            if busy:
+                logger.warning(
+                    "document registry %s: the log could not be truncated now (a reader is "
+                    "active); the deleted row's old pages stay in it until the next checkpoint",
+                    self.path,
+                )
+            return cursor.rowcount > 0
+
+    def close(self) -> None:
+        with self._lock:
+            if self._db is not None:
+                self._db.close()
+                self._db = None
+
+    def _require(self) -> sqlite3.Connection:
+        if self._db is None:
+            raise sqlite3.OperationalError("the document registry is not open")
+        return self._db
 
 
-def _parse(raw: bytes, model: str) -> tuple[str | None, list[Any]]:
-    """(None, entries) for a valid file of this model, else (why not, [])."""
+_COLUMNS = "model, namespace, id, token_ids, metadata, created, expire_time, checksum"
+_SELECT = f"SELECT row, {_COLUMNS} FROM documents"
+_INSERT = f"INSERT INTO documents ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+_INSERT_IF_ABSENT = _INSERT.replace("INSERT", "INSERT OR IGNORE", 1)
+_UPSERT = (
+    _INSERT + " ON CONFLICT (model, namespace, id) DO UPDATE SET token_ids = excluded.token_ids,"
+    " metadata = excluded.metadata, created = excluded.created,"
+    " expire_time = excluded.expire_time, checksum = excluded.checksum"
+)
+
+
+@contextmanager
+def _transaction(db: sqlite3.Connection) -> Iterator[None]:
+    """BEGIN IMMEDIATE (take the write lock up front, so no deadlock on upgrade) … COMMIT."""
+    db.execute("BEGIN IMMEDIATE")
     try:
-        payload = json.loads(raw)
-    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
-        return f"not valid JSON ({exc})", []
-    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
-        return "not a ragserve document registry", []
-    if payload.get("version") != VERSION:
-        return f"version {payload.get('version')!r}, expected {VERSION}", []
-    if payload.get("model") != model:
-        return "written for another model", []
-    entries = payload.get("documents")
-    if not isinstance(entries, list):
-        return "no document list", []
-    if payload.get("checksum") != _checksum(entries):
-        return "checksum mismatch (damaged file)", []
-    return None, entries
+        yield
+    except BaseException:
+        db.execute("ROLLBACK")
+        raise
+    db.execute("COMMIT")
 
 
-def _document(entry: Any) -> StoredDocument | None:
-    if not isinstance(entry, dict):
-        return None
-    doc_id, namespace = entry.get("id"), entry.get("namespace")
-    token_ids, metadata, created = entry.get("token_ids"), entry.get("metadata"), entry.get("created")
-    valid = (
-        isinstance(doc_id, str)
-        and _ID.fullmatch(doc_id) is not None
-        and isinstance(namespace, str)
-        and isinstance(token_ids, list)
-        and bool(token_ids)
-        and all(type(t) is int and t >= 0 for t in token_ids)
-        and isinstance(metadata, dict)
-        and type(created) is int
-    )
-    if not valid:
-        return None
-    assert isinstance(doc_id, str) and isinstance(namespace, str)
-    assert isinstance(token_ids, list) and isinstance(metadata, dict) and isinstance(created, int)
-    return StoredDocument(doc_id, namespace, token_ids, metadata, created)
-
-
-def _checksum(documents: list[Any]) -> str:
-    canonical = json.dumps(documents, separators=(",", ":"), sort_keys=True).encode()
-    return xxhash.xxh3_64_hexdigest(canonical)
-
-
-def _fsync_directory(directory: Path) -> None:
+def _create_private(path: Path) -> None:
+    """Create ``path`` empty with mode 0600 unless it exists (SQLite then keeps the mode)."""
     try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
+    except FileExistsError:
         return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    os.close(fd)

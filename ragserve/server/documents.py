@@ -8,11 +8,11 @@ document still ingesting does not wait: the engine makes it share the blocks bei
 computed.
 
 With a :class:`~ragserve.server.document_store.DocumentStore` (a server with a disk KV
-tier) the registry is saved on every upload and delete, and :meth:`DocumentService.restore`
-brings it back at start-up: each stored document of a current tenant is registered again
-and re-ingested in the background, which is cheap because its blocks come back from the
-disk tier. Documents of tenants the server no longer has a key for stay in the file,
-untouched, until a server with that key starts.
+tier) each upload writes the document's row and each delete removes it before the response
+is sent, and :meth:`DocumentService.restore` brings them back at start-up: each stored
+document of a current tenant is registered again and re-ingested in the background, which
+is cheap because its blocks come back from the disk tier. Rows of tenants the server no
+longer has a key for stay untouched until a server with that key starts.
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ import contextlib
 import itertools
 import logging
 import re
+import sqlite3
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -32,9 +34,12 @@ from ragserve.engine.async_engine import AsyncEngine
 from ragserve.sampling_params import SamplingParams
 from ragserve.server.admission import WorkAdmission
 from ragserve.server.admission_checks import check_work
-from ragserve.server.document_store import DocumentStore, StoredDocument
+from ragserve.server.document_expiry import ExpirySweeper
+from ragserve.server.document_lifecycle import DocumentPatch, expire_time_from, rfc3339
+from ragserve.server.document_store import DocumentStore
 from ragserve.server.errors import APIError, bad_request
 from ragserve.server.prompts import PromptBuilder
+from ragserve.server.stored_document import StoredDocument
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +80,7 @@ class RegisteredDocument:
     status: Status = "ingesting"
     error: str | None = None
     pinned_tokens: int = 0
+    expire_time: float | None = None  # Unix seconds; None: never expires
     task: asyncio.Task[None] | None = field(default=None, repr=False)
 
     @property
@@ -82,13 +88,22 @@ class RegisteredDocument:
         return f"doc-{self.id}"
 
     def stored(self) -> StoredDocument:
-        return StoredDocument(self.id, self.namespace, self.token_ids, self.metadata, self.created)
+        return StoredDocument(
+            self.id, self.namespace, self.token_ids, self.metadata, self.created, self.expire_time
+        )
 
-    def to_json(self, block_size: int) -> dict[str, Any]:
-        return {
+    def expired(self, now: float) -> bool:
+        return self.expire_time is not None and self.expire_time <= now
+
+    def to_json(self, block_size: int, kv: dict[str, int] | None = None) -> dict[str, Any]:
+        """The API's view. ``kv``: full blocks of the document's prefix held now, per place
+        (``device``, then each tier); only ``GET /v1/documents/{id}`` looks them up."""
+        body = {
             "id": self.id,
             "object": "document",
             "created": self.created,
+            "create_time": rfc3339(self.created),
+            "expire_time": rfc3339(self.expire_time),
             "status": self.status,
             "tokens": len(self.token_ids),
             "prefix_tokens": len(self.prefix_ids),
@@ -97,6 +112,9 @@ class RegisteredDocument:
             "metadata": self.metadata,
             "error": self.error,
         }
+        if kv is not None:
+            body["kv_blocks"] = kv
+        return body
 
 
 class DocumentService:
@@ -112,26 +130,32 @@ class DocumentService:
         prompts: PromptBuilder,
         admission: WorkAdmission | None = None,
         store: DocumentStore | None = None,
+        default_ttl: float | None = None,
     ) -> None:
         self.engine = engine
         self.prompts = prompts
         self.admission = admission
         self.store = store
         self.block_size = engine.info.block_size
+        self.default_ttl = default_ttl
+        self.expiry = ExpirySweeper(self._expiring, self._expire)
         self._docs: dict[tuple[str, str], RegisteredDocument] = {}
         self._ids = itertools.count()
-        self._dormant: list[StoredDocument] = []  # stored, of tenants not configured now
-        self._changes = 0  # registry changes so far
-        self._saved_changes = 0  # changes the file on disk holds
-        self._save_lock = asyncio.Lock()
+        # NOTE: one thread, so registry writes happen in the order they were asked for
+        # (an upload's row is written before a later delete removes it).
+        self._store_thread = ThreadPoolExecutor(1, thread_name_prefix="registry")
 
     def get(self, namespace: str, doc_id: str, param: str = "id") -> RegisteredDocument:
         doc = self._docs.get((namespace, check_document_id(doc_id, param)))
-        if doc is None:
+        if doc is None or doc.expired(time.time()):  # NOTE: expired is gone, swept or not
             raise APIError(
                 404, f"document {doc_id} not found", param=param, code="document_not_found"
             )
         return doc
+
+    def known(self, namespace: str, doc_id: str) -> RegisteredDocument | None:
+        """The registered document, expired or not; None when unknown (never raises)."""
+        return self._docs.get((namespace, doc_id))
 
     def list_for(self, namespace: str) -> list[RegisteredDocument]:
         docs = [doc for (ns, _), doc in self._docs.items() if ns == namespace]
@@ -166,12 +190,23 @@ class DocumentService:
     def existing(self, namespace: str, text: str) -> RegisteredDocument | None:
         """The live document holding exactly this text, if any (a failed one does not count)."""
         doc = self._docs.get((namespace, document_id(namespace, text)))
-        return doc if doc is not None and doc.status != "failed" else None
+        if doc is None or doc.status == "failed" or doc.expired(time.time()):
+            return None
+        return doc
 
     async def add(
-        self, namespace: str, text: str, metadata: dict[str, Any]
+        self,
+        namespace: str,
+        text: str,
+        metadata: dict[str, Any],
+        ttl: float | None = None,
+        expire_time: float | str | None = None,
     ) -> tuple[RegisteredDocument, bool]:
-        """Register and start ingesting; returns (document, whether it is new)."""
+        """Register and start ingesting; returns (document, whether it is new).
+
+        ``ttl`` / ``expire_time``: see :mod:`ragserve.server.document_lifecycle`; an
+        upload of a known text keeps the known document as it is."""
+        expires = expire_time_from(ttl, expire_time, time.time(), self.default_ttl)
         existing = self.existing(namespace, text)
         if existing is not None:
             return existing, False
@@ -184,16 +219,19 @@ class DocumentService:
         if self.admission is not None:
             check_work(self.admission, len(prefix_ids), 1)
         doc_id = document_id(namespace, text)
+        stale = self._docs.get((namespace, doc_id))
+        if stale is not None:  # expired (not swept yet) or failed: it goes first, like a DELETE
+            await self.remove(namespace, doc_id, even_expired=True)
         doc = RegisteredDocument(doc_id, namespace, token_ids, prefix_ids, metadata, int(time.time()))
+        doc.expire_time = expires
         self._register(doc)
         logger.info("document %s: %d tokens, ingesting", doc_id, len(token_ids))
-        await self._save()
+        await self._store_call("saved", self._put_row, doc.stored())
         return doc, True
 
     def _register(self, doc: RegisteredDocument) -> None:
         self._docs[(doc.namespace, doc.id)] = doc
         doc.task = asyncio.create_task(self._ingest(doc), name=f"ingest-{doc.id}")
-        self._changes += 1
 
     def _check_fits(self, num_tokens: int, num_prefix_tokens: int) -> None:
         max_len = self.engine.max_model_len
@@ -247,10 +285,36 @@ class DocumentService:
             pinned,
         )
 
-    async def remove(self, namespace: str, doc_id: str) -> RegisteredDocument:
+    async def update(self, namespace: str, doc_id: str, patch: DocumentPatch) -> RegisteredDocument:
+        """PATCH: change the expiry and/or the metadata; the row is rewritten before return."""
         doc = self.get(namespace, doc_id)
+        fields = patch.model_fields_set
+        if "ttl" in fields or "expire_time" in fields:
+            if patch.ttl is None and patch.expire_time is None:
+                doc.expire_time = None  # null: never expires
+            else:
+                doc.expire_time = expire_time_from(patch.ttl, patch.expire_time, time.time())
+        if patch.metadata is not None:
+            doc.metadata = patch.metadata
+        await self._store_call("saved", self._put_row, doc.stored())
+        return doc
+
+    def _expiring(self) -> list[tuple[str, str, float]]:
+        return [
+            (doc.namespace, doc.id, doc.expire_time)
+            for doc in self._docs.values()
+            if doc.expire_time is not None
+        ]
+
+    async def remove(
+        self, namespace: str, doc_id: str, even_expired: bool = False
+    ) -> RegisteredDocument:
+        """Unpin, delete the row, purge the KV (see ``_purge``). ``even_expired``: the
+        expiry sweep's call (``get`` treats an expired document as absent)."""
+        doc = self._docs.get((namespace, doc_id)) if even_expired else None
+        if doc is None:
+            doc = self.get(namespace, doc_id)
         del self._docs[(namespace, doc.id)]
-        self._changes += 1
         if doc.task is not None and not doc.task.done():
             doc.task.cancel()
             await asyncio.gather(doc.task, return_exceptions=True)
@@ -258,33 +322,58 @@ class DocumentService:
             # NOTE: calls run in order on the engine thread, so this unpin also undoes a
             # pin that a just-cancelled ingestion had already queued.
             await self.engine.unpin_prefix(doc.pin_id)
-        await self._save()
+        await self._store_call("deleted", self._delete_row, doc.namespace, doc.id)
+        await self._purge(doc)
         return doc
+
+    async def _expire(self, namespace: str, doc_id: str) -> None:
+        await self.remove(namespace, doc_id, even_expired=True)
+
+    async def _purge(self, doc: RegisteredDocument) -> None:
+        """Remove the document's own KV from every tier; blocks another live document of
+        its tenant shares stay. Errors are logged: the document is gone either way."""
+        if not self.engine.is_alive:
+            return
+        keep = [other.prefix_ids for other in self.list_for(doc.namespace)]
+        try:
+            removed = await self.engine.purge_prefix(doc.prefix_ids, doc.namespace, keep)
+        except Exception as exc:  # NOTE: a failed purge must not fail the DELETE
+            logger.warning("document %s: KV purge failed: %s", doc.id, exc)
+            return
+        logger.info("document %s: KV purged (%s blocks)", doc.id, removed)
 
     # -- persistence -----------------------------------------------------------------------
     async def restore(self, tenants: set[str]) -> int:
-        """Register and re-ingest the stored documents of ``tenants``; returns how many.
+        """Open the registry, register and re-ingest the stored documents of ``tenants``;
+        returns how many.
 
-        Never raises for a bad file or entry (see :mod:`ragserve.server.document_store`).
+        Never raises for a damaged database or row (see
+        :mod:`ragserve.server.document_store`): what is damaged is reported and dropped.
         """
+        self.expiry.start()
         if self.store is None:
             return 0
-        stored = await asyncio.get_running_loop().run_in_executor(None, self.store.load)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._store_thread, self.store.open)
+        stored = await loop.run_in_executor(self._store_thread, self.store.load)
         restored = 0
+        now = time.time()
         for entry in stored:
             if entry.namespace not in tenants or (entry.namespace, entry.id) in self._docs:
-                self._dormant.append(entry)
                 continue
             prefix_ids = self.prompts.document_prefix(entry.token_ids)
+            if entry.expire_time is not None and entry.expire_time <= now:
+                await self._drop_expired(entry, prefix_ids)
+                continue
             try:
                 self._check_fits(len(entry.token_ids), len(prefix_ids))
             except APIError as exc:
                 logger.warning("stored document %s not restored: %s", entry.id, exc.message)
-                self._dormant.append(entry)
                 continue
             doc = RegisteredDocument(
                 entry.id, entry.namespace, entry.token_ids, prefix_ids, entry.metadata, entry.created
             )
+            doc.expire_time = entry.expire_time
             self._register(doc)
             restored += 1
         if stored:
@@ -292,28 +381,43 @@ class DocumentService:
                 "document registry %s: %d documents restored, %d kept for other tenants",
                 self.store.path, restored, len(stored) - restored,
             )  # fmt: skip
-        self._saved_changes = self._changes  # the file already says this
         return restored
 
-    async def _save(self) -> None:
-        """Write the registry if it changed; later callers share one write. Errors are logged."""
+    async def _drop_expired(self, entry: StoredDocument, prefix_ids: list[int]) -> None:
+        """A stored document that expired while no server ran: row and KV go now."""
+        await self._store_call("deleted", self._delete_row, entry.namespace, entry.id)
+        doc = RegisteredDocument(
+            entry.id, entry.namespace, entry.token_ids, prefix_ids, entry.metadata, entry.created
+        )
+        await self._purge(doc)
+        logger.info("document %s expired while the server was down; deleted", entry.id)
+
+    def _put_row(self, doc: StoredDocument) -> None:
+        assert self.store is not None
+        self.store.put(doc)
+
+    def _delete_row(self, namespace: str, doc_id: str) -> None:
+        assert self.store is not None
+        self.store.delete(namespace, doc_id)
+
+    async def _store_call(self, what: str, call: Any, *args: Any) -> None:
+        """Run a registry write on the registry thread; errors are logged, never raised.
+
+        NOTE: an upload or delete whose row could not be written still succeeds in memory:
+        the document is served until the restart that forgets (or restores) it."""
         if self.store is None:
             return
-        wanted = self._changes
-        async with self._save_lock:
-            if self._saved_changes >= wanted:
-                return
-            snapshot = self._changes
-            docs = [doc.stored() for doc in self._docs.values()] + self._dormant
-            try:
-                await asyncio.get_running_loop().run_in_executor(None, self.store.save, docs)
-            except OSError as exc:
-                logger.warning("document registry %s not saved: %s", self.store.path, exc)
-                return
-            self._saved_changes = snapshot
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._store_thread, call, *args)
+        except (OSError, sqlite3.Error) as exc:
+            logger.warning("document registry %s: document not %s: %s", self.store.path, what, exc)
 
     async def close(self) -> None:
+        await self.expiry.stop()
         tasks = [doc.task for doc in self._docs.values() if doc.task is not None]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self.store is not None:
+            await asyncio.get_running_loop().run_in_executor(self._store_thread, self.store.close)
+        self._store_thread.shutdown(wait=False)

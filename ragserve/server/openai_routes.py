@@ -22,6 +22,7 @@ from ragserve.outputs import RequestOutput
 from ragserve.sampling_params import SamplingParams
 from ragserve.server.admission_checks import check_admission, estimate_work
 from ragserve.server.body import parse_request
+from ragserve.server.cache_report import document_notes
 from ragserve.server.errors import APIError, bad_request, error_body, from_engine_error
 from ragserve.server.generation import (
     GenerationJob,
@@ -201,7 +202,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             **base,
             "object": "chat.completion",
             "choices": choices,
-            "usage": usage(outputs),
+            "usage": usage(outputs, _notes(request, body.documents, outputs)),
         }
         return web.json_response(response)
 
@@ -287,7 +288,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
                         "finish_reason": finish_reason(c),
                     }
                 )
-        return web.json_response({**base, "choices": choices, "usage": usage(outputs)})
+        totals = usage(outputs, _notes(request, body.documents, outputs))
+        return web.json_response({**base, "choices": choices, "usage": totals})
 
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     extra = {"usage": None} if include_usage else {}
@@ -322,6 +324,12 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 # -- running -------------------------------------------------------------------------------
+def _notes(
+    request: web.Request, doc_ids: list[str] | None, outputs: list[RequestOutput]
+) -> list[dict[str, Any]]:
+    return document_notes(request.app[DOCUMENTS], tenant(request), doc_ids or [], outputs)
+
+
 async def _collect(request: web.Request, job: GenerationJob, endpoint: str) -> list[RequestOutput]:
     app = request.app
     started = time.perf_counter()

@@ -8,6 +8,7 @@ from aiohttp import web
 from pydantic import BaseModel
 
 import ragserve
+from ragserve.server.document_lifecycle import DocumentPatch
 from ragserve.server.pipeline_routes import SummarizeRequest
 from ragserve.server.protocol import ChatCompletionRequest, CompletionRequest, DocumentRequest
 from ragserve.server.state import CONFIG
@@ -122,12 +123,19 @@ OPERATIONS: dict[tuple[str, str], dict[str, Any]] = {
         "responses": {"200": {"description": "document list", **_OBJECT}},
     },
     ("get", "/v1/documents/{id}"): {
-        "summary": "A document's state: ingesting, ready or failed; tokens; blocks pinned",
+        "summary": "A document's state (ingesting, ready or failed), create and expire "
+        "times, tokens, blocks pinned, and its KV blocks per place (device, CPU, disk)",
         "parameters": [_ID_PARAM],
         "responses": {"200": {"description": "document", **_OBJECT}, "400": _ERROR, "404": _ERROR},
     },
+    ("patch", "/v1/documents/{id}"): {
+        "summary": "Change a document's ttl / expire_time (null: never expires) or metadata",
+        "parameters": [_ID_PARAM],
+        "requestBody": _json_body("DocumentPatch"),
+        "responses": {"200": {"description": "document", **_OBJECT}, "400": _ERROR, "404": _ERROR},
+    },
     ("delete", "/v1/documents/{id}"): {
-        "summary": "Forget a document and unpin its blocks",
+        "summary": "Forget a document: unpin it, delete its row, purge its KV from every tier",
         "parameters": [_ID_PARAM],
         "responses": {"200": {"description": "deleted", **_OBJECT}, "400": _ERROR, "404": _ERROR},
     },
@@ -194,7 +202,7 @@ def build_spec(app: web.Application) -> dict[str, Any]:
     secured = bool(app[CONFIG].api_keys)
     for (method, path), operation in OPERATIONS.items():
         operation = dict(operation)
-        if secured and path.startswith("/v1"):
+        if secured and (path.startswith("/v1") or path in ("/metrics", "/openapi.json")):
             operation["security"] = [{"bearer": []}]
             operation["responses"] = {**operation["responses"], "401": _ERROR}
         paths.setdefault(path, {})[method] = operation
@@ -204,7 +212,13 @@ def build_spec(app: web.Application) -> dict[str, Any]:
         "paths": paths,
         "components": {
             "schemas": _schemas(
-                (CompletionRequest, ChatCompletionRequest, DocumentRequest, SummarizeRequest)
+                (
+                    CompletionRequest,
+                    ChatCompletionRequest,
+                    DocumentRequest,
+                    DocumentPatch,
+                    SummarizeRequest,
+                )
             ),
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
         },

@@ -1,4 +1,6 @@
-"""Operations: ``/health``, ``/metrics`` (Prometheus text), ``/openapi.json``. No auth."""
+"""Operations: ``/health``, ``/metrics`` (Prometheus text), ``/openapi.json``.
+
+Who may read them is decided by :mod:`ragserve.server.auth`."""
 
 from __future__ import annotations
 

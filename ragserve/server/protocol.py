@@ -135,3 +135,5 @@ class ChatCompletionRequest(GenerationRequest):
 class DocumentRequest(_Strict):
     text: str = Field(min_length=1)
     metadata: dict[str, Any] = Field(default_factory=dict)
+    ttl: float | int | None = None  # seconds; see ragserve.server.document_lifecycle
+    expire_time: float | int | str | None = None

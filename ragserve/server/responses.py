@@ -12,15 +12,24 @@ _LOGPROB_FLOOR = -9999.0
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
-def usage(outputs: list[RequestOutput]) -> dict[str, Any]:
+def usage(
+    outputs: list[RequestOutput], documents: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    """OpenAI's usage, plus the ``ragserve_cache`` extension (see
+    :mod:`ragserve.server.cache_report`); ``documents``: its notes on named documents."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     cached = sum(o.num_cached_tokens for o in outputs)
+    by_tier: dict[str, int] = {}
+    for output in outputs:
+        for name, tokens in output.cached_tokens_by_tier.items():
+            by_tier[name] = by_tier.get(name, 0) + tokens
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
+        "ragserve_cache": {"cached_tokens_by_tier": by_tier, "documents": documents or []},
     }
 
 

@@ -22,14 +22,35 @@ BASE_ARGS = ("--kv-cache-gib", "0.25", "--max-num-batched-tokens", "512")
 
 
 class ServerProcess(_BaseServerProcess):
-    """The shared server helper plus what the tests read from a running server."""
+    """The shared server helper plus what the tests read from a running server.
+
+    ``scrape_headers``: what ``metrics`` sends (a key when the server has keys)."""
+
+    scrape_headers: dict[str, str] | None = None
 
     def metrics(self) -> dict[str, float]:
-        return parse_metrics(requests.get(f"{self.url}/metrics", timeout=30).text)
+        headers = self.scrape_headers or {}
+        response = requests.get(f"{self.url}/metrics", headers=headers, timeout=30)
+        assert response.status_code == 200, response.text[:300]
+        return parse_metrics(response.text)
 
 
 def start_server(*args: str, log_path: Path, timeout: float = 180.0) -> ServerProcess:
-    return ServerProcess([*BASE_ARGS, *args], log_path, start_timeout=timeout).start()
+    process = ServerProcess([*BASE_ARGS, *args], log_path, start_timeout=timeout)
+    key = _scrape_key(args)
+    process.scrape_headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return process.start()
+
+
+def _scrape_key(args: tuple[str, ...]) -> str | None:
+    """A key that opens /metrics: the metrics key, else the first API key, if any."""
+    for flag in ("--metrics-key", "--api-key"):
+        if flag in args:
+            return args[args.index(flag) + 1]
+    if "--api-key-file" in args:
+        lines = Path(args[args.index("--api-key-file") + 1]).read_text().splitlines()
+        return next(line.strip() for line in lines if line.strip() and not line.startswith("#"))
+    return None
 
 
 @contextmanager

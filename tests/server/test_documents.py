@@ -307,7 +307,7 @@ def test_tenants_are_isolated(server: ServerProcess, ready_doc: dict[str, Any]) 
     assert first_b["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
 
-def test_api_keys_are_required_on_v1_only(server: ServerProcess) -> None:
+def test_api_keys_are_required_on_v1_metrics_and_the_spec(server: ServerProcess) -> None:
     url = server.url
     missing = requests.get(f"{url}/v1/models", timeout=10)
     assert assert_error(missing, 401, "invalid_api_key")["type"] == "authentication_error"
@@ -321,8 +321,12 @@ def test_api_keys_are_required_on_v1_only(server: ServerProcess) -> None:
     assert requests.get(f"{url}/v1/models", headers=B, timeout=10).status_code == 200
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
-    for open_path in ("/health", "/metrics", "/openapi.json"):
-        assert requests.get(f"{url}{open_path}", timeout=30).status_code == 200
+    assert requests.get(f"{url}/health", timeout=30).status_code == 200
+    for closed in ("/metrics", "/openapi.json"):
+        assert_error(requests.get(f"{url}{closed}", timeout=30), 401, "invalid_api_key")
+        assert requests.get(f"{url}{closed}", headers=B, timeout=30).status_code == 200
+    text = requests.get(f"{url}/metrics", headers=A, timeout=30).text
+    assert KEY_A not in text and KEY_B not in text and "tenant-" not in text
     assert wait_for(lambda: server.metrics()["ragserve_num_requests_active"] == 0, 30)
 
 

@@ -260,6 +260,7 @@ def test_openapi_describes_every_route(server: ServerProcess) -> None:
         ("POST", "/v1/documents"),
         ("GET", "/v1/documents"),
         ("GET", "/v1/documents/{id}"),
+        ("PATCH", "/v1/documents/{id}"),
         ("DELETE", "/v1/documents/{id}"),
         ("POST", "/v1/pipelines/summarize"),
         ("GET", "/v1/pipelines/summarize"),

@@ -1,86 +1,152 @@
-"""The document registry survives a restart when the server has a disk tier.
+"""The document registry survives a restart, damage and several servers on one directory.
 
-Unit checks of the file (round trip, damaged, foreign, malformed entries), then real
-servers on one directory: upload, stop, start again: the document is listed, becomes
-ready, and a question on it finds its blocks cached; a damaged file never stops start-up.
+Unit checks of the SQLite store (round trip, damaged rows and pages, a foreign schema,
+migration of the JSON registry, file modes), then real servers on one directory: upload,
+stop, start again: the document is listed, becomes ready, and a question on it finds its
+blocks cached; a damaged database never stops start-up.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import sqlite3
+import stat
 from pathlib import Path
 from typing import Any
 
 import pytest
 import requests
 
-from ragserve.server.document_store import DocumentStore, StoredDocument
+from ragserve.server.document_store import FILENAME, DocumentStore
+from ragserve.server.legacy_registry import FORMAT, VERSION, checksum, legacy_path
+from ragserve.server.stored_document import StoredDocument
 from tests.server.server_fixtures import BLOCK_SIZE, running_server, wait_ready
 
 KEY = "sk-registry-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-DOC = " ".join(f"Clause {i}: the tenant returns the keys on the last day of the lease." for i in range(24))
+DOC = " ".join(
+    f"Clause {i}: the tenant returns the keys on the last day of the lease." for i in range(24)
+)
 FP = "ab" * 32
 
 
-def stored(doc_id: str = "0" * 32, namespace: str = "") -> StoredDocument:
-    return StoredDocument(doc_id, namespace, [5, 6, 7], {"title": "t", "n": 1.5}, 1700000000)
+def stored(doc_id: str = "0" * 32, namespace: str = "", tokens: int = 3) -> StoredDocument:
+    first = 5 + int(doc_id, 16) % 1000 * 1000  # distinct tokens per id, to find its bytes
+    ids = list(range(first, first + tokens))
+    return StoredDocument(doc_id, namespace, ids, {"title": "t", "n": 1.5}, 1700000000)
 
 
-# -- the file ------------------------------------------------------------------------------
-def test_round_trip_and_atomic_replace(tmp_path: Path) -> None:
-    store = DocumentStore(tmp_path, FP)
-    assert store.load() == []  # no file yet
+def opened(directory: Path, model: str = FP) -> DocumentStore:
+    store = DocumentStore(directory, model)
+    store.open()
+    return store
+
+
+# -- the database ---------------------------------------------------------------------------
+def test_round_trip_and_one_row_per_document(tmp_path: Path) -> None:
+    store = opened(tmp_path)
+    assert store.load() == []
     docs = [stored("1" * 32, "tenant-a"), stored("2" * 32)]
-    store.save(docs)
-    assert store.load() == docs
-    store.save(docs[:1])
-    assert store.load() == docs[:1]
-    assert [p.name for p in tmp_path.iterdir()] == [store.path.name]  # no temp files left
-    assert DocumentStore(tmp_path, "cd" * 32).load() == []  # another model: its own file
+    for doc in docs:
+        store.put(doc)
+    later = StoredDocument("3" * 32, "t", [1, 2**32 - 1], {}, 1, expire_time=1700000123.5)
+    store.put(later)
+    assert store.load() == [*docs, later]
+    assert store.delete("tenant-a", "1" * 32) and not store.delete("tenant-a", "1" * 32)
+    store.put(StoredDocument("2" * 32, "", [9], {"new": True}, 5))  # replaces, keeps its place
+    assert [d.token_ids for d in store.load()] == [[9], [1, 2**32 - 1]]
+    assert opened(tmp_path, "cd" * 32).load() == []  # another model's rows are not listed
+    store.close()
+    assert stat.S_IMODE(store.path.stat().st_mode) == 0o600
+    for path in tmp_path.iterdir():
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
 
 
-def test_damaged_or_foreign_files_are_ignored(
+def test_two_stores_on_one_directory_share_it(tmp_path: Path) -> None:
+    first, second = opened(tmp_path), opened(tmp_path)
+    for number in range(20):
+        (first if number % 2 else second).put(stored(f"{number:032x}"))
+    assert first.delete("", f"{4:032x}")
+    assert [d.id for d in opened(tmp_path).load()] == [f"{n:032x}" for n in range(20) if n != 4]
+
+
+def _row_bytes(store: DocumentStore, doc: StoredDocument) -> bytes:
+    from ragserve.server.registry_rows import encode_row
+
+    return encode_row(FP, doc)[3]  # the token blob
+
+
+def test_a_damaged_row_is_reported_and_dropped_alone(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    store = DocumentStore(tmp_path, FP)
-    store.save([stored()])
-    good = store.path.read_bytes()
-    payload = json.loads(good)
-    cases = {
-        "truncated": good[: len(good) // 2],
-        "binary": b"\x00\xff" * 40,
-        "foreign": json.dumps({"format": "something else"}).encode(),
-        "other model": json.dumps({**payload, "model": "cd" * 32}).encode(),
-        "new version": json.dumps({**payload, "version": 99}).encode(),
-        "edited": good.replace(b"[5,6,7]", b"[5,6,8]"),  # valid JSON, checksum fails
-    }
-    for name, raw in cases.items():
-        store.path.write_bytes(raw)
-        caplog.clear()
-        with caplog.at_level(logging.WARNING):
-            assert store.load() == [], name
-        assert "ignored" in caplog.text, name
+    store = opened(tmp_path)
+    docs = [stored(f"{n:032x}", tokens=200 + n) for n in range(6)]
+    for doc in docs:
+        store.put(doc)
+    store.close()
+    raw = bytearray(store.path.read_bytes())
+    blob = _row_bytes(store, docs[2])
+    at = raw.index(blob) + len(blob) // 2
+    raw[at : at + 8] = b"\xff" * 8  # 8 bytes in the middle of one row
+    store.path.write_bytes(bytes(raw))
+    with caplog.at_level(logging.WARNING):
+        again = opened(tmp_path)
+        assert again.load() == docs[:2] + docs[3:]
+    assert "checksum mismatch" in caplog.text
+    assert opened(tmp_path).load() == docs[:2] + docs[3:]  # dropped for good, nothing else
 
 
-def test_malformed_entries_are_skipped_one_by_one(tmp_path: Path) -> None:
-    store = DocumentStore(tmp_path, FP)
-    good = stored().to_json()
-    entries = [
-        good,
-        {**good, "id": "not-hex"},
-        {**good, "token_ids": [1, -2]},
-        {**good, "token_ids": []},
-        {**good, "metadata": []},
-        "a string",
-    ]
-    # NOTE: written through save()'s own checksum, so only the entries are at fault.
-    from ragserve.server.document_store import FORMAT, VERSION, _checksum
+def test_a_damaged_page_loses_only_its_rows(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = opened(tmp_path)
+    docs = [stored(f"{n:032x}", tokens=400) for n in range(30)]  # about 2 rows a page
+    for doc in docs:
+        store.put(doc)
+    store.close()
+    raw = bytearray(store.path.read_bytes())
+    page_size = int.from_bytes(raw[16:18], "big")
+    victim = raw.index(_row_bytes(store, docs[15])) // page_size
+    raw[victim * page_size : (victim + 1) * page_size] = b"\x5a" * page_size
+    store.path.write_bytes(bytes(raw))
+    with caplog.at_level(logging.WARNING):
+        repaired = opened(tmp_path)
+        kept = repaired.load()
+    assert "integrity check failed" in caplog.text
+    assert docs[15] not in kept and all(doc in docs for doc in kept)
+    assert len(kept) >= len(docs) - 4  # a page holds a few rows
+    repaired.close()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert opened(tmp_path).load() == kept
+    assert caplog.text == ""  # repaired: the next start finds nothing wrong
 
-    body = {"format": FORMAT, "version": VERSION, "model": FP, "checksum": _checksum(entries)}
-    store.path.write_text(json.dumps({**body, "documents": entries}))
-    assert store.load() == [stored()]
+
+def test_unusable_or_newer_databases_start_afresh(tmp_path: Path) -> None:
+    (tmp_path / FILENAME).write_bytes(b"not a database at all" * 300)
+    store = opened(tmp_path)
+    assert store.load() == []
+    store.put(stored())
+    assert opened(tmp_path).load() == [stored()]
+    store.close()
+    db = sqlite3.connect(tmp_path / FILENAME)
+    db.execute("PRAGMA user_version=99")
+    db.close()
+    assert opened(tmp_path).load() == []
+    assert (tmp_path / f"{FILENAME}.unusable").exists()  # kept for the newer server
+
+
+def test_the_json_registry_is_migrated_once(tmp_path: Path) -> None:
+    good = {"id": "1" * 32, "namespace": "a", "token_ids": [5, 6], "metadata": {}, "created": 3}
+    entries: list[Any] = [good, {**good, "id": "not-hex"}]
+    body = {"format": FORMAT, "version": VERSION, "model": FP, "checksum": checksum(entries)}
+    path = legacy_path(tmp_path, FP)
+    path.write_text(json.dumps({**body, "documents": entries}))
+    store = opened(tmp_path)
+    assert store.load() == [StoredDocument("1" * 32, "a", [5, 6], {}, 3)]
+    assert not path.exists()  # its token ids must not outlive a DELETE
+    assert opened(tmp_path).load() == store.load()
 
 
 # -- real servers --------------------------------------------------------------------------
@@ -109,8 +175,8 @@ def test_documents_survive_a_restart(tmp_path: Path) -> None:
         assert upload.status_code == 202, upload.text
         doc = wait_ready(first.url, upload.json()["id"], AUTH)
         assert doc["status"] == "ready"
-    registry = list((tmp_path / "kv").glob("documents-*.json"))
-    assert len(registry) == 1
+    registry = tmp_path / "kv" / FILENAME
+    assert registry.exists()
 
     with running_server(*tier, log_path=tmp_path / "second.log") as second:
         listed = requests.get(f"{second.url}/v1/documents", headers=AUTH, timeout=30).json()
@@ -129,16 +195,56 @@ def test_documents_survive_a_restart(tmp_path: Path) -> None:
         # A delete is saved too: a third start has nothing to restore.
         gone = requests.delete(f"{second.url}/v1/documents/{doc['id']}", headers=AUTH, timeout=30)
         assert gone.status_code == 200
-    saved = json.loads(registry[0].read_text())
-    assert saved["documents"] == []
+    assert opened(tmp_path / "kv", _fingerprint(registry)).load() == []
 
-    # Damaged: start-up logs it, serves, and the next upload writes a good file again.
-    registry[0].write_bytes(b'{"format": "ragserve-documents", "docu')
+    # Unusable: start-up logs it, serves, and the next upload writes a good database again.
+    for path in (tmp_path / "kv").glob(FILENAME + "*"):
+        path.unlink()
+    registry.write_bytes(b"SQLite format 3\x00" + b"\x07" * 5000)
     with running_server(*tier, log_path=tmp_path / "third.log") as third:
         assert requests.get(f"{third.url}/health", timeout=30).status_code == 200
         listed = requests.get(f"{third.url}/v1/documents", headers=AUTH, timeout=30).json()
         assert listed["data"] == []
-        assert "ignored: not valid JSON" in third.log()
-        upload = requests.post(f"{third.url}/v1/documents", json={"text": DOC}, headers=AUTH, timeout=60)
+        assert "started afresh" in third.log()
+        upload = requests.post(
+            f"{third.url}/v1/documents", json={"text": DOC}, headers=AUTH, timeout=60
+        )
         assert upload.status_code == 202
-    assert [d["id"] for d in json.loads(registry[0].read_text())["documents"]] == [doc["id"]]
+    assert [d.id for d in opened(tmp_path / "kv", _fingerprint(registry)).load()] == [doc["id"]]
+
+
+def _fingerprint(registry: Path) -> str:
+    """The model fingerprint the server wrote its rows under (one model in these tests)."""
+    db = sqlite3.connect(registry)
+    try:
+        models = {row[0] for row in db.execute("SELECT model FROM documents")}
+        if not models:
+            return FP
+        assert len(models) == 1
+        return str(models.pop())
+    finally:
+        db.close()
+
+
+def test_encrypted_rows_hide_their_tokens_and_wait_for_their_key(tmp_path: Path) -> None:
+    from ragserve.server.registry_cipher import RegistryCipher
+
+    key, other = RegistryCipher(b"k" * 32), RegistryCipher(b"o" * 32)
+    store = DocumentStore(tmp_path, FP, key)
+    store.open()
+    doc = StoredDocument("7" * 32, "tenant-a", [70001, 70002, 70003], {"secret": "plans"}, 5)
+    store.put(doc)
+    store.close()
+    raw = b"".join(p.read_bytes() for p in tmp_path.iterdir())
+    assert (
+        b"plans" not in raw
+        and (70001).to_bytes(4, "little") + (70002).to_bytes(4, "little") not in raw
+    )
+    for cipher in (None, other):  # no key, another key: not served, never dropped
+        locked = DocumentStore(tmp_path, FP, cipher)
+        locked.open()
+        assert locked.load() == []
+        locked.close()
+    again = DocumentStore(tmp_path, FP, key)
+    again.open()
+    assert again.load() == [doc]

@@ -1,0 +1,91 @@
+"""Encryption at rest of disk-tier records: AES-256-GCM under keys derived per salt.
+
+The salt binds the model, the KV layout and the tenant, so each tenant's records are
+sealed under a key of its own: ``HKDF-SHA256(master, info="ragserve-kv-record" | salt)``.
+An encrypted record's header keeps no token ids, only a keyed digest of them
+(``HMAC-SHA256(key, token bytes)``, 16 bytes) which verification compares. The payload
+is ``nonce (12 bytes) | ciphertext | tag (16 bytes)``, authenticated together with the
+block's identity (hash, parent, salt) as associated data.
+
+Contract: a wrong or missing key never yields bytes: the digest or the tag fails, and
+the record is a miss (``RecordError``).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import hmac
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+NONCE_BYTES = 12
+TAG_BYTES = 16
+SEAL_OVERHEAD = NONCE_BYTES + TAG_BYTES
+MIN_MASTER_BYTES = 32
+CIPHER_NAME = "aes-256-gcm"
+
+
+class CipherError(ValueError):
+    """Sealed bytes that this key cannot open (another key, or damage)."""
+
+
+class RecordCipher:
+    """Seals and opens record payloads; thread-safe (keys are derived once per salt)."""
+
+    def __init__(self, master_key: bytes) -> None:
+        if len(master_key) < MIN_MASTER_BYTES:
+            raise ValueError(
+                f"the KV encryption key needs at least {MIN_MASTER_BYTES} bytes, got {len(master_key)}"
+            )
+        self._master = bytes(master_key)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> RecordCipher:
+        """The key file's bytes (surrounding whitespace stripped) are the master key.
+        Raises OSError when unreadable, ValueError when too short."""
+        return cls(Path(path).read_bytes().strip())
+
+    @functools.lru_cache(maxsize=256)  # noqa: B019 (one cipher per engine, few salts)
+    def _aead(self, salt: bytes) -> tuple[AESGCM, bytes]:
+        key = HKDF(
+            algorithm=hashes.SHA256(), length=32, salt=None, info=b"ragserve-kv-record|" + salt
+        ).derive(self._master)
+        return AESGCM(key), key
+
+    def token_digest(self, salt: bytes, token_ids: Sequence[int]) -> bytes:
+        _, key = self._aead(salt)
+        data = b"".join(int(t).to_bytes(4, "little") for t in token_ids)
+        return hmac.new(key, data, hashlib.sha256).digest()[:16]
+
+    def seal(self, salt: bytes, identity: bytes, payload: bytes | memoryview) -> bytes:
+        aead, _ = self._aead(salt)
+        nonce = os.urandom(NONCE_BYTES)
+        return nonce + aead.encrypt(nonce, bytes(payload), identity)
+
+    def open_into(
+        self, salt: bytes, identity: bytes, sealed: bytes | bytearray | memoryview, out: memoryview
+    ) -> None:
+        """Decrypt straight into ``out`` (exactly the plaintext's length); CipherError when
+        the key or the bytes are wrong, and then ``out`` holds no usable bytes.
+
+        NOTE: no copies on the way: the restore path reads many large blocks."""
+        aead, _ = self._aead(salt)
+        view = memoryview(sealed)
+        if len(view) != len(out) + SEAL_OVERHEAD:
+            raise CipherError("sealed payload has the wrong length")
+        try:
+            aead.decrypt_into(bytes(view[:NONCE_BYTES]), view[NONCE_BYTES:], identity, out)
+        except InvalidTag:
+            raise CipherError("authentication failed (another key, or damaged)") from None
+
+
+def identity_bytes(block_hash: bytes, parent_hash: bytes | None, salt: bytes) -> bytes:
+    """The associated data binding a sealed payload to its block."""
+    return block_hash + (parent_hash or b"") + salt

@@ -1,0 +1,125 @@
+"""Documents expire: ``ttl`` / ``expire_time`` at upload, PATCH to change them (and the
+metadata), expiry deletes like a DELETE; GET shows times, tokens, where the KV lives."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import requests
+
+from ragserve.server.config import ServerConfig
+from ragserve.server.document_lifecycle import expire_time_from, rfc3339
+from ragserve.server.errors import APIError
+from tests.server.server_fixtures import (
+    BLOCK_SIZE,
+    ServerProcess,
+    assert_error,
+    module_server,
+    wait_for,
+    wait_ready,
+)
+
+KEY = "sk-lifecycle"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+server = module_server("--api-key", KEY)
+
+
+def text(topic: str) -> str:
+    return " ".join(f"The {topic} roster puts runner {i} in lane {(i * 7) % 9}." for i in range(16))
+
+
+# -- the rules ------------------------------------------------------------------------------
+def test_expire_time_rules() -> None:
+    now = 1_800_000_000.0
+    assert expire_time_from(None, None, now) is None
+    assert expire_time_from(None, None, now, default_ttl=60) == now + 60
+    assert expire_time_from(5, None, now, default_ttl=60) == now + 5
+    assert expire_time_from(None, now + 9, now) == now + 9
+    assert expire_time_from(None, rfc3339(now + 30), now) == pytest.approx(now + 30)
+    assert rfc3339(0) == "1970-01-01T00:00:00.000Z"
+    for ttl, expire in [
+        (0, None),
+        (-1, None),
+        (5, now + 9),
+        (None, now - 1),
+        (None, "soon"),
+        (None, "2030-01-01T00:00:00"),
+    ]:
+        with pytest.raises(APIError):
+            expire_time_from(ttl, expire, now)
+    with pytest.raises(ValueError):
+        ServerConfig(document_ttl=0)
+
+
+# -- a real server --------------------------------------------------------------------------
+def upload(server: ServerProcess, body: dict[str, Any]) -> dict[str, Any]:
+    response = requests.post(f"{server.url}/v1/documents", json=body, headers=AUTH, timeout=60)
+    assert response.status_code == 202, response.text
+    return dict(response.json())
+
+
+def get(server: ServerProcess, doc_id: str) -> requests.Response:
+    return requests.get(f"{server.url}/v1/documents/{doc_id}", headers=AUTH, timeout=30)
+
+
+def patch(server: ServerProcess, doc_id: str, body: dict[str, Any]) -> requests.Response:
+    return requests.patch(
+        f"{server.url}/v1/documents/{doc_id}", json=body, headers=AUTH, timeout=30
+    )
+
+
+@pytest.mark.e2e
+def test_get_shows_times_tokens_and_kv_places(server: ServerProcess) -> None:
+    doc = upload(server, {"text": text("north")})
+    state = wait_ready(server.url, doc["id"], AUTH)
+    assert state["expire_time"] is None and state["create_time"].endswith("Z")
+    full = get(server, doc["id"]).json()
+    assert full["tokens"] == doc["tokens"] and full["status"] == "ready"
+    assert full["kv_blocks"]["device"] == doc["prefix_tokens"] // BLOCK_SIZE
+    body = {
+        "messages": [{"role": "user", "content": "Which lane is runner 3 in?"}],
+        "documents": [doc["id"]],
+        "max_tokens": 2,
+    }
+    answer = requests.post(
+        f"{server.url}/v1/chat/completions", json=body, headers=AUTH, timeout=120
+    )
+    assert answer.status_code == 200, answer.text
+    usage = answer.json()["usage"]
+    cached = usage["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= doc["prefix_tokens"] // BLOCK_SIZE * BLOCK_SIZE
+    assert usage["ragserve_cache"] == {"cached_tokens_by_tier": {"device": cached}, "documents": []}
+
+
+@pytest.mark.e2e
+def test_ttl_expires_and_patch_extends(server: ServerProcess) -> None:
+    # NOTE: the one to extend gets a longer first TTL, so a slow upload on a loaded
+    # machine cannot let it expire before the PATCH reaches it.
+    started = time.time()
+    extended = upload(server, {"text": text("west"), "ttl": 8, "metadata": {"v": 1}})
+    short = upload(server, {"text": text("east"), "ttl": 2})
+    assert short["expire_time"] is not None
+    changed = patch(server, extended["id"], {"ttl": 600, "metadata": {"v": 2}})
+    assert changed.status_code == 200, changed.text
+    assert changed.json()["metadata"] == {"v": 2}
+    assert wait_for(lambda: get(server, short["id"]).status_code == 404, 15)
+    listed = requests.get(f"{server.url}/v1/documents", headers=AUTH, timeout=30).json()["data"]
+    assert short["id"] not in {d["id"] for d in listed}
+    assert_error(get(server, short["id"]), 404, "document_not_found")
+    time.sleep(max(0.0, started + 9.0 - time.time()))  # past its first expiry
+    assert get(server, extended["id"]).status_code == 200
+    # NOTE: GET answers 404 from the moment of expiry; the sweep that purges may lag.
+    assert wait_for(lambda: "expired and was deleted" in server.log(), 15)
+    # PATCH expire_time null: never expires; bad values are 400s.
+    assert patch(server, extended["id"], {"expire_time": None}).json()["expire_time"] is None
+    assert_error(patch(server, extended["id"], {"ttl": -5}), 400, "invalid_expiry")
+    assert_error(patch(server, extended["id"], {"ttl": 5, "expire_time": 9}), 400, "invalid_expiry")
+    bad = requests.post(
+        f"{server.url}/v1/documents",
+        json={"text": text("south"), "ttl": "x"},
+        headers=AUTH,
+        timeout=30,
+    )
+    assert_error(bad, 400)

@@ -1,0 +1,157 @@
+"""Real servers against a damaged registry, a ``kill -9`` and a second server.
+
+- one damaged row: the server starts, reports it, and every other document is listed and
+  answers from its cached blocks;
+- ``kill -9`` during a burst of uploads and deletes: after a restart the registry holds
+  every document whose upload returned and none whose delete returned;
+- two servers on one directory: the uploads of both are all there after a restart.
+"""
+
+from __future__ import annotations
+
+import signal
+import sqlite3
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+
+from ragserve.server.document_store import FILENAME
+from tests.server.server_fixtures import BLOCK_SIZE, running_server, start_server, wait_ready
+
+pytestmark = pytest.mark.e2e
+
+KEY = "sk-registry-faults"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def tier(directory: Path) -> tuple[str, ...]:
+    return ("--kv-disk-gib", "0.2", "--kv-disk-dir", str(directory), "--api-key", KEY)
+
+
+def text(topic: str, count: int = 20) -> str:
+    return " ".join(
+        f"In the {topic} ledger, entry {i} reads {(i * 13 + len(topic)) % 97}."
+        for i in range(count)
+    )
+
+
+def upload(url: str, body: str) -> requests.Response:
+    return requests.post(f"{url}/v1/documents", json={"text": body}, headers=AUTH, timeout=120)
+
+
+def listed(url: str) -> set[str]:
+    response = requests.get(f"{url}/v1/documents", headers=AUTH, timeout=30)
+    assert response.status_code == 200, response.text
+    return {doc["id"] for doc in response.json()["data"]}
+
+
+def cached_tokens(url: str, doc_id: str) -> int:
+    body: dict[str, Any] = {
+        "messages": [{"role": "user", "content": "What does entry 3 read?"}],
+        "documents": [doc_id],
+        "max_tokens": 2,
+    }
+    response = requests.post(f"{url}/v1/chat/completions", json=body, headers=AUTH, timeout=120)
+    assert response.status_code == 200, response.text
+    return int(response.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+def test_a_damaged_row_loses_that_document_alone(tmp_path: Path) -> None:
+    kv = tmp_path / "kv"
+    topics = ["amber", "birch", "cedar", "dune"]
+    with running_server(*tier(kv), log_path=tmp_path / "first.log") as first:
+        docs = [upload(first.url, text(topic)).json() for topic in topics]
+        for doc in docs:
+            assert wait_ready(first.url, doc["id"], AUTH)["status"] == "ready"
+    victim = docs[1]["id"]
+    db = sqlite3.connect(kv / FILENAME)
+    (blob,) = db.execute("SELECT token_ids FROM documents WHERE id = ?", (victim,)).fetchone()
+    db.close()
+    raw = bytearray((kv / FILENAME).read_bytes())
+    at = raw.index(blob) + len(blob) // 2  # 8 bytes in the middle of the row's tokens
+    raw[at : at + 8] = b"\xff" * 8
+    (kv / FILENAME).write_bytes(bytes(raw))
+
+    with running_server(*tier(kv), log_path=tmp_path / "second.log") as second:
+        assert listed(second.url) == {doc["id"] for doc in docs} - {victim}
+        assert "dropped" in second.log() or "integrity check failed" in second.log()
+        for doc in docs:
+            if doc["id"] != victim:
+                assert wait_ready(second.url, doc["id"], AUTH)["status"] == "ready"
+                full = doc["tokens"] // BLOCK_SIZE * BLOCK_SIZE
+                assert cached_tokens(second.url, doc["id"]) >= full - BLOCK_SIZE
+
+
+def test_kill_9_during_uploads_and_deletes(tmp_path: Path) -> None:
+    kv = tmp_path / "kv"
+    uploaded: set[str] = set()
+    deleted: set[str] = set()
+    deleting: set[str] = set()
+    lock = threading.Lock()
+    stop = threading.Event()
+    server = start_server(*tier(kv), log_path=tmp_path / "first.log")
+    try:
+
+        def worker(number: int) -> None:
+            round_ = 0
+            while not stop.is_set():
+                round_ += 1
+                try:
+                    response = upload(server.url, text(f"w{number}r{round_}", 6))
+                except requests.RequestException:
+                    return
+                if response.status_code not in (200, 202):
+                    continue
+                doc_id = response.json()["id"]
+                with lock:
+                    uploaded.add(doc_id)
+                if round_ % 2:
+                    continue
+                with lock:
+                    deleting.add(doc_id)  # from now on either outcome is right
+                try:
+                    gone = requests.delete(
+                        f"{server.url}/v1/documents/{doc_id}", headers=AUTH, timeout=60
+                    )
+                except requests.RequestException:
+                    return
+                if gone.status_code == 200:
+                    with lock:
+                        deleted.add(doc_id)
+
+        with ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(worker, n) for n in range(4)]
+            threading.Event().wait(6.0)
+            server.send_signal(signal.SIGKILL)
+            stop.set()
+            server.wait(30)
+            for future in futures:
+                future.result()
+    finally:
+        server.stop()
+    assert len(uploaded) >= 4 and deleted
+
+    with running_server(*tier(kv), log_path=tmp_path / "second.log") as second:
+        present = listed(second.url)
+    assert uploaded - deleting <= present
+    assert not present & deleted
+    assert "integrity check failed" not in (tmp_path / "second.log").read_text()
+
+
+def test_two_servers_on_one_directory(tmp_path: Path) -> None:
+    kv = tmp_path / "kv"
+    ids: set[str] = set()
+    with (
+        running_server(*tier(kv), log_path=tmp_path / "a.log") as one,
+        running_server(*tier(kv), log_path=tmp_path / "b.log") as two,
+    ):
+        for number in range(6):
+            response = upload((one if number % 2 else two).url, text(f"shared{number}", 6))
+            assert response.status_code == 202, response.text
+            ids.add(response.json()["id"])
+    with running_server(*tier(kv), log_path=tmp_path / "c.log") as again:
+        assert listed(again.url) == ids
