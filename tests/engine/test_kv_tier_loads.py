@@ -27,6 +27,8 @@ def tier(engine: LLMEngine, name: str) -> KVTier:
     return next(each for each in engine.tiers.tiers if each.name == name)
 
 
+pytestmark = pytest.mark.slow  # each test computes and restores a long document
+
 @pytest.fixture(scope="module")
 def doc(smollm_tokenizer: Any) -> list[int]:
     text = (

@@ -41,6 +41,7 @@ def run_twice(llm: LLM, prompts: list[list[int]]) -> tuple[list[list[int]], list
             [o.num_cached_tokens for o in second])
 
 
+@pytest.mark.slow
 def test_outputs_do_not_depend_on_caching(smollm_path: str, doc: list[int]) -> None:
     prompts = prompts_sharing(doc)
     cached = LLM(smollm_path, max_num_batched_tokens=64)
@@ -66,6 +67,7 @@ def engine(smollm_path: str) -> LLMEngine:
     return LLM(smollm_path, max_num_batched_tokens=128, max_num_seqs=32).engine
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("readers", [1, 4, 16])
 def test_concurrent_readers_share_one_copy_computed_once(engine: LLMEngine, doc: list[int], readers: int) -> None:
     engine.reset_prefix_cache()

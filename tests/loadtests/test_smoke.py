@@ -71,6 +71,7 @@ def stats_rows(out: Path) -> list[dict[str, str]]:
 # -- the smoke run -------------------------------------------------------------------------
 @pytest.mark.e2e
 @needs_locust
+@pytest.mark.slow
 def test_smoke_run_passes_and_writes_the_report(tmp_path: Path) -> None:
     out = tmp_path / "report"
     done = run_command("-m", "ragserve", "loadtest", *SMOKE, *WORKLOAD, "--out", str(out))
@@ -112,6 +113,7 @@ def test_smoke_run_passes_and_writes_the_report(tmp_path: Path) -> None:
 
 @pytest.mark.e2e
 @needs_locust
+@pytest.mark.slow
 def test_overload_gives_fast_503s_and_no_other_5xx(tmp_path: Path) -> None:
     out = tmp_path / "overload"
     classes = ("--user-classes", "DocQAUser", "ChatUser", "--stop-timeout", "5")

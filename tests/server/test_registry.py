@@ -163,6 +163,7 @@ def question(url: str, doc_id: str) -> dict[str, object]:
 
 
 @pytest.mark.e2e
+@pytest.mark.slow
 def test_documents_survive_a_restart(tmp_path: Path) -> None:
     tier = ("--kv-disk-gib", "0.1", "--kv-disk-dir", str(tmp_path / "kv"), "--api-key", KEY)
     with running_server(*tier, log_path=tmp_path / "first.log") as first:
