@@ -354,6 +354,7 @@ class LLMEngine:
                 kv=KVAllocation(salt=self.salt_for(namespace), persist=persist),
                 detokenizer=detok,
                 generator=generator,
+                tenant=namespace,
                 arrival_time=now,
             )
             self._next_seq_id += 1
@@ -481,8 +482,9 @@ class LLMEngine:
         self.background_work()
         launched = self._take_lookahead() or self._launch_scheduled()
         if launched is None:
-            if self.scheduler.waiting and not self.scheduler.running:
-                return [*self._take_failed(), self._reject_unschedulable(self.scheduler.waiting[0])]
+            head = self.scheduler.waiting.peek()
+            if head is not None and not self.scheduler.running:
+                return [*self._take_failed(), self._reject_unschedulable(head)]
             return self._take_failed()
         if self._may_look_ahead(launched):
             self._lookahead = self._launch_lookahead(launched)
