@@ -12,7 +12,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -49,8 +49,10 @@ from ragserve.server.state import (
     METRICS,
     MODEL_NAME,
     PROMPTS,
+    REQUESTS_IN_FLIGHT,
     STARTED_AT,
 )
+from ragserve.server.tenant_limits import RequestsInFlight
 
 logger = logging.getLogger(__name__)
 
@@ -143,13 +145,16 @@ def _job(
     params: SamplingParams,
     doc_ids: list[str] | None,
 ) -> GenerationJob:
-    """Admit the request (503 past the limits) and count its work until it ends."""
+    """Admit the request (503 past the server's limits, 429 past the tenant's) and count
+    its work until it ends."""
     app = request.app
     engine, admission = app[ENGINE], app[ADMISSION]
     cached = app[DOCUMENTS].cached_prefix_tokens(tenant(request), doc_ids or [])
     prompt_work, answer_work = estimate_work(
         [len(ids) for ids in prompts], cached, params, engine.max_model_len
     )
+    # NOTE: no await from here until the job is held in flight (``_collect``, ``_stream``).
+    app[REQUESTS_IN_FLIGHT].check(tenant(request), len(prompts))
     check_admission(
         engine,
         app[CONFIG],
@@ -159,6 +164,7 @@ def _job(
         sum(prompt_work),
         max(answer_work) // params.n,
         len(prompts) * params.n,
+        tenant(request),
     )
     # NOTE: a client may reuse an X-Request-Id; engine ids must still be unique.
     engine_id = f"{prefix}-{request_id(request)}-{uuid.uuid4().hex[:8]}"
@@ -317,11 +323,32 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 # -- running -------------------------------------------------------------------------------
+def _run(
+    app: web.Application, job: GenerationJob, endpoint: str
+) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+    """``run_job``'s outputs; the caller must close the iterator (``contextlib.aclosing``)."""
+    stream = run_job(app[ENGINE], job, app[METRICS], endpoint, app[ADMISSION])
+    return _held_in_flight(app[REQUESTS_IN_FLIGHT], job, stream)
+
+
+async def _held_in_flight(
+    in_flight: RequestsInFlight,
+    job: GenerationJob,
+    stream: AsyncGenerator[tuple[int, RequestOutput], None],
+) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+    """``stream``, the job's prompts counted in flight for its tenant from the first item
+    asked for until it is closed (closing this closes ``stream``)."""
+    async with contextlib.aclosing(stream):
+        with in_flight.hold(job.namespace, len(job.prompts)):
+            async for item in stream:
+                yield item
+
+
 async def _collect(request: web.Request, job: GenerationJob, endpoint: str) -> list[RequestOutput]:
     app = request.app
     started = time.perf_counter()
     finals: dict[int, RequestOutput] = {}
-    stream = run_job(app[ENGINE], job, app[METRICS], endpoint, app[ADMISSION])
+    stream = _run(app, job, endpoint)
     async with contextlib.aclosing(stream):
         async for index, output in stream:
             if output.finished:
@@ -344,7 +371,7 @@ async def _stream(
     app = request.app
     started = time.perf_counter()
     state = StreamState()
-    stream = run_job(app[ENGINE], job, app[METRICS], endpoint, app[ADMISSION])
+    stream = _run(app, job, endpoint)
     async with contextlib.aclosing(stream):
         # NOTE: wait for the first output before sending headers, so a request the engine
         # rejects still gets its 4xx status.

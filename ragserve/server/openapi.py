@@ -43,6 +43,7 @@ _GENERATION_RESPONSES = {
     },
     "400": _ERROR,
     "404": _ERROR,
+    "429": _ERROR,
     "503": _ERROR,
 }
 
@@ -115,6 +116,8 @@ OPERATIONS: dict[tuple[str, str], dict[str, Any]] = {
             "400": _ERROR,
             "413": _ERROR,
             "415": _ERROR,
+            "429": _ERROR,
+            "503": _ERROR,
         },
     },
     ("get", "/v1/documents"): {
@@ -141,6 +144,7 @@ OPERATIONS: dict[tuple[str, str], dict[str, Any]] = {
             "404": _ERROR,
             "413": _ERROR,
             "415": _ERROR,
+            "429": _ERROR,
             "503": _ERROR,
         },
     },
