@@ -22,9 +22,9 @@ budget: plain FIFO continuous batching, decodes first.
 When blocks run out for a running sequence, one not yet scheduled in this step is
 preempted: the newest one of the tenant whose running sequences hold the most blocks (the
 sequence that needs the blocks goes itself only when no other is left), and nothing new
-is admitted in that step. A waiting sequence whose blocks do not fit may preempt, among
-the running sequences left out of this step, those of a tenant that would still hold at
-least as many blocks as its own. A preempted sequence's blocks are released (full ones
+is admitted in that step. A waiting sequence that finds no free slot or not enough free
+blocks may preempt, among the running sequences left out of this step, those of a tenant
+that would still hold at least as many slots (blocks) as its own. A preempted sequence's blocks are released (full ones
 stay cached) and it is recomputed later, usually from its own cached prefix.
 """
 
@@ -152,7 +152,7 @@ class Scheduler:
     def _demands(self, running: list[Sequence], budget: int) -> dict[str, int]:
         """Tokens each tenant could use this step, at most ``budget``: its ``running``
         sequences' (one per decode) and the waiting sequences' that the free slots could
-        admit in turn.
+        admit in turn (each waiting tenant's first at least).
 
         NOTE: an estimate from the uncomputed tokens, before any cache lookup; what it
         overestimates is handed out again by ``_fill``.
@@ -162,8 +162,10 @@ class Scheduler:
             demands[seq.tenant] = min(
                 budget, demands.get(seq.tenant, 0) + seq.num_uncomputed_tokens
             )
-        slots = self.max_num_seqs - len(self.running)
         queues = {tenant: iter(self.waiting.queue_of(tenant)) for tenant in self.waiting.tenants()}
+        # NOTE: each waiting tenant's head counts even without a free slot: it may take one
+        # from a tenant holding more (``_take_from_heavier``).
+        slots = max(self.max_num_seqs - len(self.running), len(queues))
         while slots > 0 and queues:
             for tenant in list(queues):
                 waiting = next(queues[tenant], None)
@@ -211,13 +213,16 @@ class Scheduler:
         """Admit waiting sequences, tenant by tenant in turn, while slots, blocks and the
         tenants' ``shares`` last (None: the budget alone). Returns the budget left and
         whether blocks ran short."""
-        spent: set[str] = set()
-        while budget > 0 and len(self.running) < self.max_num_seqs:
+        spent: set[str] = set()  # tenants that can take no more this step
+        while budget > 0:
             seq = self.waiting.peek(spent)
             if seq is None:
                 break
             limit = budget if shares is None else min(budget, shares.get(seq.tenant, 0))
-            if limit == 0:
+            if limit == 0 or (
+                len(self.running) >= self.max_num_seqs
+                and not self._take_from_heavier(seq, batch, 1)
+            ):
                 spent.add(seq.tenant)
                 continue
             seq.num_computed_tokens = self.kv.match_prefix(seq.kv, seq.token_ids, 0)
@@ -237,28 +242,42 @@ class Scheduler:
         return budget, False
 
     def _make_room(self, seq: Sequence, num_tokens: int, batch: ScheduledBatch) -> bool:
-        """Blocks for a waiting ``seq``'s first ``num_tokens``, preempting for them running
-        sequences left out of ``batch`` of a tenant that holds more: the newest of the
-        tenant holding the most, while that tenant would still hold at least as many blocks
-        as ``seq``'s tenant with ``seq`` admitted (so two tenants never take turns
-        preempting each other). False if they do not fit."""
+        """Blocks for a waiting ``seq``'s first ``num_tokens``, taken from tenants holding
+        more blocks if need be (:meth:`_take_from_heavier`); False if they do not fit."""
         needed = self.kv.blocks_needed(num_tokens) - len(seq.kv.block_table)
         while not self.kv.allocate(seq.kv, num_tokens):
-            scheduled = set(batch.seqs)
-            held = self._blocks_held()
-            candidates = [
-                other
-                for other in self.running
-                if other not in scheduled
-                and held[other.tenant] - len(other.kv.block_table) >= held[seq.tenant] + needed
-            ]
-            if not candidates:
+            if not self._take_from_heavier(seq, batch, needed, blocks=True):
                 return False
-            heaviest = max(held[other.tenant] for other in candidates)
-            victim = [other for other in candidates if held[other.tenant] == heaviest][-1]
-            self.running.remove(victim)
-            self._preempt(victim)
-            batch.num_preempted += 1
+        return True
+
+    def _take_from_heavier(
+        self, seq: Sequence, batch: ScheduledBatch, needed: int, blocks: bool = False
+    ) -> bool:
+        """Preempt, for a waiting ``seq``, one running sequence left out of ``batch``: the
+        newest of the tenant holding the most slots (``blocks``: blocks), provided that
+        tenant would still hold at least as many as ``seq``'s tenant with ``needed`` more,
+        so two tenants never take turns preempting each other. False if there is none."""
+
+        def size(other: Sequence) -> int:
+            return len(other.kv.block_table) if blocks else 1
+
+        held: Counter[str] = Counter()
+        for other in self.running:
+            held[other.tenant] += size(other)
+        scheduled = set(batch.seqs)
+        candidates = [
+            other
+            for other in self.running
+            if other not in scheduled
+            and held[other.tenant] - size(other) >= held[seq.tenant] + needed
+        ]
+        if not candidates:
+            return False
+        heaviest = max(held[other.tenant] for other in candidates)
+        victim = [other for other in candidates if held[other.tenant] == heaviest][-1]
+        self.running.remove(victim)
+        self._preempt(victim)
+        batch.num_preempted += 1
         return True
 
     def _blocks_held(self) -> Counter[str]:

@@ -326,3 +326,20 @@ def test_a_waiting_tenant_may_take_blocks_from_a_heavier_one() -> None:
     assert [seq.num_preemptions for seq in flood] == [0, 0, 0, 1]
     h.run()
     assert quiet.num_preemptions == 0 and len(h.finished) == 5
+
+
+def test_a_waiting_tenant_may_take_a_slot_from_a_heavier_one() -> None:
+    """A's sequences take every slot; B's is admitted at once in place of A's newest
+    sequence left out of the step, and A never takes the slot back from B."""
+    h = Harness(budget=16, max_num_seqs=4)
+    flood = [h.add("a", 4, max_tokens=20) for _ in range(6)]
+    for _ in range(3):
+        h.step()
+    assert len(h.scheduler.running) == 4
+    h.scheduler.max_num_batched_tokens = 4  # A's decodes alone fill a step
+    quiet = h.add("b", 4, max_tokens=3)
+    batch = h.step()
+    assert quiet in batch.seqs and len(h.scheduler.running) == 4
+    assert sum(seq.num_preemptions for seq in flood) == 1
+    h.run()
+    assert quiet.num_preemptions == 0 and len(h.finished) == 7
