@@ -122,11 +122,15 @@ def _sampling_params(
     )
 
 
-async def _prepare(request: web.Request, body: GenerationRequest) -> tuple[str, list[list[int]]]:
-    """Common checks; returns the model name and the documents' token lists."""
+async def _prepare(
+    request: web.Request, body: GenerationRequest, num_prompts: int = 1
+) -> tuple[str, list[list[int]]]:
+    """Common checks, all before any tokenizing (a tenant at its limit of requests in flight
+    is refused cheaply); returns the model name and the documents' token lists."""
     app = request.app
     model = _resolve_model(app, body.model)
     config = app[CONFIG]
+    app[REQUESTS_IN_FLIGHT].check(tenant(request), num_prompts)
     if body.n > config.max_n:
         raise bad_request(f"n must be at most {config.max_n}, got {body.n}", "n")
     doc_ids = body.documents or []
@@ -245,7 +249,6 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def completions(request: web.Request) -> web.StreamResponse:
     app = request.app
     body = await parse_request(request, CompletionRequest)
-    model, documents = await _prepare(request, body)
     raw_prompts = body.prompt_list()
     if not raw_prompts:
         raise bad_request("prompt must not be an empty list", "prompt")
@@ -253,6 +256,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         raise bad_request(
             f"at most {MAX_BATCH_PROMPTS} prompts per request, got {len(raw_prompts)}", "prompt"
         )
+    model, documents = await _prepare(request, body, len(raw_prompts))
     prompts = app[PROMPTS]
     ids_list = [await prompts.run(prompts.completion_ids, p, documents) for p in raw_prompts]
     max_model_len = app[ENGINE].max_model_len
