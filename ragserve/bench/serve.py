@@ -6,7 +6,6 @@ import argparse
 import asyncio
 import json
 import os
-import random
 import select
 import signal
 import statistics
@@ -23,7 +22,18 @@ from typing import Any
 
 import aiohttp
 
+from ragserve.bench import serve_fairness
 from ragserve.bench.common import write_json
+from ragserve.bench.serve_client import (
+    RequestResult,
+    chat_body,
+    document_text,
+    percentile,
+    question,
+    stream_chat,
+    upload_document,
+    wait_healthy,
+)
 from ragserve.cli import CliError
 from ragserve.config import EngineConfig
 from ragserve.config_flags import to_argv
@@ -35,12 +45,7 @@ OVERHEAD_TARGET = 1.2
 MAX_CONCURRENCY = 1024
 MAX_REQUESTS_PER_LEVEL = 100_000
 MIN_DOC_TOKENS = 32
-# NOTE: measured with SmolLM2's tokenizer on ``document_text``; the size is approximate by
-# design and the server reports the exact count on upload.
-TOKENS_PER_LINE = 28
 OVERHEAD_QUESTION = "In one word: is this document a maintenance manual?"
-_PARTS = ("bearing", "seal", "impeller", "shaft", "gasket", "rotor", "coupling", "sensor")
-_PERIODS = ("days", "weeks", "months")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,6 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request")
     parser.add_argument("--server-timeout", type=float, default=300.0, help="seconds to start")
     parser.add_argument("--out", default="bench-results/serve.json")
+    serve_fairness.add_arguments(parser)
 
 
 def concurrency_levels(text: str) -> list[int]:
@@ -97,6 +103,7 @@ def validate(args: argparse.Namespace) -> list[int]:
         if not low <= value <= high:
             raise ValueError(f"{flag} must be in [{low}, {high}], got {value}")
     server_env(args.server_env)
+    serve_fairness.validate(args)
     return concurrency_levels(args.concurrency)
 
 
@@ -109,40 +116,6 @@ def server_env(pairs: list[str]) -> dict[str, str]:
             raise ValueError(f"--server-env takes NAME=VALUE, got {pair!r}")
         env[name] = value
     return env
-
-
-# -- workload ------------------------------------------------------------------------------
-def document_text(approx_tokens: int, seed: int = 0) -> str:
-    """A maintenance manual of about ``approx_tokens`` tokens, the same for the same inputs."""
-    rng = random.Random(seed)
-    lines = ["Maintenance manual of the pumping station."]
-    for number in range(1, max(1, round(approx_tokens / TOKENS_PER_LINE)) + 1):
-        lines.append(
-            f"{number}. The {rng.choice(_PARTS)} of unit U-{rng.randint(100, 999)} runs at "
-            f"{rng.randint(2, 900)} rpm and is inspected every {rng.randint(2, 12)} "
-            f"{rng.choice(_PERIODS)}."
-        )
-    return "\n".join(lines)
-
-
-def question(index: int) -> str:
-    """Question ``index``: distinct for every index, so no two requests share a tail."""
-    item = index % 50 + 1
-    return f"Question {index}: which unit is item {item}, and how often is it inspected?"
-
-
-def chat_body(doc_id: str, text: str, max_tokens: int, stream: bool) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "messages": [{"role": "user", "content": text}],
-        "documents": [doc_id],
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "stream": stream,
-    }
-    if stream:
-        body["stream_options"] = {"include_usage": True}
-    return body
 
 
 # -- the server process --------------------------------------------------------------------
@@ -178,18 +151,6 @@ def sigterm_as_exit() -> Iterator[None]:
 
 # -- HTTP ----------------------------------------------------------------------------------
 @dataclass
-class RequestResult:
-    """One streamed chat. ``error`` is None for a complete stream with a usage chunk."""
-
-    latency_s: float
-    ttft_s: float | None = None
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    completion_tokens: int = 0
-    error: str | None = None
-
-
-@dataclass
 class LevelResult:
     concurrency: int
     wall_s: float
@@ -211,97 +172,6 @@ class LevelResult:
             "cached_token_ratio": sum(r.cached_tokens for r in done) / prompt if prompt else None,
             "errors": sorted({r.error for r in self.results if r.error is not None})[:5],
         }
-
-
-def percentile(values: list[float], fraction: float) -> float:
-    """Linear interpolation between the closest ranks (``fraction`` in [0, 1])."""
-    ordered = sorted(values)
-    position = fraction * (len(ordered) - 1)
-    low = int(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
-
-
-async def wait_healthy(session: aiohttp.ClientSession, url: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            async with session.get(f"{url}/health") as response:
-                if response.status == 200:
-                    return
-        except aiohttp.ClientError:
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{url}/health did not answer 200 within {timeout:.0f} s")
-        await asyncio.sleep(0.2)
-
-
-async def upload_document(
-    session: aiohttp.ClientSession, url: str, text: str, timeout: float
-) -> dict[str, Any]:
-    """Upload and wait until the document leaves ``ingesting``; returns its final state."""
-    async with session.post(f"{url}/v1/documents", json={"text": text}) as response:
-        state: dict[str, Any] = await response.json()
-        if response.status not in (200, 202):
-            raise RuntimeError(f"document upload failed with {response.status}: {state}")
-    deadline = time.monotonic() + timeout
-    while state["status"] == "ingesting":
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"document {state['id']} still ingesting after {timeout:.0f} s")
-        await asyncio.sleep(0.1)
-        async with session.get(f"{url}/v1/documents/{state['id']}") as response:
-            state = await response.json()
-    if state["status"] != "ready":
-        raise RuntimeError(f"document {state['id']} is {state['status']}: {state.get('error')}")
-    return state
-
-
-async def stream_chat(
-    session: aiohttp.ClientSession, url: str, body: dict[str, Any]
-) -> RequestResult:
-    """Send one streamed chat; never raises for a failed request (it is counted instead).
-
-    TTFT is the time to the first chunk holding a choice: the server sends it once the
-    first token is sampled (its text may still be held back by the detokenizer).
-    """
-    started = time.perf_counter()
-    result = RequestResult(0.0)
-    try:
-        async with session.post(f"{url}/v1/chat/completions", json=body) as response:
-            if response.status != 200:
-                result.error = f"HTTP {response.status}: {(await response.text())[:200]}"
-            else:
-                await _read_stream(response, result, started)
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
-        result.error = f"{type(exc).__name__}: {exc}"[:200]
-    result.latency_s = time.perf_counter() - started
-    return result
-
-
-async def _read_stream(
-    response: aiohttp.ClientResponse, result: RequestResult, started: float
-) -> None:
-    done = False
-    async for raw in response.content:
-        line = raw.strip()
-        if not line.startswith(b"data: "):
-            continue
-        if line == b"data: [DONE]":
-            done = True
-            break
-        chunk = json.loads(line[len(b"data: ") :])
-        if "error" in chunk:
-            result.error = f"stream error: {chunk['error'].get('message', '')}"[:200]
-            return
-        if chunk.get("choices") and result.ttft_s is None:
-            result.ttft_s = time.perf_counter() - started
-        if chunk.get("usage"):
-            usage = chunk["usage"]
-            result.prompt_tokens = usage["prompt_tokens"]
-            result.completion_tokens = usage["completion_tokens"]
-            result.cached_tokens = usage["prompt_tokens_details"]["cached_tokens"]
-    if not done or not result.prompt_tokens:
-        result.error = "the stream ended without [DONE] or without a usage chunk"
 
 
 async def run_level(
@@ -504,9 +374,14 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
        level: requests/s, time to first token p50/p99, output tokens/s, cached-token ratio
        (``cached_tokens / prompt_tokens`` from the usage chunk) and failures.
 
-    Traffic goes only to the loopback address the server is bound to. Both subprocesses are
+    4. Fairness (``--fairness``; ``--fairness-only`` skips 1-3): two tenants on a server of
+       their own, one flooding at ``--fairness-ratio`` times the other's rate; see
+       :mod:`ragserve.bench.serve_fairness`.
+
+    Traffic goes only to the loopback address the server is bound to. Every subprocess is
     always stopped: on success, errors, Ctrl-C and SIGTERM. Exit code 1 when any request
-    failed, else 0; the overhead target is reported, not enforced.
+    failed (a refusal, 429 or 503, of the fairness run is counted, not failed), else 0; the
+    overhead target is reported, not enforced.
     """
     from ragserve.commands.serve import thread_policy_env
 
@@ -515,35 +390,49 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
     env = {**thread_policy_env(config.device), **server_env(args.server_env)}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    workload = {k: v for k, v in vars(args).items() if k != "func"}
+    payload: dict[str, Any] = {"workload": workload, "server_env": env}
+    failed = False
+    with sigterm_as_exit():
+        if not args.fairness_only:
+            payload |= single_tenant(args, config, levels, env, out)
+            failed = any(level["failures"] for level in payload["levels"])
+        if args.fairness or args.fairness_only:
+            payload["fairness"] = serve_fairness.run_fairness(args, config, env, out)
+            failed |= any(tenant["failed"] for tenant in payload["fairness"]["tenants"])
+    write_json(out, payload)
+    return int(failed)
+
+
+def single_tenant(
+    args: argparse.Namespace,
+    config: EngineConfig,
+    levels: list[int],
+    env: dict[str, str],
+    out: Path,
+) -> dict[str, Any]:
+    """Steps 1-3 of :func:`run`: print their tables, return their JSON sections."""
     log_path = out.with_suffix(".server.log")
     text = document_text(args.doc_tokens)
     offline_log = out.with_suffix(".offline.log")
     offline = OfflineWorker(config, text, offline_log, env, args.request_timeout)
-    with sigterm_as_exit():
-        server = start_server(config, log_path, args.server_timeout, env)
-        try:
-            served = asyncio.run(measure_http(server.url, text, levels, args, offline))
-        finally:
-            offline.close()
-            server.stop()
+    server = start_server(config, log_path, args.server_timeout, env)
+    try:
+        served = asyncio.run(measure_http(server.url, text, levels, args, offline))
+    finally:
+        offline.close()
+        server.stop()
     summaries = [level.summary() for level in served.levels]
     overhead = overhead_summary(served.overhead)
     report(args, served.document, summaries, overhead)
-    workload = {k: v for k, v in vars(args).items() if k != "func"}
-    write_json(
-        out,
-        {
-            "workload": workload,
-            "server_command": server.command,
-            "server_env": env,
-            "server_log": str(log_path),
-            "offline_log": str(offline_log),
-            "document": served.document,
-            "levels": summaries,
-            "overhead": overhead,
-        },
-    )
-    return 1 if any(s["failures"] for s in summaries) else 0
+    return {
+        "server_command": server.command,
+        "server_log": str(log_path),
+        "offline_log": str(offline_log),
+        "document": served.document,
+        "levels": summaries,
+        "overhead": overhead,
+    }
 
 
 def spread(values: list[float]) -> dict[str, float]:

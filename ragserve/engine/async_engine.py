@@ -203,10 +203,13 @@ class AsyncEngine:
         pin_id: str,
         token_ids: list[int],
         namespace: str = "",
+        namespace_share: float = 1.0,
         timeout: float | None = CALL_TIMEOUT_S,
     ) -> int:
         """``LLMEngine.pin_prefix`` on the engine thread; EngineDeadError as for ``call``."""
-        return await self.call(lambda engine: engine.pin_prefix(pin_id, token_ids, namespace), timeout)
+        return await self.call(
+            lambda engine: engine.pin_prefix(pin_id, token_ids, namespace, namespace_share), timeout
+        )
 
     async def unpin_prefix(self, pin_id: str, timeout: float | None = CALL_TIMEOUT_S) -> bool:
         """``LLMEngine.unpin_prefix`` on the engine thread; EngineDeadError as for ``call``.

@@ -97,6 +97,13 @@ class _LaunchedStep:
         return index if self.rows is None else self.rows[index]
 
 
+class _Pin(NamedTuple):
+    """A pinned prefix and the namespace whose share of the pin budget it counts against."""
+
+    namespace: str
+    alloc: KVAllocation
+
+
 class _TierReading(NamedTuple):
     """What the face reports of the tiers below the device (all copies)."""
 
@@ -158,7 +165,7 @@ class LLMEngine:
         self.stats = EngineStats()
         self._requests: dict[str, _Request] = {}
         self._salts: dict[str, bytes] = {}
-        self._pins: dict[str, KVAllocation] = {}
+        self._pins: dict[str, _Pin] = {}
         self._next_seq_id = 0
         async_scheduling = config.async_scheduling
         self.async_scheduling = self.device.type == "cuda" if async_scheduling is None else async_scheduling
@@ -369,6 +376,7 @@ class LLMEngine:
                 kv=KVAllocation(salt=self.salt_for(namespace), persist=persist),
                 detokenizer=detok,
                 generator=generator,
+                tenant=namespace,
                 arrival_time=now,
             )
             self._next_seq_id += 1
@@ -434,28 +442,38 @@ class LLMEngine:
     def reset_prefix_cache(self) -> int:
         return self.kv_manager.reset_prefix_cache()
 
-    def pin_prefix(self, pin_id: str, token_ids: list[int], namespace: str = "") -> int:
+    def pin_prefix(
+        self, pin_id: str, token_ids: list[int], namespace: str = "", namespace_share: float = 1.0
+    ) -> int:
         """Hold references on the cached full blocks of ``token_ids`` so they are never evicted.
 
-        Returns how many leading tokens are pinned (the cached full blocks found now).
+        Returns how many leading tokens are pinned (the cached full blocks found now): 0
+        when pinning them would take all pins past ``MAX_PINNED_FRACTION`` of the KV blocks
+        (the pin budget), or the pins of ``namespace`` past ``namespace_share`` of that budget.
         """
+        if not 0.0 <= namespace_share <= 1.0:
+            raise ValueError(f"namespace_share must be in [0, 1], got {namespace_share}")
         self.unpin_prefix(pin_id)
         alloc = KVAllocation(salt=self.salt_for(namespace))
         self.kv_manager.update_hashes(alloc, token_ids)
         self.kv_manager.begin_step()  # between steps: a step's worth of tier loads
         pinned = self.kv_manager.match_prefix(alloc, token_ids, 0, leave_one=False)
-        held = {block for other in self._pins.values() for block in other.block_table}
+        blocks = set(alloc.block_table)
         limit = int(self.block_pool.num_blocks * MAX_PINNED_FRACTION)
-        if len(held | set(alloc.block_table)) > limit:
-            # NOTE: pins may never starve requests of blocks; the document stays cached
-            # (and on disk with a disk tier), just evictable.
+        own_limit = int(limit * namespace_share)
+        held = {block for pin in self._pins.values() for block in pin.alloc.block_table}
+        own = {b for pin in self._pins.values() if pin.namespace == namespace for b in pin.alloc.block_table}
+        if len(held | blocks) > limit or len(own | blocks) > own_limit:
+            # NOTE: pins may never starve requests (or one tenant's pins another's) of
+            # blocks; the document stays cached (and on disk with a disk tier), just evictable.
             self.kv_manager.free(alloc)
             logger.warning(
-                "not pinning %s: pinned documents would hold more than %d of %d KV blocks",
-                pin_id, limit, self.block_pool.num_blocks,
+                "not pinning %s: pins would hold more than %d of %d KV blocks, or this "
+                "namespace's more than %d",
+                pin_id, limit, self.block_pool.num_blocks, own_limit,
             )
             return 0
-        self._pins[pin_id] = alloc
+        self._pins[pin_id] = _Pin(namespace, alloc)
         if self.tiers is not None:  # pinned documents persist, whoever computed their blocks
             for block in alloc.block_table:
                 identity = self.block_pool.identities[block]
@@ -464,10 +482,10 @@ class LLMEngine:
         return pinned
 
     def unpin_prefix(self, pin_id: str) -> bool:
-        alloc = self._pins.pop(pin_id, None)
-        if alloc is None:
+        pin = self._pins.pop(pin_id, None)
+        if pin is None:
             return False
-        self.kv_manager.free(alloc)
+        self.kv_manager.free(pin.alloc)
         return True
 
     def purge_prefix(
@@ -495,7 +513,7 @@ class LLMEngine:
     def kv_usage(self) -> dict[str, int]:
         """Device blocks: total, in use by requests, pinned, cached (indexed), free."""
         pool = self.block_pool
-        pinned = len({b for alloc in self._pins.values() for b in alloc.block_table})
+        pinned = len({b for pin in self._pins.values() for b in pin.alloc.block_table})
         return {
             "total": pool.num_blocks,
             "used": pool.num_used - pinned,
@@ -518,8 +536,9 @@ class LLMEngine:
         self.background_work()
         launched = self._take_lookahead() or self._launch_scheduled()
         if launched is None:
-            if self.scheduler.waiting and not self.scheduler.running:
-                return [*self._take_failed(), self._reject_unschedulable(self.scheduler.waiting[0])]
+            head = self.scheduler.waiting.peek()
+            if head is not None and not self.scheduler.running:
+                return [*self._take_failed(), self._reject_unschedulable(head)]
             return self._take_failed()
         if self._may_look_ahead(launched):
             self._lookahead = self._launch_lookahead(launched)

@@ -36,6 +36,7 @@ class Sequence:
     kv: KVAllocation
     detokenizer: IncrementalDetokenizer | None
     generator: torch.Generator | None = None
+    tenant: str = ""  # the namespace it was added under: the unit of fair scheduling
     arrival_time: float = 0.0
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0

@@ -11,11 +11,15 @@ outstanding) it records the busy time ``T`` and the prompt tokens ``P`` really c
 and answer tokens ``D`` really generated, and fits ``T ≈ a·P + b·D`` by least squares
 over the last ``num_windows`` windows.
 
-A new request's expected time to finish is the time to get through all the outstanding
-work and its own: ``a·(P_outstanding + P_new) + b·(D_outstanding + D_new)``. It is refused
-when that exceeds ``max_queue_seconds``; with a budget well below the clients' timeout,
-overload turns into quick 503s (with ``Retry-After``: the seconds over the budget) instead
-of timeouts.
+A new request's expected time to finish is the time to get through its tenant's
+outstanding work and its own, ``own = a·(P_tenant + P_new) + b·(D_tenant + D_new)``, plus
+what the other tenants get meanwhile: the engine serves tenants in turn, so each other
+tenant ``u`` takes ``min(cost_u, own)`` (all its work, or as much as this tenant's).
+With a single tenant that is the time to get through all the outstanding work; with
+several, one tenant's flood lengthens its own estimate, and another's by at most its own
+``own`` per active tenant. A request is refused when the estimate exceeds
+``max_queue_seconds``; with a budget well below the clients' timeout, overload turns into
+quick 503s (with ``Retry-After``: the seconds over the budget) instead of timeouts.
 
 NOTE: this is the time to drain the queue. A request's own answer comes one token per
 engine step, and under sustained load each step also carries the answers (and prefill
@@ -54,6 +58,7 @@ class Ticket:
     prompt_left: int
     answer_left: int
     sequences: int  # answering at once (n, times the prompts)
+    tenant: str = ""
     closed: bool = False
 
     @property
@@ -107,6 +112,8 @@ class WorkAdmission:
         self._clock = clock
         self.prompt_outstanding = 0
         self.answer_outstanding = 0
+        # Per tenant with outstanding work: [prompt tokens, answer tokens].
+        self._by_tenant: dict[str, list[int]] = {}
         self.sequences_answering = 0
         self.prompt_computed = 0  # real work done, ever
         self.answer_generated = 0
@@ -126,17 +133,33 @@ class WorkAdmission:
         return self._costs
 
     def expected_seconds(
-        self, prompt_tokens: int = 0, decode_steps: int = 0, sequences: int = 1
+        self, prompt_tokens: int = 0, decode_steps: int = 0, sequences: int = 1, tenant: str = ""
     ) -> float | None:
-        """Time to finish the outstanding work and a new request that computes
-        ``prompt_tokens`` and generates ``decode_steps`` tokens in each of its
-        ``sequences``; None while unmeasured."""
-        if self._costs is None:
+        """Time to finish a new request of ``tenant`` that computes ``prompt_tokens`` and
+        generates ``decode_steps`` tokens in each of its ``sequences``, with the work
+        outstanding shared among tenants in turn (see the module docstring); None while
+        unmeasured."""
+        costs = self._costs
+        if costs is None:
             return None
-        return self._costs.seconds(
-            self.prompt_outstanding + prompt_tokens,
-            self.answer_outstanding + decode_steps * sequences,
+        prompt, answer = self._by_tenant.get(tenant, (0, 0))
+        own = costs.seconds(prompt + prompt_tokens, answer + decode_steps * sequences)
+        others = sum(
+            min(costs.seconds(*work), own)
+            for other, work in self._by_tenant.items()
+            if other != tenant
         )
+        return own + others
+
+    def tenant_outstanding(self, tenant: str) -> tuple[int, int]:
+        """(prompt tokens, answer tokens) outstanding for ``tenant``."""
+        prompt, answer = self._by_tenant.get(tenant, (0, 0))
+        return prompt, answer
+
+    @property
+    def active_tenants(self) -> int:
+        """Tenants with work outstanding."""
+        return len(self._by_tenant)
 
     def drain_seconds(self) -> float | None:
         """Time to finish the outstanding work alone (for metrics); None while unmeasured."""
@@ -144,22 +167,26 @@ class WorkAdmission:
             return None
         return self._costs.seconds(self.prompt_outstanding, self.answer_outstanding)
 
-    def check(self, prompt_tokens: int, decode_steps: int, sequences: int = 1) -> Verdict | None:
-        """None if the new request may start now, else why not."""
+    def check(
+        self, prompt_tokens: int, decode_steps: int, sequences: int = 1, tenant: str = ""
+    ) -> Verdict | None:
+        """None if ``tenant``'s new request may start now, else why not."""
         if self.max_queue_seconds <= 0 or self.outstanding == 0:
             return None
-        expected = self.expected_seconds(prompt_tokens, decode_steps, sequences)
+        expected = self.expected_seconds(prompt_tokens, decode_steps, sequences, tenant)
         if expected is None or expected <= self.max_queue_seconds:
             return None
         retry = math.ceil(expected - self.max_queue_seconds)
         return Verdict(expected, min(MAX_RETRY_AFTER_S, max(1, retry)))
 
-    def admit(self, prompt_tokens: int, answer_tokens: int, sequences: int = 1) -> Ticket:
-        """Count a request's estimate as outstanding (after :meth:`check` allowed it)."""
+    def admit(
+        self, prompt_tokens: int, answer_tokens: int, sequences: int = 1, tenant: str = ""
+    ) -> Ticket:
+        """Count a request's estimate as ``tenant``'s outstanding work (after :meth:`check`
+        allowed it)."""
         self._tick()
-        ticket = Ticket(max(0, prompt_tokens), max(0, answer_tokens), max(1, sequences))
-        self.prompt_outstanding += ticket.prompt_left
-        self.answer_outstanding += ticket.answer_left
+        ticket = Ticket(max(0, prompt_tokens), max(0, answer_tokens), max(1, sequences), tenant)
+        self._count(ticket, ticket.prompt_left, ticket.answer_left)
         if ticket.answering:
             self.sequences_answering += ticket.sequences
         return ticket
@@ -179,8 +206,7 @@ class WorkAdmission:
             answer_done = min(max(0, generated), ticket.answer_left)
             ticket.prompt_left -= prompt_done
             ticket.answer_left -= answer_done
-            self.prompt_outstanding -= prompt_done
-            self.answer_outstanding -= answer_done
+            self._count(ticket, -prompt_done, -answer_done)
             self.sequences_answering += ticket.sequences * (ticket.answering - was_answering)
         self._close_window()
 
@@ -192,10 +218,20 @@ class WorkAdmission:
         if ticket.answering:
             self.sequences_answering -= ticket.sequences
         ticket.closed = True
-        self.prompt_outstanding -= ticket.prompt_left
-        self.answer_outstanding -= ticket.answer_left
+        self._count(ticket, -ticket.prompt_left, -ticket.answer_left)
         ticket.prompt_left = ticket.answer_left = 0
         assert min(self.prompt_outstanding, self.answer_outstanding, self.sequences_answering) >= 0
+
+    def _count(self, ticket: Ticket, prompt: int, answer: int) -> None:
+        """Add to the outstanding work, in total and for the ticket's tenant."""
+        self.prompt_outstanding += prompt
+        self.answer_outstanding += answer
+        work = self._by_tenant.setdefault(ticket.tenant, [0, 0])
+        work[0] += prompt
+        work[1] += answer
+        assert min(work) >= 0
+        if work == [0, 0]:
+            del self._by_tenant[ticket.tenant]
 
     # -- measurement -----------------------------------------------------------------------
     def _tick(self) -> None:

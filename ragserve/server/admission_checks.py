@@ -19,10 +19,11 @@ def check_admission(
     prompt_tokens: int = 0,
     decode_steps: int = 0,
     sequences: int = 1,
+    tenant: str = "",
 ) -> None:
     """503 with Retry-After when shutting down, when too many requests are in flight, or
-    when the new request would take longer than ``config.max_queue_seconds`` to finish
-    (see :mod:`ragserve.server.admission`)."""
+    when ``tenant``'s new request would take longer than ``config.max_queue_seconds`` to
+    finish (see :mod:`ragserve.server.admission`)."""
     retry = {"Retry-After": str(config.retry_after_seconds)}
     if draining:
         raise APIError(503, "the server is shutting down", code="shutting_down", headers=retry)
@@ -36,23 +37,29 @@ def check_admission(
             headers=retry,
         )
     if admission is not None:
-        check_work(admission, prompt_tokens, decode_steps, sequences)
+        check_work(admission, prompt_tokens, decode_steps, sequences, tenant)
 
 
 def check_work(
-    admission: WorkAdmission, prompt_tokens: int, decode_steps: int, sequences: int = 1
+    admission: WorkAdmission,
+    prompt_tokens: int,
+    decode_steps: int,
+    sequences: int = 1,
+    tenant: str = "",
 ) -> None:
-    """503 with Retry-After when the new request would take too long to finish."""
-    verdict = admission.check(prompt_tokens, decode_steps, sequences)
+    """503 with Retry-After when ``tenant``'s new request would take too long to finish."""
+    verdict = admission.check(prompt_tokens, decode_steps, sequences, tenant)
     if verdict is not None:
+        own_prompt, _ = admission.tenant_outstanding(tenant)
         raise APIError(
             503,
             f"the server is at capacity: this request ({prompt_tokens} prompt tokens to compute, "
             f"up to {decode_steps} tokens to generate) would take about "
             f"{verdict.expected_s:.0f} s with the work ahead of it "
-            f"({admission.prompt_outstanding} prompt tokens, {admission.sequences_answering} "
-            f"answers being generated), over the {admission.max_queue_seconds:.0f} s budget; "
-            "retry later",
+            f"({admission.prompt_outstanding} prompt tokens, {own_prompt} of them this API "
+            f"key's; {admission.sequences_answering} answers being generated; "
+            f"{admission.active_tenants} API keys served in turn), over the "
+            f"{admission.max_queue_seconds:.0f} s budget; retry later",
             code="overloaded",
             headers={"Retry-After": str(verdict.retry_after_s)},
         )

@@ -44,8 +44,10 @@ from ragserve.server.state import (
     METRICS,
     MODEL_NAME,
     PROMPTS,
+    REQUESTS_IN_FLIGHT,
     STARTED_AT,
 )
+from ragserve.server.tenant_limits import DocumentLimits, RequestsInFlight
 
 logger = logging.getLogger(__name__)
 
@@ -88,8 +90,14 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> web.A
     app[CONFIG] = config
     app[METRICS] = metrics
     app[PROMPTS] = prompts
+    app[REQUESTS_IN_FLIGHT] = RequestsInFlight(config.max_requests_per_tenant)
     app[DOCUMENTS] = DocumentService(
-        engine, prompts, admission, document_store(engine.info), config.document_ttl
+        engine,
+        prompts,
+        admission,
+        document_store(engine.info),
+        config.document_ttl,
+        DocumentLimits.from_config(config),
     )
     app[MODEL_NAME] = config.served_model_name or engine.model_name
     app[STARTED_AT] = int(time.time())

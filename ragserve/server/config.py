@@ -40,6 +40,39 @@ class ServerConfig:
         help="503 with Retry-After when a new request's expected time to finish (queued "
         "tokens over the measured token rate) exceeds this; 0 turns it off",
     )
+    # Per-tenant limits (ragserve.server.tenant_limits): each API key is a tenant; without
+    # keys, every caller is the one anonymous tenant.
+    max_requests_per_tenant: int = option(
+        64,
+        help="completion and chat requests one API key may have in flight (each prompt "
+        "counts); more get 429 with Retry-After",
+    )
+    max_documents_per_tenant: int = option(
+        256, help="documents one API key may keep; more uploads get 429 with Retry-After"
+    )
+    max_document_tokens_per_tenant: int = option(
+        2_000_000,
+        help="tokens of all the documents one API key keeps; uploads past it get 429 with "
+        "Retry-After",
+    )
+    tenant_pin_share: float = option(
+        0.25,
+        help="share of the pin budget (half the device KV blocks) that one API key's "
+        "documents may pin; documents past it stay cached, but evictable",
+    )
+    max_document_metadata_bytes: int = option(
+        16 * 1024, help="largest metadata of one document (as JSON), in bytes; larger gets 400"
+    )
+    max_queued_jobs_per_tenant: int = option(
+        16,
+        help="summarization jobs one API key may have waiting to run; more get 429 with "
+        "Retry-After",
+    )
+    max_kept_jobs_per_tenant: int = option(
+        100,
+        help="summarization jobs kept per API key, its oldest finished one dropped to make "
+        "room; when all are unfinished, new jobs get 429 with Retry-After",
+    )
     max_request_bytes: int = option(32 * 2**20, help="largest request body, in bytes")
     max_n: int = option(16, help="largest n (choices per request)", cli=False)
     max_documents_per_request: int = option(
@@ -119,6 +152,19 @@ class ServerConfig:
             raise ValueError(f"engine_stall_seconds must be > 0, got {self.engine_stall_seconds}")
         if self.document_ttl is not None and not self.document_ttl > 0:
             raise ValueError(f"document_ttl must be > 0 seconds, got {self.document_ttl}")
+        per_tenant = {
+            "max_requests_per_tenant": self.max_requests_per_tenant,
+            "max_documents_per_tenant": self.max_documents_per_tenant,
+            "max_document_tokens_per_tenant": self.max_document_tokens_per_tenant,
+            "max_document_metadata_bytes": self.max_document_metadata_bytes,
+            "max_queued_jobs_per_tenant": self.max_queued_jobs_per_tenant,
+            "max_kept_jobs_per_tenant": self.max_kept_jobs_per_tenant,
+        }
+        for name, value in per_tenant.items():
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if not 0 < self.tenant_pin_share <= 1:  # NOTE: also refuses NaN
+            raise ValueError(f"tenant_pin_share must be in (0, 1], got {self.tenant_pin_share}")
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
         for key in self.api_keys:

@@ -34,12 +34,14 @@ from ragserve.engine.async_engine import AsyncEngine
 from ragserve.sampling_params import SamplingParams
 from ragserve.server.admission import WorkAdmission
 from ragserve.server.admission_checks import check_work
+from ragserve.server.config import ServerConfig
 from ragserve.server.document_expiry import ExpirySweeper
 from ragserve.server.document_lifecycle import DocumentPatch, expire_time_from, rfc3339
 from ragserve.server.document_store import DocumentStore
 from ragserve.server.errors import APIError, bad_request
 from ragserve.server.prompts import PromptBuilder
 from ragserve.server.stored_document import StoredDocument
+from ragserve.server.tenant_limits import DocumentLimits, check_documents, check_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +123,9 @@ class DocumentService:
     """Owns every tenant's documents and their ingestion tasks. Event-loop only.
 
     ``admission``: ingestion counts as work there, and an upload that would wait too long
-    gets a 503. ``store``: where the registry persists (None: in memory only).
+    gets a 503. ``store``: where the registry persists (None: in memory only). ``limits``:
+    what one tenant's documents may take (default: ``ServerConfig``'s); an upload past
+    them gets a 429, and pins past the tenant's share leave the document unpinned.
     """
 
     def __init__(
@@ -131,11 +135,13 @@ class DocumentService:
         admission: WorkAdmission | None = None,
         store: DocumentStore | None = None,
         default_ttl: float | None = None,
+        limits: DocumentLimits | None = None,
     ) -> None:
         self.engine = engine
         self.prompts = prompts
         self.admission = admission
         self.store = store
+        self.limits = limits or DocumentLimits.from_config(ServerConfig())
         self.block_size = engine.info.block_size
         self.default_ttl = default_ttl
         self.expiry = ExpirySweeper(self._expiring, self._expire)
@@ -205,20 +211,25 @@ class DocumentService:
         """Register and start ingesting; returns (document, whether it is new).
 
         ``ttl`` / ``expire_time``: see :mod:`ragserve.server.document_lifecycle`; an
-        upload of a known text keeps the known document as it is."""
+        upload of a known text keeps the known document as it is. 400 for metadata over
+        its size limit; 429 when the tenant's documents are at their count or token limit
+        (checked again after tokenizing, since uploads run at once)."""
         expires = expire_time_from(ttl, expire_time, time.time(), self.default_ttl)
         existing = self.existing(namespace, text)
         if existing is not None:
             return existing, False
+        doc_id = document_id(namespace, text)
+        check_metadata(self.limits, metadata)
+        check_documents(self.limits, *self._holding(namespace, doc_id))
         token_ids = await self.prompts.run(self.prompts.document_ids, text)
         prefix_ids = self.prompts.document_prefix(token_ids)
         self._check_fits(len(token_ids), len(prefix_ids))
         existing = self.existing(namespace, text)  # another upload may have won the race
         if existing is not None:
             return existing, False
+        check_documents(self.limits, *self._holding(namespace, doc_id), len(token_ids))
         if self.admission is not None:
-            check_work(self.admission, len(prefix_ids), 1)
-        doc_id = document_id(namespace, text)
+            check_work(self.admission, len(prefix_ids), 1, tenant=namespace)
         stale = self._docs.get((namespace, doc_id))
         if stale is not None:  # expired (not swept yet) or failed: it goes first, like a DELETE
             await self.remove(namespace, doc_id, even_expired=True)
@@ -228,6 +239,12 @@ class DocumentService:
         logger.info("document %s: %d tokens, ingesting", doc_id, len(token_ids))
         await self._store_call("saved", self._put_row, doc.stored())
         return doc, True
+
+    def _holding(self, namespace: str, replacing: str) -> tuple[int, int]:
+        """(documents, tokens) the tenant keeps, without the failed one ``replacing`` would
+        replace."""
+        docs = [doc for doc in self.list_for(namespace) if doc.id != replacing]
+        return len(docs), sum(len(doc.token_ids) for doc in docs)
 
     def _register(self, doc: RegisteredDocument) -> None:
         self._docs[(doc.namespace, doc.id)] = doc
@@ -256,7 +273,11 @@ class DocumentService:
         request_id = f"ingest-{doc.id[:16]}-{next(self._ids)}"
         started = time.perf_counter()
         admission = self.admission
-        ticket = admission.admit(len(doc.prefix_ids), 1) if admission is not None else None
+        ticket = (
+            admission.admit(len(doc.prefix_ids), 1, tenant=doc.namespace)
+            if admission is not None
+            else None
+        )
         try:
             stream = self.engine.generate(doc.prefix_ids, params, request_id, doc.namespace)
             async with contextlib.aclosing(stream):  # type: ignore[type-var]
@@ -267,7 +288,9 @@ class DocumentService:
                         admission.progress(
                             ticket, prompt=len(doc.prefix_ids), computed=computed, generated=generated
                         )
-            pinned = await self.engine.pin_prefix(doc.pin_id, doc.prefix_ids, doc.namespace)
+            pinned = await self.engine.pin_prefix(
+                doc.pin_id, doc.prefix_ids, doc.namespace, self.limits.tenant_pin_share
+            )
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the document records why; the server goes on

@@ -34,6 +34,7 @@ _TYPES = {
     405: "invalid_request_error",
     413: "invalid_request_error",
     415: "invalid_request_error",
+    429: "rate_limit_error",
     503: "overloaded_error",
 }
 

@@ -92,7 +92,7 @@ async def run_job(
     ticket = None
     if admission is not None and job.work is not None:
         sequences = len(job.prompts) * job.params.n
-        ticket = admission.admit(sum(job.work[0]), sum(job.work[1]), sequences)
+        ticket = admission.admit(sum(job.work[0]), sum(job.work[1]), sequences, job.namespace)
     counted = Progress()
     streams = [
         engine.generate(prompt, job.params, f"{job.request_id}-{index}", job.namespace)

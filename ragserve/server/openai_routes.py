@@ -12,7 +12,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -50,8 +50,10 @@ from ragserve.server.state import (
     METRICS,
     MODEL_NAME,
     PROMPTS,
+    REQUESTS_IN_FLIGHT,
     STARTED_AT,
 )
+from ragserve.server.tenant_limits import RequestsInFlight
 
 logger = logging.getLogger(__name__)
 
@@ -121,11 +123,15 @@ def _sampling_params(
     )
 
 
-async def _prepare(request: web.Request, body: GenerationRequest) -> tuple[str, list[list[int]]]:
-    """Common checks; returns the model name and the documents' token lists."""
+async def _prepare(
+    request: web.Request, body: GenerationRequest, num_prompts: int = 1
+) -> tuple[str, list[list[int]]]:
+    """Common checks, all before any tokenizing (a tenant at its limit of requests in flight
+    is refused cheaply); returns the model name and the documents' token lists."""
     app = request.app
     model = _resolve_model(app, body.model)
     config = app[CONFIG]
+    app[REQUESTS_IN_FLIGHT].check(tenant(request), num_prompts)
     if body.n > config.max_n:
         raise bad_request(f"n must be at most {config.max_n}, got {body.n}", "n")
     doc_ids = body.documents or []
@@ -144,13 +150,16 @@ def _job(
     params: SamplingParams,
     doc_ids: list[str] | None,
 ) -> GenerationJob:
-    """Admit the request (503 past the limits) and count its work until it ends."""
+    """Admit the request (503 past the server's limits, 429 past the tenant's) and count
+    its work until it ends."""
     app = request.app
     engine, admission = app[ENGINE], app[ADMISSION]
     cached = app[DOCUMENTS].cached_prefix_tokens(tenant(request), doc_ids or [])
     prompt_work, answer_work = estimate_work(
         [len(ids) for ids in prompts], cached, params, engine.max_model_len
     )
+    # NOTE: no await from here until the job is held in flight (``_collect``, ``_stream``).
+    app[REQUESTS_IN_FLIGHT].check(tenant(request), len(prompts))
     check_admission(
         engine,
         app[CONFIG],
@@ -160,6 +169,7 @@ def _job(
         sum(prompt_work),
         max(answer_work) // params.n,
         len(prompts) * params.n,
+        tenant(request),
     )
     # NOTE: a client may reuse an X-Request-Id; engine ids must still be unique.
     engine_id = f"{prefix}-{request_id(request)}-{uuid.uuid4().hex[:8]}"
@@ -242,7 +252,6 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def completions(request: web.Request) -> web.StreamResponse:
     app = request.app
     body = await parse_request(request, CompletionRequest)
-    model, documents = await _prepare(request, body)
     raw_prompts = body.prompt_list()
     if not raw_prompts:
         raise bad_request("prompt must not be an empty list", "prompt")
@@ -250,6 +259,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         raise bad_request(
             f"at most {MAX_BATCH_PROMPTS} prompts per request, got {len(raw_prompts)}", "prompt"
         )
+    model, documents = await _prepare(request, body, len(raw_prompts))
     prompts = app[PROMPTS]
     for prompt in raw_prompts:
         if isinstance(prompt, str):
@@ -330,11 +340,32 @@ def _notes(
     return document_notes(request.app[DOCUMENTS], tenant(request), doc_ids or [], outputs)
 
 
+def _run(
+    app: web.Application, job: GenerationJob, endpoint: str
+) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+    """``run_job``'s outputs; the caller must close the iterator (``contextlib.aclosing``)."""
+    stream = run_job(app[ENGINE], job, app[METRICS], endpoint, app[ADMISSION])
+    return _held_in_flight(app[REQUESTS_IN_FLIGHT], job, stream)
+
+
+async def _held_in_flight(
+    in_flight: RequestsInFlight,
+    job: GenerationJob,
+    stream: AsyncGenerator[tuple[int, RequestOutput], None],
+) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+    """``stream``, the job's prompts counted in flight for its tenant from the first item
+    asked for until it is closed (closing this closes ``stream``)."""
+    async with contextlib.aclosing(stream):
+        with in_flight.hold(job.namespace, len(job.prompts)):
+            async for item in stream:
+                yield item
+
+
 async def _collect(request: web.Request, job: GenerationJob, endpoint: str) -> list[RequestOutput]:
     app = request.app
     started = time.perf_counter()
     finals: dict[int, RequestOutput] = {}
-    stream = run_job(app[ENGINE], job, app[METRICS], endpoint, app[ADMISSION])
+    stream = _run(app, job, endpoint)
     async with contextlib.aclosing(stream):
         async for index, output in stream:
             if output.finished:
@@ -357,7 +388,7 @@ async def _stream(
     app = request.app
     started = time.perf_counter()
     state = StreamState()
-    stream = run_job(app[ENGINE], job, app[METRICS], endpoint, app[ADMISSION])
+    stream = _run(app, job, endpoint)
     async with contextlib.aclosing(stream):
         # NOTE: wait for the first output before sending headers, so a request the engine
         # rejects still gets its 4xx status.

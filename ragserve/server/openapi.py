@@ -44,6 +44,7 @@ _GENERATION_RESPONSES = {
     },
     "400": _ERROR,
     "404": _ERROR,
+    "429": _ERROR,
     "503": _ERROR,
 }
 
@@ -116,6 +117,8 @@ OPERATIONS: dict[tuple[str, str], dict[str, Any]] = {
             "400": _ERROR,
             "413": _ERROR,
             "415": _ERROR,
+            "429": _ERROR,
+            "503": _ERROR,
         },
     },
     ("get", "/v1/documents"): {
@@ -149,6 +152,7 @@ OPERATIONS: dict[tuple[str, str], dict[str, Any]] = {
             "404": _ERROR,
             "413": _ERROR,
             "415": _ERROR,
+            "429": _ERROR,
             "503": _ERROR,
         },
     },

@@ -30,6 +30,7 @@ from ragserve.server.state import (
     PROMPTS,
 )
 from ragserve.server.summarize_jobs import ENDPOINT, SummarizeJobs
+from ragserve.server.tenant_limits import JobLimits
 
 SUMMARIZE_JOBS: web.AppKey[SummarizeJobs] = web.AppKey("summarize_jobs")
 MAX_INPUTS = 64
@@ -75,8 +76,15 @@ class SummarizeRequest(BaseModel):
 
 
 def add_routes(app: web.Application) -> None:
-    """Register the routes and the job registry (needs ENGINE, PROMPTS, METRICS, ADMISSION)."""
-    app[SUMMARIZE_JOBS] = SummarizeJobs(app[ENGINE], app[PROMPTS], app[METRICS], app[ADMISSION])
+    """Register the routes and the job registry (needs ENGINE, PROMPTS, METRICS, ADMISSION,
+    CONFIG)."""
+    app[SUMMARIZE_JOBS] = SummarizeJobs(
+        app[ENGINE],
+        app[PROMPTS],
+        app[METRICS],
+        app[ADMISSION],
+        limits=JobLimits.from_config(app[CONFIG]),
+    )
     app.router.add_post(ENDPOINT, create_summarize_job)
     app.router.add_get(ENDPOINT, list_summarize_jobs)
     app.router.add_get(ENDPOINT + "/{id}", get_summarize_job)

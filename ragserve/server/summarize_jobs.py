@@ -6,10 +6,14 @@ an ``AsyncEngine.generate`` stream, so job requests share continuous batching wi
 traffic. A document's next reduce level is planned the moment its last call of the
 current level finishes.
 
-Bounds: at most ``max_running`` jobs run at once, each with at most ``concurrency`` engine
-requests in flight (calls of earlier documents enter first, so documents finish roughly
-in order); at most ``max_queued`` jobs wait; at most ``max_jobs`` are kept, the oldest
-finished one dropped to make room. Cancelling a job (or closing the registry on shutdown)
+Bounds: at most ``max_running`` jobs run at once, a freed place going to the tenants
+with queued jobs in turn; each job has at most ``concurrency`` engine requests in flight
+(calls of earlier documents enter first, so documents finish roughly in order). At most
+``max_queued`` jobs wait in all (503 past it: the server is busy). Per tenant
+(:class:`~ragserve.server.tenant_limits.JobLimits`, 429 past them): at most
+``max_queued_jobs_per_tenant`` wait, and at most ``max_kept_jobs_per_tenant`` are kept,
+the tenant's own oldest finished one dropped to make room, so one tenant's jobs never
+push out another's results. Cancelling a job (or closing the registry on shutdown)
 cancels its tasks; each closed stream aborts its engine request, which frees its blocks.
 
 Tokenizer work (planning, recording each call's summary) runs on the prompt builder's
@@ -34,9 +38,17 @@ from pipelines.summarize import Call, DocumentJob, SummarizeOptions, Summarizer
 from ragserve.engine.async_engine import AsyncEngine, EngineRequestError
 from ragserve.server.admission import Ticket, WorkAdmission
 from ragserve.server.admission_checks import check_work
+from ragserve.server.config import ServerConfig
 from ragserve.server.errors import APIError, bad_request
+from ragserve.server.fair_slots import TenantSlots
 from ragserve.server.metrics import ServerMetrics
 from ragserve.server.prompts import PromptBuilder
+from ragserve.server.tenant_limits import (
+    IN_FLIGHT_RETRY_AFTER_S,
+    QUOTA_RETRY_AFTER_S,
+    JobLimits,
+    over_limit,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -166,14 +178,14 @@ class SummarizeJobs:
         metrics: ServerMetrics,
         admission: WorkAdmission | None = None,
         *,
-        max_jobs: int = 100,
+        limits: JobLimits | None = None,
         max_queued: int = 64,
         max_running: int = 4,
         concurrency: int = 16,
     ) -> None:
-        if min(max_jobs, max_queued, max_running, concurrency) < 1:
+        if min(max_queued, max_running, concurrency) < 1:
             raise ValueError(
-                f"job limits must be >= 1, got max_jobs={max_jobs}, max_queued={max_queued}, "
+                f"job limits must be >= 1, got max_queued={max_queued}, "
                 f"max_running={max_running}, concurrency={concurrency}"
             )
         self.engine = engine
@@ -181,10 +193,10 @@ class SummarizeJobs:
         self.metrics = metrics
         self.admission = admission
         self._tickets: dict[str, Ticket] = {}  # job id -> its work in ``admission``
-        self.max_jobs = max_jobs
+        self.limits = limits or JobLimits.from_config(ServerConfig())
         self.max_queued = max_queued
         self.concurrency = min(concurrency, engine.info.max_num_seqs)
-        self._running = asyncio.Semaphore(max_running)
+        self._running = TenantSlots(max_running)
         self._jobs: dict[str, SummarizeJob] = {}  # creation order: oldest first
         self._request_ids = itertools.count()
         self._closed = False
@@ -221,11 +233,22 @@ class SummarizeJobs:
     def submit(
         self, namespace: str, documents: list[Document], summarizer: Summarizer
     ) -> SummarizeJob:
-        """Register a job and start its task; 503 (Retry-After) when the registry is full."""
+        """Register a job and start its task. 503 (Retry-After) when the server is shutting
+        down or ``max_queued`` jobs wait in all; 429 (Retry-After) past the tenant's limits."""
         assert documents, "a job needs at least one document"
         retry = {"Retry-After": "1"}
         if self._closed:
             raise APIError(503, "the server is shutting down", code="shutting_down", headers=retry)
+        own = self.list_for(namespace)
+        own_queued = sum(job.status == "queued" for job in own)
+        limits = self.limits
+        if own_queued >= limits.max_queued_jobs_per_tenant:
+            raise over_limit(
+                f"this API key has {own_queued} summarization jobs queued; the limit is "
+                f"{limits.max_queued_jobs_per_tenant} per API key (--max-queued-jobs-per-tenant); "
+                "retry when some have started",
+                IN_FLIGHT_RETRY_AFTER_S,
+            )
         queued = sum(job.status == "queued" for job in self._jobs.values())
         if queued >= self.max_queued:
             raise APIError(
@@ -234,19 +257,20 @@ class SummarizeJobs:
                 code="too_many_jobs",
                 headers=retry,
             )
-        if len(self._jobs) >= self.max_jobs and not self._drop_oldest_finished():
-            raise APIError(
-                503,
-                f"all {len(self._jobs)} kept summarization jobs are unfinished (limit "
-                f"{self.max_jobs}); retry later",
-                code="too_many_jobs",
-                headers=retry,
+        if len(own) >= limits.max_kept_jobs_per_tenant and not self._drop_oldest_finished(own):
+            raise over_limit(
+                f"all {len(own)} summarization jobs kept for this API key are unfinished; the "
+                f"limit is {limits.max_kept_jobs_per_tenant} per API key "
+                "(--max-kept-jobs-per-tenant); retry when one has finished",
+                QUOTA_RETRY_AFTER_S,
             )
         prompt_work, answer_work = estimate_job_work(documents, summarizer)
         if self.admission is not None:
             # NOTE: a job's calls answer in parallel, then each reduce after its inputs:
             # two summaries one after the other, as one sequence's steps.
-            check_work(self.admission, prompt_work, 2 * summarizer.max_summary_tokens)
+            check_work(
+                self.admission, prompt_work, 2 * summarizer.max_summary_tokens, tenant=namespace
+            )
         job = SummarizeJob(
             id=uuid.uuid4().hex,
             namespace=namespace,
@@ -257,16 +281,17 @@ class SummarizeJobs:
         )
         self._jobs[job.id] = job
         if self.admission is not None:
-            self._tickets[job.id] = self.admission.admit(prompt_work, answer_work)
+            self._tickets[job.id] = self.admission.admit(prompt_work, answer_work, tenant=namespace)
         self.metrics.pipeline_jobs_active.labels(PIPELINE, "queued").inc()
         job.task = asyncio.create_task(self._run(job), name=f"summarize-{job.id}")
         logger.info("summarize job %s: %d documents queued", job.id, len(documents))
         return job
 
-    def _drop_oldest_finished(self) -> bool:
-        for job_id, job in self._jobs.items():
+    def _drop_oldest_finished(self, jobs: list[SummarizeJob]) -> bool:
+        """Forget the oldest finished job of ``jobs`` (oldest first); False if none is."""
+        for job in jobs:
             if job.status not in PENDING:
-                del self._jobs[job_id]
+                del self._jobs[job.id]
                 return True
         return False
 
@@ -319,7 +344,7 @@ class SummarizeJobs:
     # -- running -----------------------------------------------------------------------------
     async def _run(self, job: SummarizeJob) -> None:
         try:
-            async with self._running:
+            async with self._running.hold(job.namespace):
                 self.metrics.pipeline_jobs_active.labels(PIPELINE, "queued").dec()
                 self.metrics.pipeline_jobs_active.labels(PIPELINE, "running").inc()
                 job.status, job.started_at = "running", int(time.time())

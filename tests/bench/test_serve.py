@@ -52,3 +52,23 @@ def test_server_env_pairs() -> None:
     assert server_env(["A=1", "B=x=y"]) == {"A": "1", "B": "x=y"}
     with pytest.raises(ValueError, match="NAME=VALUE"):
         server_env(["A"])
+
+
+def test_fairness_summary_counts_refusals_apart_from_failures() -> None:
+    from ragserve.bench.serve_client import RequestResult
+    from ragserve.bench.serve_fairness import TenantRun
+
+    run = TenantRun("flood", "together", 2.0)
+    run.results = [
+        RequestResult(1.0, status=200, ttft_s=0.5),
+        RequestResult(1.0, status=200, ttft_s=1.5),
+        RequestResult(0.1, status=429, error="HTTP 429: over the limit"),
+        RequestResult(0.1, status=503, error="HTTP 503: at capacity"),
+        RequestResult(0.1, status=None, error="ClientError: reset"),
+    ]
+    summary = run.summary()
+    assert (summary["sent"], summary["admitted"], summary["failed"]) == (5, 2, 1)
+    assert summary["refused_429"] == summary["refused_503"] == 1
+    assert summary["admitted_share"] == pytest.approx(0.4)
+    assert summary["ttft_p50_s"] == pytest.approx(1.0)
+    assert summary["errors"] == ["ClientError: reset"]

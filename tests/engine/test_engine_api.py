@@ -165,6 +165,28 @@ def test_pinned_documents_never_starve_requests(smollm_path: str) -> None:
     assert engine.block_pool.num_used == 0
 
 
+def test_each_namespace_pins_within_its_share(smollm_path: str) -> None:
+    """With a namespace share, one tenant's pins cannot take the pin budget from another."""
+    block_bytes = 16 * 46080
+    llm = LLM(smollm_path, kv_cache_gib=20 * block_bytes / 2**30)  # 20 blocks: 10 may be pinned
+    engine = llm.engine
+    greedy = SamplingParams(temperature=0.0, max_tokens=1)
+    a1, a2, b1 = [21] * 64 + [22], [23] * 48 + [24], [25] * 48 + [26]  # 4, 3 and 3 blocks
+    llm.generate([a1, a2], greedy, use_tqdm=False, namespace="a")
+    llm.generate([b1], greedy, use_tqdm=False, namespace="b")
+    assert engine.pin_prefix("a1", a1, "a", namespace_share=0.5) == 64
+    assert engine.pin_prefix("a2", a2, "a", namespace_share=0.5) == 0, "4 + 3 exceed 5 of a's"
+    assert engine.pin_prefix("b1", b1, "b", namespace_share=0.5) == 48
+    assert engine.kv_usage()["pinned"] == 7
+    with pytest.raises(ValueError, match="namespace_share"):
+        engine.pin_prefix("bad", b1, "b", namespace_share=1.5)
+    assert engine.unpin_prefix("a1") and engine.unpin_prefix("b1")
+    assert engine.pin_prefix("a2", a2, "a", namespace_share=0.5) == 48
+    assert engine.unpin_prefix("a2")
+    engine.block_pool.check_invariants()
+    assert engine.block_pool.num_used == 0
+
+
 def test_each_engine_prepares_the_thread_that_steps_it(llm: LLM, smollm_path: str) -> None:
     """Per-thread GPU state (PyTorch caches cuDNN's plans per thread) is built where the
     steps run: the constructing thread for ``LLM``, the engine thread for ``AsyncEngine``."""

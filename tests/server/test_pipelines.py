@@ -19,8 +19,13 @@ KEY_A, KEY_B = "key-summaries-a", "key-summaries-b"
 A = {"Authorization": f"Bearer {KEY_A}"}
 B = {"Authorization": f"Bearer {KEY_B}"}
 # NOTE: no limit on queued work here: these tests fill the job queue on purpose (work
-# admission of jobs: test_server_admission.py).
-server = module_server("--api-key", KEY_A, "--api-key", KEY_B, "--max-queue-seconds", "0")
+# admission of jobs: test_admission.py). One tenant may queue more jobs than the server
+# as a whole (64), so the server's bound is the one a single tenant meets (the per-tenant
+# limits: test_tenant_fairness.py).
+server = module_server(
+    "--api-key", KEY_A, "--api-key", KEY_B, "--max-queue-seconds", "0",
+    "--max-queued-jobs-per-tenant", "65",
+)  # fmt: skip
 
 PATH = "/v1/pipelines/summarize"
 USED = 'ragserve_kv_blocks{state="used"}'
