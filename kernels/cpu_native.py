@@ -31,14 +31,15 @@ import torch  # noqa: F401 (loads torch's libgomp before ours; see the NOTE abov
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ("cpu_attention.c",)
+SOURCES = ("cpu_attention.c", "cpu_layer_ops.c")  # compiled into one library
+HEADERS = ("cpu_vec.h",)
 CSRC = Path(__file__).parent / "csrc"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=gnu11", "-shared", "-fPIC", "-Wall")
 ENV_DISABLE = "RAGSERVE_CPU_NATIVE"
 ENV_CACHE = "RAGSERVE_KERNEL_CACHE"
 
 _lock = threading.Lock()
-_loaded: dict[str, ctypes.CDLL | None] = {}
+_loaded: dict[str, ctypes.CDLL | int | None] = {}  # "lib" and its vector "width"
 
 
 class AttnParams(ctypes.Structure):
@@ -93,7 +94,7 @@ def _build(compiler: str) -> Path:
         [compiler, "--version"], capture_output=True, text=True, check=False
     ).stdout.splitlines()[:1]
     digest = hashlib.sha256()
-    for name in SOURCES:
+    for name in (*SOURCES, *HEADERS):
         digest.update((CSRC / name).read_bytes())
     digest.update(" ".join((*FLAGS, *version, _cpu_flags(), platform.machine())).encode())
     target = cache_dir() / f"ragserve_cpu_{digest.hexdigest()[:16]}.so"
@@ -129,6 +130,34 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
         pointer,
     ]
     library.ragserve_paged_attention.restype = ctypes.c_int
+    int32, flt = ctypes.c_int, ctypes.c_float
+    library.ragserve_add_rms_norm.argtypes = [
+        int32,
+        int64,
+        int64,
+        pointer,
+        pointer,
+        pointer,
+        flt,
+        pointer,
+        int32,
+    ]
+    library.ragserve_add_rms_norm.restype = ctypes.c_int
+    library.ragserve_silu_mul.argtypes = [int32, int64, int64, pointer, int64, pointer, int32]
+    library.ragserve_silu_mul.restype = ctypes.c_int
+    library.ragserve_rotary.argtypes = [
+        int32,
+        int64,
+        int32,
+        int32,
+        pointer,
+        int64,
+        pointer,
+        pointer,
+        pointer,
+        int64,
+    ]
+    library.ragserve_rotary.restype = None
     library.ragserve_vector_width.restype = ctypes.c_int
     return library
 
@@ -137,7 +166,7 @@ def load() -> ctypes.CDLL | None:
     """The native kernels, built if needed; None (logged once) where they cannot be."""
     with _lock:
         if "lib" in _loaded:
-            return _loaded["lib"]
+            return _loaded["lib"]  # type: ignore[return-value]
         library = None
         if os.environ.get(ENV_DISABLE, "1") == "0":
             logger.info("native CPU kernels disabled (%s=0): pure-torch CPU attention", ENV_DISABLE)
@@ -162,5 +191,9 @@ def load() -> ctypes.CDLL | None:
 
 def vector_width() -> int | None:
     """Floats per vector the kernels were built for (8: AVX2, 16: AVX-512), or None."""
-    library = load()
-    return None if library is None else int(library.ragserve_vector_width())
+    width = _loaded.get("width")
+    if width is None and "width" not in _loaded:
+        library = load()
+        width = None if library is None else int(library.ragserve_vector_width())
+        _loaded["width"] = width
+    return width  # type: ignore[return-value]
