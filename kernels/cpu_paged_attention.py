@@ -190,3 +190,66 @@ def prefill_attention(
         )
     out = attend(group_queries(query, kv_heads)[None], kv_layer, plan, scale, workspace)
     return ungroup_output(out[0], query_len)
+
+
+def causal_self_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Causal attention of a chunk with nothing cached before it, over its own new K/V."""
+    q = query.transpose(0, 1)  # [H, q, D]
+    group = q.shape[0] // key.shape[1]
+    # NOTE: 4-D inputs and expanded K/V (not enable_gqa): anything else sends SDPA to its
+    # unfused math path on the CPU, which materialises every score (6x slower at 4k).
+    k = key.transpose(0, 1).to(q.dtype).repeat_interleave(group, dim=0)
+    v = value.transpose(0, 1).to(q.dtype).repeat_interleave(group, dim=0)
+    out = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scale)
+    return out[0].transpose(0, 1)
+
+
+def _flash(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's fused CPU flash kernel: ``([1, H, q, D] output, [1, H, q] float32 log-sum-exp)``."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, 0.0, causal, scale=scale
+    )
+    return out, lse
+
+
+def prefill_attention_split(
+    query: torch.Tensor,  # [q, heads, dim]: the last q of context_len + q tokens
+    key: torch.Tensor,  # [q, kv_heads, dim]: the chunk's own keys (also stored in the cache)
+    value: torch.Tensor,
+    kv_layer: torch.Tensor,
+    block_table: torch.Tensor,  # [>= ceil(context_len / block_size)] int
+    context_len: int,
+    scale: float,
+    workspace: GatherWorkspace,
+) -> torch.Tensor:
+    """A prefill chunk over cached context as two fused calls merged by log-sum-exp: ``[q, heads, dim]``.
+
+    Causal over the chunk's own K/V (in hand, no copy), full over the ``context_len`` cached
+    tokens before it (gathered into the workspace). No mask is built and the causal half
+    skips the masked-out blocks, where one masked call over everything would compute them.
+    """
+    tokens, heads, _ = query.shape
+    kv_heads = key.shape[1]
+    group = heads // kv_heads
+    own_q = query.transpose(0, 1)[None]
+    own_k = key.transpose(0, 1).to(query.dtype).repeat_interleave(group, dim=0)[None]
+    own_v = value.transpose(0, 1).to(query.dtype).repeat_interleave(group, dim=0)[None]
+    own, own_lse = _flash(own_q, own_k, own_v, True, scale)
+    own = own[0].transpose(0, 1).float()  # [q, H, D]
+    own_lse = own_lse[0].transpose(0, 1)  # [q, H]
+
+    num_blocks = -(-context_len // kv_layer.shape[2])
+    ctx_k, ctx_v = gather_context(kv_layer, block_table[:num_blocks].long(), workspace)
+    ctx_k = ctx_k[:context_len].transpose(0, 1)[None].to(query.dtype)
+    ctx_v = ctx_v[:context_len].transpose(0, 1)[None].to(query.dtype)
+    ctx, ctx_lse = _flash(group_queries(query, kv_heads)[None], ctx_k, ctx_v, False, scale)
+    ctx = ungroup_output(ctx[0], tokens).float()
+    ctx_lse = ctx_lse[0].view(kv_heads, tokens, group).transpose(0, 1).reshape(tokens, heads)
+
+    total = torch.logaddexp(own_lse, ctx_lse)
+    merged = own * (own_lse - total).exp()[..., None] + ctx * (ctx_lse - total).exp()[..., None]
+    return merged.to(query.dtype)

@@ -5,13 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from kernels.cpu_decode_attention import attend_decode
 from kernels.cpu_paged_attention import (
     ContextPlan,
     GatherWorkspace,
     attend,
+    causal_self_attention,
     group_queries,
     plan_decode,
     plan_prefill,
@@ -79,7 +79,7 @@ class ReferenceBackend(AttentionBackend):
         for chunk in plan.prefills:
             q = query[chunk.rows]
             if chunk.plan is None:
-                output[chunk.rows] = _causal_self_attention(q, key[chunk.rows], value[chunk.rows], scale)
+                output[chunk.rows] = causal_self_attention(q, key[chunk.rows], value[chunk.rows], scale)
             else:
                 out = attend(group_queries(q, kv_heads)[None], kv_layer, chunk.plan, scale, self._workspace)
                 output[chunk.rows] = ungroup_output(out[0], q.shape[0])
@@ -138,17 +138,3 @@ class ReferenceBackend(AttentionBackend):
                 rows_tensor = torch.tensor(decode_rows, device=device)
             decode = plan_decode(tables, seq_lens, block_size, query.dtype)
         return _StepPlan(meta, layout, key_rows, key_rows + block_size, prefills, rows_tensor, decode)
-
-
-def _causal_self_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """Causal attention of a chunk with nothing cached before it, over its own new K/V."""
-    q = query.transpose(0, 1)  # [H, q, D]
-    group = q.shape[0] // key.shape[1]
-    # NOTE: 4-D inputs and expanded K/V (not enable_gqa): anything else sends SDPA to its
-    # unfused math path on the CPU, which materialises every score (6x slower at 4k).
-    k = key.transpose(0, 1).to(q.dtype).repeat_interleave(group, dim=0)
-    v = value.transpose(0, 1).to(q.dtype).repeat_interleave(group, dim=0)
-    out = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scale)
-    return out[0].transpose(0, 1)

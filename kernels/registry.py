@@ -13,7 +13,10 @@ logger = logging.getLogger(__name__)
 
 
 def available_backends(device: torch.device) -> list[str]:
+    """Backend names usable on ``device``, the default first."""
     names = ["reference"]
+    if device.type == "cpu":
+        names.insert(0, "cpu")
     if device.type == "cuda":
         try:
             import triton  # noqa: F401
@@ -36,6 +39,15 @@ def get_backend(name: str | None, device: torch.device) -> AttentionBackend:
         from kernels.triton_backend import TritonBackend
 
         backend: AttentionBackend = TritonBackend()
+    elif chosen == "cpu":
+        from kernels.cpu_backend import CpuBackend
+
+        backend = CpuBackend()
+        logger.info(
+            "attention backend: cpu (%s)",
+            "native kernels" if backend.is_native else "pure torch: no native kernels",
+        )
+        return backend
     else:
         backend = ReferenceBackend()
     logger.info("attention backend: %s", backend.name)

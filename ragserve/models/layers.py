@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import cpu_layer_ops
 from kernels.cpu_linear import can_pack, pack_weight, packed_linear
 
 
@@ -92,6 +93,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and use_fused_kernels(x):
             return fused_ops().rms_norm(x, self.weight, self.eps)
+        if x.dim() == 2 and x.is_contiguous() and cpu_layer_ops.usable(x, self.weight):
+            return cpu_layer_ops.add_rms_norm(None, x, self.weight, self.eps)
         input_dtype = x.dtype
         x32 = x.to(torch.float32)
         variance = x32.pow(2).mean(-1, keepdim=True)
@@ -103,10 +106,17 @@ class RMSNorm(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(norm(residual + x), residual + x)``: one residual add and the next layer's norm.
 
-        The fused kernel writes the sum into ``residual`` itself.
+        The fused kernels (CUDA, and native on the CPU) write the sum into ``residual`` itself.
         """
         if use_fused_kernels(x):
             return fused_ops().rms_norm(x, self.weight, self.eps, residual=residual), residual
+        if (
+            x.dim() == 2
+            and x.is_contiguous()
+            and residual.is_contiguous()
+            and cpu_layer_ops.usable(x, residual, self.weight)
+        ):
+            return cpu_layer_ops.add_rms_norm(x, residual, self.weight, self.eps), residual
         summed = residual + x
         return self.forward(summed), summed
 

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import cpu_layer_ops
 from kernels.cpu_linear import can_pack, pack_weight, packed_linear
 from ragserve.models.forward_context import OutputRows, get_forward_context
 from ragserve.models.layers import Embedding, Linear, RMSNorm, fused_ops, use_fused_kernels
@@ -195,6 +196,8 @@ class LlamaMLP(nn.Module):
         gate_up = self.gate_up_proj(hidden)
         if use_fused_kernels(gate_up):
             return self.down_proj(fused_ops().silu_and_mul(gate_up))
+        if gate_up.dim() == 2 and cpu_layer_ops.usable(gate_up):
+            return self.down_proj(cpu_layer_ops.silu_and_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 

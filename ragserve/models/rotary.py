@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kernels import cpu_layer_ops
 from ragserve.models.layers import fused_ops, use_fused_kernels
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -189,6 +190,8 @@ class Rotation:
     def rotate_heads(self, heads: torch.Tensor) -> torch.Tensor:
         """Rotated copy of ``heads [T, any heads, D]`` (eager only): q and k heads in one call."""
         assert not self.fused, "the fused rotation takes q and k apart"
+        if heads.stride(1) == heads.shape[2] and cpu_layer_ops.usable(heads, self.cos, self.sin):
+            return cpu_layer_ops.rotate(heads, self.cos, self.sin)
         return apply_rotary(heads, self.cos, self.sin)
 
 

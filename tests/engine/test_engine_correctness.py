@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from kernels import cpu_native
 from ragserve import LLM, SamplingParams
 from tests.conftest import hf_greedy
 from tests.model_factory import TINY_ARCHS, make_tiny_model
@@ -66,6 +67,10 @@ def test_greedy_matches_transformers(
     smollm_path: str, prompts: list[list[int]], expected: list[list[int]], engine_args: dict[str, Any]
 ) -> None:
     llm = LLM(smollm_path, device=DEVICE, dtype="float32", **engine_args)
+    if DEVICE == "cpu":  # the default CPU backend, on its native kernels where they build
+        backend = llm.engine.runner.backend
+        assert backend.name == "cpu"
+        assert getattr(backend, "is_native", False) == (cpu_native.load() is not None)
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     got = [o.outputs[0].token_ids for o in outputs]
     assert got == expected

@@ -1,0 +1,66 @@
+"""Building, caching and loading the native CPU kernels, and the fallback without a compiler."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kernels import cpu_native
+from kernels.cpu_backend import CpuBackend
+
+
+@pytest.fixture
+def fresh_loader(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Forget the process's loaded library for one test, restore it afterwards."""
+    saved = dict(cpu_native._loaded)
+    cpu_native._loaded.clear()
+    yield
+    cpu_native._loaded.clear()
+    cpu_native._loaded.update(saved)
+
+
+@pytest.mark.usefixtures("fresh_loader")
+def test_build_goes_to_the_cache_and_is_reused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if cpu_native._compiler() is None:
+        pytest.skip("no C compiler")
+    monkeypatch.setenv(cpu_native.ENV_CACHE, str(tmp_path))
+    assert cpu_native.load() is not None
+    built = list(tmp_path.glob("ragserve_cpu_*.so"))
+    assert len(built) == 1
+    stamp = built[0].stat().st_mtime_ns
+    cpu_native._loaded.clear()
+    assert cpu_native.load() is not None
+    assert built[0].stat().st_mtime_ns == stamp, "a cached build was compiled again"
+    assert list(tmp_path.glob("*.so")) == built, "a temporary file was left behind"
+
+
+@pytest.mark.usefixtures("fresh_loader")
+def test_without_a_compiler_the_backend_runs_pure_torch(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    monkeypatch.setenv(cpu_native.ENV_CACHE, str(tmp_path))  # no cached build to fall back on
+    monkeypatch.setattr(cpu_native, "_compiler", lambda: None)
+    with caplog.at_level(logging.WARNING, logger="kernels.cpu_native"):
+        assert cpu_native.load() is None
+    assert "no C compiler" in caplog.text
+    assert not CpuBackend().is_native
+
+
+@pytest.mark.usefixtures("fresh_loader")
+def test_disabled_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cpu_native.ENV_DISABLE, "0")
+    assert cpu_native.load() is None
+
+
+def test_one_openmp_runtime_is_mapped() -> None:
+    """The kernels share torch's libgomp: no second OpenMP thread pool."""
+    if cpu_native.load() is None:
+        pytest.skip("no native kernels")
+    maps = Path("/proc/self/maps").read_text().splitlines()
+    gomp = {line.split()[-1] for line in maps if "libgomp" in line}
+    assert len(gomp) == 1, gomp
