@@ -36,7 +36,9 @@ class GatherWorkspace:
     def __init__(self) -> None:
         self._buffers: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
-    def take(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def take(
+        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
         numel = 1
         for size in shape:
             numel *= size
@@ -76,14 +78,22 @@ def group_queries(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """``[tokens, heads, dim]`` -> ``[kv_heads, tokens * group, dim]`` (row ``t * group + g``)."""
     tokens, heads, dim = query.shape
     group = heads // kv_heads
-    return query.view(tokens, kv_heads, group, dim).transpose(0, 1).reshape(kv_heads, tokens * group, dim)
+    return (
+        query.view(tokens, kv_heads, group, dim)
+        .transpose(0, 1)
+        .reshape(kv_heads, tokens * group, dim)
+    )
 
 
 def ungroup_output(out: torch.Tensor, tokens: int) -> torch.Tensor:
     """Inverse of :func:`group_queries`: ``[kv_heads, tokens * group, dim]`` -> ``[tokens, heads, dim]``."""
     kv_heads, rows, dim = out.shape
     group = rows // tokens
-    return out.view(kv_heads, tokens, group, dim).transpose(0, 1).reshape(tokens, kv_heads * group, dim)
+    return (
+        out.view(kv_heads, tokens, group, dim)
+        .transpose(0, 1)
+        .reshape(tokens, kv_heads * group, dim)
+    )
 
 
 @dataclass(frozen=True)

@@ -79,13 +79,19 @@ class ReferenceBackend(AttentionBackend):
         for chunk in plan.prefills:
             q = query[chunk.rows]
             if chunk.plan is None:
-                output[chunk.rows] = causal_self_attention(q, key[chunk.rows], value[chunk.rows], scale)
+                output[chunk.rows] = causal_self_attention(
+                    q, key[chunk.rows], value[chunk.rows], scale
+                )
             else:
-                out = attend(group_queries(q, kv_heads)[None], kv_layer, chunk.plan, scale, self._workspace)
+                out = attend(
+                    group_queries(q, kv_heads)[None], kv_layer, chunk.plan, scale, self._workspace
+                )
                 output[chunk.rows] = ungroup_output(out[0], q.shape[0])
         if plan.decode is not None:
             assert plan.decode_rows is not None
-            output[plan.decode_rows] = self._decode(query[plan.decode_rows], kv_layer, plan.decode, scale)
+            output[plan.decode_rows] = self._decode(
+                query[plan.decode_rows], kv_layer, plan.decode, scale
+            )
         return output
 
     def _decode(
@@ -99,7 +105,10 @@ class ReferenceBackend(AttentionBackend):
 
     @staticmethod
     def _make_plan(
-        meta: AttentionMetadata, layout: tuple[object, ...], kv_layer: torch.Tensor, query: torch.Tensor
+        meta: AttentionMetadata,
+        layout: tuple[object, ...],
+        kv_layer: torch.Tensor,
+        query: torch.Tensor,
     ) -> _StepPlan:
         block_size, kv_heads = kv_layer.shape[2], kv_layer.shape[3]
         group = query.shape[1] // kv_heads
@@ -122,7 +131,9 @@ class ReferenceBackend(AttentionBackend):
                 context = None
                 if query_len != seq_len:
                     table = meta.block_tables[seq]
-                    context = plan_prefill(table, seq_len, query_len, group, block_size, query.dtype)
+                    context = plan_prefill(
+                        table, seq_len, query_len, group, block_size, query.dtype
+                    )
                 prefills.append(_PrefillChunk(slice(start, start + query_len), context))
             start += query_len
 
@@ -137,4 +148,6 @@ class ReferenceBackend(AttentionBackend):
                 tables = meta.block_tables[torch.tensor(decode_seqs, device=device)]
                 rows_tensor = torch.tensor(decode_rows, device=device)
             decode = plan_decode(tables, seq_lens, block_size, query.dtype)
-        return _StepPlan(meta, layout, key_rows, key_rows + block_size, prefills, rows_tensor, decode)
+        return _StepPlan(
+            meta, layout, key_rows, key_rows + block_size, prefills, rows_tensor, decode
+        )

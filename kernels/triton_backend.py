@@ -108,7 +108,11 @@ class TritonBackend(AttentionBackend):
         return out
 
     def store_kv(
-        self, key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_layer: torch.Tensor,
+        slot_mapping: torch.Tensor,
     ) -> None:
         write_kv_triton(key, value, kv_layer, slot_mapping)
 

@@ -181,7 +181,9 @@ class KVCacheManager:
         alloc.block_table += blocks[:loaded]
         return loaded
 
-    def has_more_to_load(self, alloc: KVAllocation, token_ids: Sequence[int], num_computed: int) -> bool:
+    def has_more_to_load(
+        self, alloc: KVAllocation, token_ids: Sequence[int], num_computed: int
+    ) -> bool:
         """True if the next block to compute can be loaded from a tier in a later step instead."""
         index = num_computed // self.block_size
         if self.tiers is None or num_computed % self.block_size or len(alloc.block_table) != index:
@@ -243,7 +245,9 @@ class KVCacheManager:
         self.counters.queried_tokens += num_prompt_tokens
         self.counters.hit_tokens += num_hit_tokens
 
-    def purge(self, salt: bytes, owned: Sequence[BlockHash], kept: Iterable[BlockHash]) -> PurgeCounts:
+    def purge(
+        self, salt: bytes, owned: Sequence[BlockHash], kept: Iterable[BlockHash]
+    ) -> PurgeCounts:
         """Remove the blocks of ``owned`` (a chain of hashes under ``salt``) that ``kept``
         does not hold, and their descendants, from the prefix cache and every tier (see
         :mod:`kvstore.purge`). Call between steps.

@@ -133,7 +133,9 @@ def seal_record(
     cipher: RecordCipher,
 ) -> tuple[bytes, bytes]:
     """(head, sealed payload) of an encrypted record; the file is ``head + sealed``."""
-    sealed = cipher.seal(meta.salt, identity_bytes(meta.block_hash, meta.parent_hash, meta.salt), payload)
+    sealed = cipher.seal(
+        meta.salt, identity_bytes(meta.block_hash, meta.parent_hash, meta.salt), payload
+    )
     digest = cipher.token_digest(meta.salt, meta.token_ids)
     return encode_head(meta, dtype, shape, sealed, token_digest=digest), sealed
 
@@ -226,7 +228,9 @@ def verify_header(
     if header.block_hash != meta.block_hash:
         raise RecordError("mismatch", f"hash {header.block_hash.hex()} != {meta.block_hash.hex()}")
     if (header.token_digest is None) != (cipher is None):
-        raise RecordError("foreign", "encrypted record without the key, or plain with encryption on")
+        raise RecordError(
+            "foreign", "encrypted record without the key, or plain with encryption on"
+        )
     if cipher is not None:
         if header.token_digest != cipher.token_digest(meta.salt, meta.token_ids):
             raise RecordError("foreign", "token digest differs (another key, or other tokens)")
@@ -333,7 +337,9 @@ def _read_sealed_into(
     header = decode_head(head)
     verify_header(header, meta, dtype, shape, cipher)
     if header.payload_len != sealed_len:
-        raise RecordError("corrupt", f"payload length {sealed_len} != header's {header.payload_len}")
+        raise RecordError(
+            "corrupt", f"payload length {sealed_len} != header's {header.payload_len}"
+        )
     # NOTE: the GCM tag authenticates every sealed byte, so the payload's xxh3 (still
     # written, for tools) is not computed again on this path.
     identity = identity_bytes(meta.block_hash, meta.parent_hash, meta.salt)

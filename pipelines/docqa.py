@@ -37,7 +37,9 @@ class Question:
     source: str = ""
 
 
-def load_questions(path: str | os.PathLike[str], on_error: ErrorHandler = log_error) -> list[Question]:
+def load_questions(
+    path: str | os.PathLike[str], on_error: ErrorHandler = log_error
+) -> list[Question]:
     """Questions from a JSONL file of ``{"doc", "question", "id"?}``; bad lines are reported."""
     records: list[tuple[str, int, Any]] = []
     with open(path, encoding="utf-8") as file:
@@ -94,7 +96,9 @@ class QAPrompts:
         if template.find(DOCUMENT_SLOT) > template.find(QUESTION_SLOT):
             raise ValueError("the QA template must put {document} before {question}")
         self.tokenizer = tokenizer
-        self.head, self.middle, self.tail = chat_frame(tokenizer, template, [DOCUMENT_SLOT, QUESTION_SLOT])
+        self.head, self.middle, self.tail = chat_frame(
+            tokenizer, template, [DOCUMENT_SLOT, QUESTION_SLOT]
+        )
 
     def document_prefix(self, text: str) -> list[int]:
         return encode(self.tokenizer, self.head + text)
@@ -145,7 +149,10 @@ def docqa(
         parsed = load_questions(questions, on_error)
     else:
         parsed = parse_questions(
-            ((q.source if isinstance(q, Question) else f"<question {n}>", n, q) for n, q in enumerate(questions, 1)),
+            (
+                (q.source if isinstance(q, Question) else f"<question {n}>", n, q)
+                for n, q in enumerate(questions, 1)
+            ),
             on_error,
         )
     by_document: dict[str, list[Question]] = {}
@@ -162,10 +169,20 @@ def docqa(
 
     def params_for(question: Question) -> SamplingParams:
         sample_seed = None if temperature == 0 else derive_seed(seed, question.id)
-        return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=sample_seed)
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=sample_seed
+        )
 
-    return _run(engine, prompts, work, params_for, concurrency or engine.info.max_num_seqs,
-                use_tqdm, on_error, namespace)
+    return _run(
+        engine,
+        prompts,
+        work,
+        params_for,
+        concurrency or engine.info.max_num_seqs,
+        use_tqdm,
+        on_error,
+        namespace,
+    )
 
 
 def _run(
@@ -195,7 +212,9 @@ def _run(
                     for question in questions:
                         prompt = prefix + prompts.question_suffix(question.question)
                         asked = _Asked(question, document, len(prefix), now)
-                        pump.submit(asked, prompt, params_for(question), priority=len(work) - len(pending))
+                        pump.submit(
+                            asked, prompt, params_for(question), priority=len(work) - len(pending)
+                        )
                 answered = []
                 for finished in pump.poll():
                     asked = finished.tag
@@ -211,7 +230,10 @@ def _run(
                             pins.discard(doc_id)
                     if finished.output is None:
                         progress.advance()
-                        on_error(asked.question.source or asked.question.id, f"request failed: {finished.error}")
+                        on_error(
+                            asked.question.source or asked.question.id,
+                            f"request failed: {finished.error}",
+                        )
                         continue
                     answered.append(_result(asked, finished.output))
                 for result in answered:

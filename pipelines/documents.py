@@ -76,7 +76,8 @@ def load_documents(
 def _from_path(path: Path, on_error: ErrorHandler) -> Iterator[Document]:
     if path.is_dir():
         files = sorted(
-            p for p in path.rglob("*")
+            p
+            for p in path.rglob("*")
             if p.suffix.lower() in TEXT_SUFFIXES | JSONL_SUFFIXES
             and not any(part.startswith(".") for part in p.relative_to(path).parts)
             and (p.is_file() or p.is_symlink())

@@ -35,7 +35,11 @@ class JsonlWriter:
     """
 
     def __init__(
-        self, path: str | os.PathLike[str], *, resume: bool = False, overwrite: bool = False,
+        self,
+        path: str | os.PathLike[str],
+        *,
+        resume: bool = False,
+        overwrite: bool = False,
         key: str = "id",
     ) -> None:
         self.path = Path(path)
@@ -109,7 +113,9 @@ def repair_and_read_keys(path: Path, key: str = "id") -> set[str]:
         try:
             record = json.loads(line)
         except ValueError as exc:
-            raise ValueError(f"line {number} of {path} is not valid JSON ({exc}); fix or remove it") from None
+            raise ValueError(
+                f"line {number} of {path} is not valid JSON ({exc}); fix or remove it"
+            ) from None
         if isinstance(record, dict) and record.get(key) is not None:
             keys.add(str(record[key]))
     return keys

@@ -63,7 +63,9 @@ class RequestPump(Generic[Tag]):
         self._started = time.perf_counter()
         self._prompt_tokens_at_start = int(engine.snapshot().prompt_tokens_computed)
 
-    def submit(self, tag: Tag, prompt: list[int], params: SamplingParams, priority: int = 0) -> None:
+    def submit(
+        self, tag: Tag, prompt: list[int], params: SamplingParams, priority: int = 0
+    ) -> None:
         """Queue a request; it enters the engine at once when fewer than ``concurrency`` run."""
         heapq.heappush(self._queue, _Queued(priority, next(self._ids), tag, prompt, params))
         self.num_submitted += 1
@@ -99,7 +101,9 @@ class RequestPump(Generic[Tag]):
             item = heapq.heappop(self._queue)
             request_id = f"{self._prefix}-{item.order}"
             try:
-                self.engine.add_request(request_id, item.prompt, item.params, namespace=self.namespace)
+                self.engine.add_request(
+                    request_id, item.prompt, item.params, namespace=self.namespace
+                )
             except ValueError as exc:
                 self.num_finished += 1
                 self._refused.append(Finished(item.tag, error=str(exc)))
@@ -134,7 +138,9 @@ class BatchProgress:
     """One tqdm bar over documents (or questions), with requests done and token rates."""
 
     def __init__(self, total: int, unit: str, enabled: bool) -> None:
-        self._bar = tqdm(total=total, unit=unit, desc=f"{unit}s", disable=not enabled, dynamic_ncols=True)
+        self._bar = tqdm(
+            total=total, unit=unit, desc=f"{unit}s", disable=not enabled, dynamic_ncols=True
+        )
 
     def advance(self, count: int = 1) -> None:
         self._bar.update(count)

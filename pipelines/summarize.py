@@ -133,7 +133,9 @@ class DocumentJob:
         inputs = [ids[c.token_start : c.token_end] for c in self.chunks]
         return self._level_calls([(list(x), None) for x in inputs], self.summarizer.map_frame)
 
-    def complete(self, call: Call, text: str, generated_tokens: int, finish_reason: str | None) -> list[Call]:
+    def complete(
+        self, call: Call, text: str, generated_tokens: int, finish_reason: str | None
+    ) -> list[Call]:
         """Record one call's summary; return the next level's calls once this level is done."""
         assert call.job is self and call.level == self.level and self._outputs[call.index] is None
         text = text.strip()
@@ -157,7 +159,10 @@ class DocumentJob:
         outputs = [o for o in self._outputs if o is not None]
         assert len(outputs) == len(self._texts) >= 2
         groups = pack_summaries(
-            outputs, summarizer.chunk_tokens, len(summarizer.separator_ids), summarizer.max_summary_tokens
+            outputs,
+            summarizer.chunk_tokens,
+            len(summarizer.separator_ids),
+            summarizer.max_summary_tokens,
         )
         assert len(groups) < len(outputs), "a reduce level must shrink"
         texts = self._texts
@@ -264,7 +269,9 @@ class Summarizer:
                 f"{smallest} for max_summary_tokens {options.max_summary_tokens}, got {self.chunk_tokens}"
             )
         self.overlap_tokens = (
-            options.overlap_tokens if options.overlap_tokens is not None else default_overlap(self.chunk_tokens)
+            options.overlap_tokens
+            if options.overlap_tokens is not None
+            else default_overlap(self.chunk_tokens)
         )
         validate_chunking(self.chunk_tokens, self.overlap_tokens)
         SamplingParams(temperature=options.temperature, top_p=options.top_p)  # validate early
@@ -280,7 +287,11 @@ class Summarizer:
 
     def params_for(self, document_id: str, level: int, index: int) -> SamplingParams:
         options = self.options
-        seed = None if options.temperature == 0 else derive_seed(options.seed, document_id, level, index)
+        seed = (
+            None
+            if options.temperature == 0
+            else derive_seed(options.seed, document_id, level, index)
+        )
         return SamplingParams(
             max_tokens=options.max_summary_tokens,
             temperature=options.temperature,
@@ -329,8 +340,13 @@ def summarize(
     summarizer = Summarizer(engine.tokenizer, engine.max_model_len, options)
     documents = [d for d in load_documents(inputs, on_error) if d.id not in skip_ids]
     return run_summaries(
-        engine, summarizer, documents, concurrency or engine.info.max_num_seqs,
-        use_tqdm=use_tqdm, on_error=on_error, namespace=namespace,
+        engine,
+        summarizer,
+        documents,
+        concurrency or engine.info.max_num_seqs,
+        use_tqdm=use_tqdm,
+        on_error=on_error,
+        namespace=namespace,
     )
 
 
@@ -367,12 +383,17 @@ def run_summaries(
                         continue
                     if finished.error is not None or finished.output is None:
                         job.fail(finished.error or "no output")
-                        on_error(job.document.source or job.document.id, f"request failed: {job.failed}")
+                        on_error(
+                            job.document.source or job.document.id, f"request failed: {job.failed}"
+                        )
                         progress.advance()
                         continue
                     completion = finished.output.outputs[0]
                     for call in job.complete(
-                        finished.tag, completion.text, len(completion.token_ids), completion.finish_reason
+                        finished.tag,
+                        completion.text,
+                        len(completion.token_ids),
+                        completion.finish_reason,
                     ):
                         pump.submit(call, call.prompt, call.params, job.priority)
                     if job.summary is not None:

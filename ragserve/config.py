@@ -102,7 +102,9 @@ class EngineConfig:
                 "kv_disk_dir names a disk tier that kv_disk_gib=0 turns off; drop one of them"
             )
         if self.kv_encryption_key_file and self.kv_disk_gib == 0:
-            raise ValueError("kv_encryption_key_file encrypts the disk tier that kv_disk_gib=0 turns off")
+            raise ValueError(
+                "kv_encryption_key_file encrypts the disk tier that kv_disk_gib=0 turns off"
+            )
         if not self.enable_prefix_caching and (self.kv_cpu_gib > 0 or self.disk_tier_gib > 0):
             raise ValueError(
                 "the CPU and disk KV tiers hold prefix-cache blocks: they need prefix caching "

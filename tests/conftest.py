@@ -55,7 +55,9 @@ def hf_smollm(smollm_path: str) -> Any:
     from transformers import AutoModelForCausalLM
 
     path = Path(smollm_path)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    )
     return model.eval()
 
 
@@ -75,7 +77,9 @@ def hf_greedy(model: Any, prompt: list[int], max_new_tokens: int) -> list[int]:
     config = GenerationConfig(
         max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
     )
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config)
+    out = model.generate(
+        input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config
+    )
     return out[0, len(prompt) :].tolist()
 
 

@@ -52,7 +52,13 @@ _ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama-linear-rope": ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
     "llama-yarn-rope": (
         "llama",
-        {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}},
+        {
+            "rope_scaling": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 32,
+            }
+        },
     ),
     "llama-sharded": ("llama", {}),
     "mistral": ("mistral", {"sliding_window": None}),

@@ -14,7 +14,9 @@ from typing import Any
 import torch
 
 
-def random_prompts(count: int, length: int | Sequence[int], vocab_size: int, seed: int = 0) -> list[list[int]]:
+def random_prompts(
+    count: int, length: int | Sequence[int], vocab_size: int, seed: int = 0
+) -> list[list[int]]:
     """Token-id prompts of random content (throughput does not depend on the text)."""
     generator = torch.Generator().manual_seed(seed)
     lengths = [length] * count if isinstance(length, int) else list(length)
@@ -22,7 +24,9 @@ def random_prompts(count: int, length: int | Sequence[int], vocab_size: int, see
     return [torch.randint(100, vocab_size, (n,), generator=generator).tolist() for n in lengths]
 
 
-def load_transformers_model(model_path: str | None, load_format: str, dtype: torch.dtype, device: torch.device) -> Any:
+def load_transformers_model(
+    model_path: str | None, load_format: str, dtype: torch.dtype, device: torch.device
+) -> Any:
     """The same model through transformers, as the baseline."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -168,10 +172,18 @@ H200_PEAK_TBPS = 4.25
 
 def add_peak_arguments(parser: Any) -> None:
     """The hardware peaks the floors use; see ``resolve_peaks`` for the defaults."""
-    parser.add_argument("--peak-tflops", type=float, default=None,
-                        help=f"matmul ceiling, TFLOP/s (on CUDA default {H200_PEAK_TFLOPS:g}, one H200)")
-    parser.add_argument("--peak-tbps", type=float, default=None,
-                        help=f"memory bandwidth, TB/s (on CUDA default {H200_PEAK_TBPS:g}, one H200)")
+    parser.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help=f"matmul ceiling, TFLOP/s (on CUDA default {H200_PEAK_TFLOPS:g}, one H200)",
+    )
+    parser.add_argument(
+        "--peak-tbps",
+        type=float,
+        default=None,
+        help=f"memory bandwidth, TB/s (on CUDA default {H200_PEAK_TBPS:g}, one H200)",
+    )
 
 
 def resolve_peaks(args: Any, device: torch.device) -> bool:

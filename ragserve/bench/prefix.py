@@ -67,6 +67,7 @@ def run(args: argparse.Namespace, config: Any) -> int:
         return _timed(lambda: llm.generate(prompts, answer, use_tqdm=False))
 
     results: dict[str, Any] = {"workload": {k: v for k, v in vars(args).items() if k != "func"}}
+
     def first_token_time(prompt: list[int]) -> float:
         return _timed(cached.generate, [prompt], first_token, False)
 
@@ -78,7 +79,10 @@ def run(args: argparse.Namespace, config: Any) -> int:
     per_question = seq_cached / len(prompts)
     # One cached question through the step loop, for where its time goes.
     split = min(
-        (time_request(engine, p, args.output_len, request_id=f"split-{i}") for i, p in enumerate(prompts[:3])),
+        (
+            time_request(engine, p, args.output_len, request_id=f"split-{i}")
+            for i, p in enumerate(prompts[:3])
+        ),
         key=lambda timing: timing.token_times_s[-1],
     )
     decode_ms = split.decode_ms_per_token or 0.0
@@ -92,12 +96,17 @@ def run(args: argparse.Namespace, config: Any) -> int:
         ["ragserve, prefix caching", seq_cached, conc_cached, per_question],
         ["ragserve, no caching", seq_plain, conc_plain, seq_plain / len(prompts)],
     ]
-    results["ragserve_cached"] = {"sequential_s": seq_cached, "concurrent_s": conc_cached,
-                                  "per_question_s": per_question, "cold_ttft_s": cold_ttft,
-                                  "warm_ttft_s": warm_ttft, "question_only_ttft_s": question_only,
-                                  "one_question_s": split.token_times_s[-1],
-                                  "one_question_ttft_s": split.ttft_s,
-                                  "one_question_decode_ms_per_token": decode_ms}
+    results["ragserve_cached"] = {
+        "sequential_s": seq_cached,
+        "concurrent_s": conc_cached,
+        "per_question_s": per_question,
+        "cold_ttft_s": cold_ttft,
+        "warm_ttft_s": warm_ttft,
+        "question_only_ttft_s": question_only,
+        "one_question_s": split.token_times_s[-1],
+        "one_question_ttft_s": split.ttft_s,
+        "one_question_decode_ms_per_token": decode_ms,
+    }
     results["ragserve_uncached"] = {"sequential_s": seq_plain, "concurrent_s": conc_plain}
     if not args.skip_transformers:
         hf = load_transformers_model(config.model, config.load_format, info.dtype, info.device)
@@ -118,13 +127,21 @@ def run(args: argparse.Namespace, config: Any) -> int:
     print_table(
         "time to first token",
         ["case", "seconds"],
-        [["cold document", cold_ttft], ["cached document", warm_ttft], ["question alone", question_only]],
+        [
+            ["cold document", cold_ttft],
+            ["cached document", warm_ttft],
+            ["question alone", question_only],
+        ],
     )
-    print(f"\ncaching speed-up: {seq_plain / seq_cached:.1f}x sequential, "
-          f"{conc_plain / conc_cached:.1f}x concurrent; cached TTFT / question-only TTFT "
-          f"{warm_ttft / question_only:.2f}; block hashing of a 128k-token prompt "
-          f"{results['hash_ms_per_1k_tokens_at_128k']:.3f} ms per 1k tokens")
-    print(f"one cached question, {args.output_len} new tokens: {split.token_times_s[-1]:.3f} s "
-          f"(first token {split.ttft_s:.3f} s, then {decode_ms:.1f} ms per token)")
+    print(
+        f"\ncaching speed-up: {seq_plain / seq_cached:.1f}x sequential, "
+        f"{conc_plain / conc_cached:.1f}x concurrent; cached TTFT / question-only TTFT "
+        f"{warm_ttft / question_only:.2f}; block hashing of a 128k-token prompt "
+        f"{results['hash_ms_per_1k_tokens_at_128k']:.3f} ms per 1k tokens"
+    )
+    print(
+        f"one cached question, {args.output_len} new tokens: {split.token_times_s[-1]:.3f} s "
+        f"(first token {split.ttft_s:.3f} s, then {decode_ms:.1f} ms per token)"
+    )
     write_json(args.out, results)
     return 0

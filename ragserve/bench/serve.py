@@ -298,7 +298,10 @@ class OfflineWorker:
         package_root = str(Path(__file__).resolve().parents[2])
         pythonpath = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
         self.env = {
-            **os.environ, "PYTHONPATH": pythonpath, "TOKENIZERS_PARALLELISM": "false", **env
+            **os.environ,
+            "PYTHONPATH": pythonpath,
+            "TOKENIZERS_PARALLELISM": "false",
+            **env,
         }
         self.timeout = timeout
         self.process: subprocess.Popen[str] | None = None
@@ -328,7 +331,9 @@ class OfflineWorker:
         if not line:
             self.close()
             tail = self.log_path.read_text(errors="replace")[-3000:]
-            raise CliError(f"the offline engine did not answer within {self.timeout:.0f} s:\n{tail}")
+            raise CliError(
+                f"the offline engine did not answer within {self.timeout:.0f} s:\n{tail}"
+            )
         reply: dict[str, Any] = json.loads(line)
         if "error" in reply:
             raise CliError(f"the offline engine failed: {reply['error']}")

@@ -22,19 +22,70 @@ from ragserve.bench.common import load_transformers_model, peak_rss_mib, write_j
 from ragserve.table import print_table
 
 _WORDS = [
-    "the", "a", "engine", "cache", "block", "token", "prefix", "request", "batch", "memory",
-    "document", "summary", "model", "layer", "attention", "query", "key", "value", "page",
-    "disk", "tier", "scheduler", "step", "kernel", "device", "host", "copy", "budget", "reader",
-    "writer", "contract", "clause", "party", "term", "payment", "notice", "period", "manual",
-    "section", "chapter", "figure", "table", "result", "method", "system", "user", "service",
-    "latency", "throughput", "capacity",
+    "the",
+    "a",
+    "engine",
+    "cache",
+    "block",
+    "token",
+    "prefix",
+    "request",
+    "batch",
+    "memory",
+    "document",
+    "summary",
+    "model",
+    "layer",
+    "attention",
+    "query",
+    "key",
+    "value",
+    "page",
+    "disk",
+    "tier",
+    "scheduler",
+    "step",
+    "kernel",
+    "device",
+    "host",
+    "copy",
+    "budget",
+    "reader",
+    "writer",
+    "contract",
+    "clause",
+    "party",
+    "term",
+    "payment",
+    "notice",
+    "period",
+    "manual",
+    "section",
+    "chapter",
+    "figure",
+    "table",
+    "result",
+    "method",
+    "system",
+    "user",
+    "service",
+    "latency",
+    "throughput",
+    "capacity",
 ]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-docs", type=int, default=8)
-    parser.add_argument("--doc-tokens", type=int, default=4096, help="approximate tokens per generated document")
-    parser.add_argument("--docs", default=None, metavar="DIR", help="summarize these files instead of generated ones")
+    parser.add_argument(
+        "--doc-tokens", type=int, default=4096, help="approximate tokens per generated document"
+    )
+    parser.add_argument(
+        "--docs",
+        default=None,
+        metavar="DIR",
+        help="summarize these files instead of generated ones",
+    )
     parser.add_argument("--chunk-tokens", type=int, default=1024)
     parser.add_argument("--overlap-tokens", type=int, default=None)
     parser.add_argument("--max-summary-tokens", type=int, default=128)
@@ -54,7 +105,9 @@ def write_documents(folder: Path, count: int, approx_tokens: int, seed: int = 0)
             for _ in range(rng.randint(3, 6)):
                 length = rng.randint(6, 18)
                 words += length
-                sentences.append(" ".join(rng.choice(_WORDS) for _ in range(length)).capitalize() + ".")
+                sentences.append(
+                    " ".join(rng.choice(_WORDS) for _ in range(length)).capitalize() + "."
+                )
             paragraphs.append(" ".join(sentences))
         (folder / f"doc{number:04d}.txt").write_text("\n\n".join(paragraphs) + "\n")
 
@@ -72,7 +125,8 @@ def run(args: argparse.Namespace, config: Any) -> int:
     if not documents:
         raise ValueError(f"no documents to summarize in {folder}")
     options = SummarizeOptions(
-        max_summary_tokens=args.max_summary_tokens, chunk_tokens=args.chunk_tokens,
+        max_summary_tokens=args.max_summary_tokens,
+        chunk_tokens=args.chunk_tokens,
         overlap_tokens=args.overlap_tokens,
     )
     llm = LLM.from_config(config)
@@ -81,18 +135,28 @@ def run(args: argparse.Namespace, config: Any) -> int:
     llm.generate("Warm up.", SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
 
     started = time.perf_counter()
-    results = list(run_summaries(engine, summarizer, documents, args.concurrency or config.max_num_seqs))
+    results = list(
+        run_summaries(engine, summarizer, documents, args.concurrency or config.max_num_seqs)
+    )
     if info.device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - started
     doc_tokens = sum(r["document_tokens"] for r in results)
     side = _side(len(results), doc_tokens, results, seconds)
     report: dict[str, Any] = {
-        "workload": {"documents": len(documents), "document_tokens": doc_tokens,
-                     "chunk_tokens": summarizer.chunk_tokens, "overlap_tokens": summarizer.overlap_tokens,
-                     "max_summary_tokens": args.max_summary_tokens, "generated": not args.docs},
-        "ragserve": {**side, "concurrency": args.concurrency or config.max_num_seqs,
-                     "peak_rss_mib": peak_rss_mib()},
+        "workload": {
+            "documents": len(documents),
+            "document_tokens": doc_tokens,
+            "chunk_tokens": summarizer.chunk_tokens,
+            "overlap_tokens": summarizer.overlap_tokens,
+            "max_summary_tokens": args.max_summary_tokens,
+            "generated": not args.docs,
+        },
+        "ragserve": {
+            **side,
+            "concurrency": args.concurrency or config.max_num_seqs,
+            "peak_rss_mib": peak_rss_mib(),
+        },
     }
     rows = [_row("ragserve (batched)", side, 1.0)]
     if not args.skip_transformers:
@@ -115,7 +179,9 @@ def run(args: argparse.Namespace, config: Any) -> int:
     return 0
 
 
-def _side(count: int, doc_tokens: int, results: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
+def _side(
+    count: int, doc_tokens: int, results: list[dict[str, Any]], seconds: float
+) -> dict[str, Any]:
     processed = sum(r["prompt_tokens"] + r["generated_tokens"] for r in results)
     return {
         "seconds": seconds,
@@ -129,12 +195,21 @@ def _side(count: int, doc_tokens: int, results: list[dict[str, Any]], seconds: f
 
 
 def _row(name: str, side: dict[str, Any], speedup: float) -> list[Any]:
-    return [name, f"{side['seconds']:.2f}", side["documents_per_hour"], side["document_tok_s"],
-            side["total_tok_s"], side["calls"], speedup]
+    return [
+        name,
+        f"{side['seconds']:.2f}",
+        side["documents_per_hour"],
+        side["document_tok_s"],
+        side["total_tok_s"],
+        side["calls"],
+        speedup,
+    ]
 
 
 @torch.inference_mode()
-def _naive_loop(model: Any, summarizer: Any, documents: list[Any], eos: list[int]) -> dict[str, Any]:
+def _naive_loop(
+    model: Any, summarizer: Any, documents: list[Any], eos: list[int]
+) -> dict[str, Any]:
     """The same map-reduce plan, one greedy ``generate`` call after another."""
     tokenizer = summarizer.tokenizer
     device = next(model.parameters()).device
@@ -149,9 +224,15 @@ def _naive_loop(model: Any, summarizer: Any, documents: list[Any], eos: list[int
             follow_ups = []
             for call in calls:
                 ids = torch.tensor([call.prompt], device=device)
-                out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=limit,
-                                     do_sample=False, eos_token_id=eos, pad_token_id=pad)
-                new = out[0, ids.shape[1]:].tolist()
+                out = model.generate(
+                    input_ids=ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=limit,
+                    do_sample=False,
+                    eos_token_id=eos,
+                    pad_token_id=pad,
+                )
+                new = out[0, ids.shape[1] :].tolist()
                 stopped = bool(new) and new[-1] in eos
                 text = tokenizer.decode(new, skip_special_tokens=True)
                 follow_ups += job.complete(call, text, len(new), "stop" if stopped else "length")

@@ -29,18 +29,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--variable", action="store_true", help="input and output lengths uniform in [100, 1024]")
-    parser.add_argument("--hf-batch-size", type=int, default=None, help="transformers batch (default: all prompts)")
     parser.add_argument(
-        "--hf-max-prompts", type=int, default=None,
+        "--variable", action="store_true", help="input and output lengths uniform in [100, 1024]"
+    )
+    parser.add_argument(
+        "--hf-batch-size", type=int, default=None, help="transformers batch (default: all prompts)"
+    )
+    parser.add_argument(
+        "--hf-max-prompts",
+        type=int,
+        default=None,
         help="time transformers on an evenly spaced subset of this many prompts and compare rates",
     )
     parser.add_argument(
-        "--hf-sort", action="store_true",
+        "--hf-sort",
+        action="store_true",
         help="transformers batches of similar output length (longest first) instead of arrival order",
     )
     parser.add_argument(
-        "--hf-continuous", action="store_true",
+        "--hf-continuous",
+        action="store_true",
         help="also time transformers' continuous batching (generate_batch); fixed lengths only",
     )
     parser.add_argument("--skip-transformers", action="store_true")
@@ -57,7 +65,9 @@ def _workload(args: argparse.Namespace) -> tuple[list[int], list[int]]:
     return inputs, outputs
 
 
-def _run_ragserve(config: EngineConfig, input_lens: list[int], output_lens: list[int]) -> dict[str, Any]:
+def _run_ragserve(
+    config: EngineConfig, input_lens: list[int], output_lens: list[int]
+) -> dict[str, Any]:
     from ragserve import LLM, SamplingParams
 
     started = time.perf_counter()
@@ -106,7 +116,10 @@ WARMUP_NEW_TOKENS = 4
 
 
 def _run_transformers(
-    config: EngineConfig, run: dict[str, Any], input_lens: list[int], output_lens: list[int],
+    config: EngineConfig,
+    run: dict[str, Any],
+    input_lens: list[int],
+    output_lens: list[int],
     args: argparse.Namespace,
 ) -> dict[str, Any]:
     """transformers ``generate`` in padded batches; only the tokens each prompt asked for count."""
@@ -128,27 +141,42 @@ def _run_transformers(
         # more than a warm one on an NVIDIA H200 (first-use allocations and kernel picks).
         first = chosen[:batch_size]
         warmup_s, _ = transformers_generate(
-            hf, [run["prompts"][i] for i in first], WARMUP_NEW_TOKENS, batch_size, pad)
-        print(f"transformers warm-up: {len(first)} prompts x {WARMUP_NEW_TOKENS} steps in "
-              f"{warmup_s:.1f} s (untimed)", flush=True)
+            hf, [run["prompts"][i] for i in first], WARMUP_NEW_TOKENS, batch_size, pad
+        )
+        print(
+            f"transformers warm-up: {len(first)} prompts x {WARMUP_NEW_TOKENS} steps in "
+            f"{warmup_s:.1f} s (untimed)",
+            flush=True,
+        )
         for start in range(0, len(chosen), batch_size):
             batch = chosen[start : start + batch_size]
             # NOTE: a padded batch generates its longest output for every row.
             longest = max(output_lens[i] for i in batch)
             spent, _ = transformers_generate(
-                hf, [run["prompts"][i] for i in batch], longest, batch_size, pad)
+                hf, [run["prompts"][i] for i in batch], longest, batch_size, pad
+            )
             seconds += spent
             batch_seconds.append(spent)
             useful += sum(output_lens[i] for i in batch)
-            print(f"transformers batch {start // batch_size + 1}: {len(batch)} prompts x {longest} "
-                  f"steps in {spent:.1f} s", flush=True)
+            print(
+                f"transformers batch {start // batch_size + 1}: {len(batch)} prompts x {longest} "
+                f"steps in {spent:.1f} s",
+                flush=True,
+            )
     finally:
         del hf
         release_device_memory()
-    return {"seconds": seconds, "output_tokens": useful, "batch_size": batch_size, "warmup_s": warmup_s,
-            "batch_seconds": batch_seconds, "device_free_gib_at_start": free_gib,
-            "num_prompts": len(chosen), "input_tokens": sum(input_lens[i] for i in chosen),
-            "sorted_by_length": args.hf_sort}
+    return {
+        "seconds": seconds,
+        "output_tokens": useful,
+        "batch_size": batch_size,
+        "warmup_s": warmup_s,
+        "batch_seconds": batch_seconds,
+        "device_free_gib_at_start": free_gib,
+        "num_prompts": len(chosen),
+        "input_tokens": sum(input_lens[i] for i in chosen),
+        "sorted_by_length": args.hf_sort,
+    }
 
 
 def _run_transformers_continuous(
@@ -160,27 +188,45 @@ def _run_transformers_continuous(
         prompts = [run["prompts"][i] for i in chosen]
         warmup_s, _ = transformers_generate_batch(hf, prompts[:8], WARMUP_NEW_TOKENS)
         seconds, produced = transformers_generate_batch(hf, prompts, output_len)
-        print(f"transformers generate_batch: {len(prompts)} prompts, {produced} tokens in {seconds:.1f} s "
-              f"(warm-up {warmup_s:.1f} s, untimed)", flush=True)
+        print(
+            f"transformers generate_batch: {len(prompts)} prompts, {produced} tokens in {seconds:.1f} s "
+            f"(warm-up {warmup_s:.1f} s, untimed)",
+            flush=True,
+        )
     finally:
         del hf
         release_device_memory()
-    return {"seconds": seconds, "output_tokens": produced, "warmup_s": warmup_s, "num_prompts": len(chosen)}
+    return {
+        "seconds": seconds,
+        "output_tokens": produced,
+        "warmup_s": warmup_s,
+        "num_prompts": len(chosen),
+    }
 
 
-def _floor(run: dict[str, Any], input_lens: list[int], output_lens: list[int],
-           args: argparse.Namespace) -> dict[str, float]:
+def _floor(
+    run: dict[str, Any], input_lens: list[int], output_lens: list[int], args: argparse.Namespace
+) -> dict[str, float]:
     """Lower bound on the workload's time: all its FLOPs at the matmul ceiling, or reading
     the weights once per step of the longest request, whichever is longer."""
-    flops = sum(generate_flops(run["shape"], i, o) for i, o in zip(input_lens, output_lens, strict=True))
+    flops = sum(
+        generate_flops(run["shape"], i, o) for i, o in zip(input_lens, output_lens, strict=True)
+    )
     compute = flops / (args.peak_tflops * 1e12)
     memory = max(output_lens) * run["weight_bytes"] / (args.peak_tbps * 1e12)
-    return {"flops": flops, "compute_s": compute, "weights_read_s": memory, "seconds": max(compute, memory)}
+    return {
+        "flops": flops,
+        "compute_s": compute,
+        "weights_read_s": memory,
+        "seconds": max(compute, memory),
+    }
 
 
 def run(args: argparse.Namespace, config: EngineConfig) -> int:
     if args.hf_continuous and args.variable:
-        raise ValueError("--hf-continuous needs fixed lengths: generate_batch takes one max_new_tokens")
+        raise ValueError(
+            "--hf-continuous needs fixed lengths: generate_batch takes one max_new_tokens"
+        )
     input_lens, output_lens = _workload(args)
     ours = _run_ragserve(config, input_lens, output_lens)
     release_device_memory()
@@ -188,24 +234,50 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
 
     shape = "variable 100..1024" if args.variable else f"{args.input_len} in, {args.output_len} out"
     results: dict[str, Any] = {
-        "workload": {"num_prompts": args.num_prompts, "lengths": shape, "model": config.model or "default",
-                     "load_format": config.load_format, "dtype": str(ours["dtype"]),
-                     "input_tokens": in_tokens, "output_tokens": sum(output_lens),
-                     "max_num_seqs": config.max_num_seqs,
-                     "max_num_batched_tokens": config.max_num_batched_tokens},
-        "ragserve": {k: ours[k] for k in ("seconds", "output_tokens", "startup_to_first_token_s", "kv_utilisation")},
+        "workload": {
+            "num_prompts": args.num_prompts,
+            "lengths": shape,
+            "model": config.model or "default",
+            "load_format": config.load_format,
+            "dtype": str(ours["dtype"]),
+            "input_tokens": in_tokens,
+            "output_tokens": sum(output_lens),
+            "max_num_seqs": config.max_num_seqs,
+            "max_num_batched_tokens": config.max_num_batched_tokens,
+        },
+        "ragserve": {
+            k: ours[k]
+            for k in ("seconds", "output_tokens", "startup_to_first_token_s", "kv_utilisation")
+        },
         "errors": [],
     }
     out_rate = ours["output_tokens"] / ours["seconds"]
     total_rate = (in_tokens + ours["output_tokens"]) / ours["seconds"]
-    results["ragserve"] |= {"output_tok_s": out_rate, "total_tok_s": total_rate, "peak_rss_mib": peak_rss_mib()}
-    floor = _floor(ours, input_lens, output_lens, args) if resolve_peaks(args, ours["device"]) else None
+    results["ragserve"] |= {
+        "output_tok_s": out_rate,
+        "total_tok_s": total_rate,
+        "peak_rss_mib": peak_rss_mib(),
+    }
+    floor = (
+        _floor(ours, input_lens, output_lens, args) if resolve_peaks(args, ours["device"]) else None
+    )
     if floor is not None:
         results["floor"] = floor | {"peak_tflops": args.peak_tflops, "peak_tbps": args.peak_tbps}
-    rows: list[list[Any]] = [["ragserve", ours["seconds"], out_rate, total_rate, None,
-                              ours["seconds"] / floor["seconds"] if floor else None]]
-    print(f"ragserve: {ours['seconds']:.1f} s, {out_rate:.0f} output tok/s, "
-          f"KV utilisation {ours['kv_utilisation']:.1%}", flush=True)
+    rows: list[list[Any]] = [
+        [
+            "ragserve",
+            ours["seconds"],
+            out_rate,
+            total_rate,
+            None,
+            ours["seconds"] / floor["seconds"] if floor else None,
+        ]
+    ]
+    print(
+        f"ragserve: {ours['seconds']:.1f} s, {out_rate:.0f} output tok/s, "
+        f"KV utilisation {ours['kv_utilisation']:.1%}",
+        flush=True,
+    )
     write_json(args.out, results, quiet=True)
     if not args.skip_transformers:
         try:
@@ -231,26 +303,48 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
             chosen = _hf_subset(len(output_lens), args.hf_max_prompts)
             continuous = _run_transformers_continuous(config, ours, output_lens[0], chosen)
             rate = continuous["output_tokens"] / continuous["seconds"]
-            total = (sum(input_lens[i] for i in chosen) + continuous["output_tokens"]) / continuous["seconds"]
-            results["transformers_generate_batch"] = continuous | {"output_tok_s": rate, "total_tok_s": total}
+            total = (sum(input_lens[i] for i in chosen) + continuous["output_tokens"]) / continuous[
+                "seconds"
+            ]
+            results["transformers_generate_batch"] = continuous | {
+                "output_tok_s": rate,
+                "total_tok_s": total,
+            }
             results["speedup_vs_transformers_generate_batch"] = out_rate / rate
-            rows.append(["transformers generate_batch", continuous["seconds"], rate, total,
-                         out_rate / rate, None])
+            rows.append(
+                [
+                    "transformers generate_batch",
+                    continuous["seconds"],
+                    rate,
+                    total,
+                    out_rate / rate,
+                    None,
+                ]
+            )
         except Exception as exc:  # NOTE: as above, the engine's figures stay
             traceback.print_exc()
             results["errors"].append(f"transformers generate_batch: {type(exc).__name__}: {exc}")
             release_device_memory()
     if floor is not None:
-        rows.append([f"floor ({args.peak_tflops:g} TFLOP/s, {args.peak_tbps:g} TB/s)", floor["seconds"],
-                     sum(output_lens) / floor["seconds"], (in_tokens + sum(output_lens)) / floor["seconds"],
-                     None, 1.0])
+        rows.append(
+            [
+                f"floor ({args.peak_tflops:g} TFLOP/s, {args.peak_tbps:g} TB/s)",
+                floor["seconds"],
+                sum(output_lens) / floor["seconds"],
+                (in_tokens + sum(output_lens)) / floor["seconds"],
+                None,
+                1.0,
+            ]
+        )
     print_table(
         f"throughput: {args.num_prompts} prompts ({shape}), EOS ignored, {ours['dtype']} on {ours['device']}",
         ["engine", "seconds", "output tok/s", "total tok/s", "speed-up (output tok/s)", "x floor"],
         rows,
     )
-    print(f"start-up to first token {ours['startup_to_first_token_s']:.1f}s, "
-          f"KV utilisation (tokens stored / slots allocated, averaged over steps) "
-          f"{ours['kv_utilisation']:.1%}, peak RSS of the engine {results['ragserve']['peak_rss_mib']:.0f} MiB")
+    print(
+        f"start-up to first token {ours['startup_to_first_token_s']:.1f}s, "
+        f"KV utilisation (tokens stored / slots allocated, averaged over steps) "
+        f"{ours['kv_utilisation']:.1%}, peak RSS of the engine {results['ragserve']['peak_rss_mib']:.0f} MiB"
+    )
     write_json(args.out, results)
     return 1 if results["errors"] else 0

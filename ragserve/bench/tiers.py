@@ -39,11 +39,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--doc-tokens", type=int, default=6000)
     parser.add_argument("--question-tokens", type=int, default=20)
     parser.add_argument(
-        "--tier-gib", type=float, default=None,
+        "--tier-gib",
+        type=float,
+        default=None,
         help="capacity of the CPU and disk tiers (default: the document's KV + 10%%)",
     )
-    parser.add_argument("--disk-dir", default=None, help="where the disk tier writes (default: $TMPDIR)")
-    parser.add_argument("--copy-gib", type=float, default=1.0, help="size of the pinned copy reference")
+    parser.add_argument(
+        "--disk-dir", default=None, help="where the disk tier writes (default: $TMPDIR)"
+    )
+    parser.add_argument(
+        "--copy-gib", type=float, default=1.0, help="size of the pinned copy reference"
+    )
     parser.add_argument("--out", default="bench-results/tiers.json")
 
 
@@ -115,6 +121,7 @@ def drop_page_cache(files: list[Path]) -> str:
 
 def sequential_read_gbps(files: list[Path], threads: int) -> float:
     """Read every file whole into reused buffers, ``threads`` files at a time."""
+
     def read(path: Path, buffer: bytearray) -> int:
         total = 0
         view = memoryview(buffer)
@@ -143,7 +150,11 @@ def filesystem_of(path: Path) -> str:
     try:
         for line in Path("/proc/mounts").read_text().splitlines():
             fields = line.split()
-            if len(fields) > 2 and str(path.resolve()).startswith(fields[1]) and len(fields[1]) > len(best):
+            if (
+                len(fields) > 2
+                and str(path.resolve()).startswith(fields[1])
+                and len(fields[1]) > len(best)
+            ):
                 best, kind = fields[1], fields[2]
     except OSError:
         pass
@@ -167,7 +178,9 @@ class _Run:
 
         key_file = self.config.kv_encryption_key_file
         config = dataclasses.replace(
-            self.config, kv_cpu_gib=cpu_gib, kv_disk_gib=disk_gib,
+            self.config,
+            kv_cpu_gib=cpu_gib,
+            kv_disk_gib=disk_gib,
             kv_disk_dir=str(self.disk_dir) if disk_gib > 0 else None,
             kv_encryption_key_file=key_file if disk_gib > 0 else None,  # NOTE: disk records only
         )
@@ -203,15 +216,22 @@ class _Run:
     def record(self, name: str, timing: Any, blocks_moved: int, reference: float | None) -> None:
         moved = blocks_moved * self.block_bytes
         entry: dict[str, Any] = {
-            "ttft_s": timing.ttft_s, "cached_tokens": timing.num_cached_tokens,
-            "blocks_moved": blocks_moved, "bytes_moved": moved,
+            "ttft_s": timing.ttft_s,
+            "cached_tokens": timing.num_cached_tokens,
+            "blocks_moved": blocks_moved,
+            "bytes_moved": moved,
             "gbps": moved / timing.ttft_s / 1e9 if moved else None,
             "reference_gbps": reference,
         }
-        entry["ratio_to_reference"] = entry["gbps"] / reference if entry["gbps"] and reference else None
+        entry["ratio_to_reference"] = (
+            entry["gbps"] / reference if entry["gbps"] and reference else None
+        )
         self.results["tiers"][name] = entry
-        print(f"{name}: TTFT {timing.ttft_s:.3f} s, {timing.num_cached_tokens} tokens from cache, "
-              f"{moved / GIB:.2f} GiB moved", flush=True)
+        print(
+            f"{name}: TTFT {timing.ttft_s:.3f} s, {timing.num_cached_tokens} tokens from cache, "
+            f"{moved / GIB:.2f} GiB moved",
+            flush=True,
+        )
         write_json(self.args.out, self.results, quiet=True)
 
     def device_and_cpu(self, tier_gib: float) -> None:
@@ -226,8 +246,12 @@ class _Run:
             llm.reset_prefix_cache()  # evicted blocks are demoted to the CPU tier
             before = _traffic(llm).loaded_from_cpu
             cpu = time_request(engine, self.doc + self.questions[2], 1, request_id="cpu")
-            self.record("CPU tier", cpu, _traffic(llm).loaded_from_cpu - before,
-                        self.results["references"].get("pinned_h2d_gbps"))
+            self.record(
+                "CPU tier",
+                cpu,
+                _traffic(llm).loaded_from_cpu - before,
+                self.results["references"].get("pinned_h2d_gbps"),
+            )
         finally:
             llm.close()
             del llm
@@ -241,8 +265,9 @@ class _Run:
         """
         llm = self._engine(0.0, tier_gib)
         try:
-            timing = time_request(llm.engine, self.doc + self.questions[3], 1,
-                                  request_id="persist", persist=True)
+            timing = time_request(
+                llm.engine, self.doc + self.questions[3], 1, request_id="persist", persist=True
+            )
             self.results["cold_second_engine_s"] = timing.ttft_s
         finally:
             started = time.perf_counter()
@@ -261,8 +286,12 @@ class _Run:
             engine = llm.engine
             disk = time_request(engine, self.doc + self.questions[4], 1, request_id="disk")
             name = "disk tier after restart" + ("" if method != "none" else " (page cache warm)")
-            self.record(name, disk, _traffic(llm).loaded_from_disk,
-                        self.results["references"].get("disk_read_gbps"))
+            self.record(
+                name,
+                disk,
+                _traffic(llm).loaded_from_disk,
+                self.results["references"].get("disk_read_gbps"),
+            )
         finally:
             llm.close()
             del llm
@@ -279,9 +308,12 @@ class _Run:
             rates[threads] = sequential_read_gbps(files, threads)
         refs["disk_read_gbps_by_threads"] = rates
         refs["disk_read_gbps"] = max(rates.values())
-        print(f"disk read of the {len(files)} record files ({refs['disk_record_bytes'] / GIB:.2f} GiB, "
-              f"{refs['disk_filesystem']}, cache drop: {refs['disk_read_page_cache_drop']}): "
-              + ", ".join(f"{rate:.2f} GB/s with {n} thread(s)" for n, rate in rates.items()), flush=True)
+        print(
+            f"disk read of the {len(files)} record files ({refs['disk_record_bytes'] / GIB:.2f} GiB, "
+            f"{refs['disk_filesystem']}, cache drop: {refs['disk_read_page_cache_drop']}): "
+            + ", ".join(f"{rate:.2f} GB/s with {n} thread(s)" for n, rate in rates.items()),
+            flush=True,
+        )
 
 
 def _traffic(llm: LLM) -> TierTraffic:
@@ -295,14 +327,30 @@ def _print(results: dict[str, Any], args: argparse.Namespace) -> None:
     tiers = results["tiers"]
     cold = tiers.get("cold (computed)", {}).get("ttft_s")
     rows = [
-        [name, t["ttft_s"], t["cached_tokens"], cold / t["ttft_s"] if cold else None,
-         t["bytes_moved"] / GIB, t["gbps"], t["reference_gbps"], t["ratio_to_reference"]]
+        [
+            name,
+            t["ttft_s"],
+            t["cached_tokens"],
+            cold / t["ttft_s"] if cold else None,
+            t["bytes_moved"] / GIB,
+            t["gbps"],
+            t["reference_gbps"],
+            t["ratio_to_reference"],
+        ]
         for name, t in tiers.items()
     ]
     print_table(
         f"tiers: first token of a {args.question_tokens}-token question on a {args.doc_tokens}-token document",
-        ["document KV from", "TTFT s", "cached tokens", "speed-up vs cold", "GiB moved",
-         "GB/s (moved/TTFT)", "reference GB/s", "ratio to reference"],
+        [
+            "document KV from",
+            "TTFT s",
+            "cached tokens",
+            "speed-up vs cold",
+            "GiB moved",
+            "GB/s (moved/TTFT)",
+            "reference GB/s",
+            "ratio to reference",
+        ],
         rows,
     )
     refs = results["references"]
@@ -311,9 +359,12 @@ def _print(results: dict[str, Any], args: argparse.Namespace) -> None:
         value = refs.get(key)
         return f"{value:.2f} GB/s" if value else "not measured"
 
-    print(f"references: pinned host->device copy {rate('pinned_h2d_gbps')}; "
-          f"disk read {rate('disk_read_gbps')} ({refs.get('disk_filesystem', '?')}, "
-          f"page cache drop before the disk row: {results.get('page_cache_drop', '?')})", flush=True)
+    print(
+        f"references: pinned host->device copy {rate('pinned_h2d_gbps')}; "
+        f"disk read {rate('disk_read_gbps')} ({refs.get('disk_filesystem', '?')}, "
+        f"page cache drop before the disk row: {results.get('page_cache_drop', '?')})",
+        flush=True,
+    )
 
 
 def run(args: argparse.Namespace, config: EngineConfig) -> int:
@@ -324,13 +375,19 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
     root.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(root).free
     if free < tier_gib * GIB:
-        raise ValueError(f"{root} has {free / GIB:.1f} GiB free, the disk tier needs {tier_gib:.1f} GiB")
+        raise ValueError(
+            f"{root} has {free / GIB:.1f} GiB free, the disk tier needs {tier_gib:.1f} GiB"
+        )
     disk_dir = Path(tempfile.mkdtemp(prefix="ragserve-bench-tiers-", dir=root))
     bench = _Run(args, config, disk_dir)
     results = bench.results
-    results["workload"] = {"doc_tokens": args.doc_tokens, "question_tokens": args.question_tokens,
-                           "tier_gib": tier_gib, "disk_dir": str(disk_dir),
-                           "max_num_batched_tokens": config.max_num_batched_tokens}
+    results["workload"] = {
+        "doc_tokens": args.doc_tokens,
+        "question_tokens": args.question_tokens,
+        "tier_gib": tier_gib,
+        "disk_dir": str(disk_dir),
+        "max_num_batched_tokens": config.max_num_batched_tokens,
+    }
     try:
         results["references"]["pinned_h2d_gbps"] = pinned_h2d_gbps(int(args.copy_gib * GIB))
         files: list[Path] = []
@@ -347,7 +404,9 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
                 # NOTE: after the phase returns, so its engine is unreferenced: the next
                 # engine sizes its KV cache from the device's free memory.
                 release_device_memory()
-            except Exception as exc:  # NOTE: keep the other tiers' figures; the JSON says what failed.
+            except (
+                Exception
+            ) as exc:  # NOTE: keep the other tiers' figures; the JSON says what failed.
                 if isinstance(exc, ValueError) and not bench.results["tiers"]:
                     raise
                 traceback.print_exc()

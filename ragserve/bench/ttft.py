@@ -29,11 +29,18 @@ GIB = 2**30
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--lengths", default="8192,32768,131072", help="prompt lengths, comma-separated")
-    parser.add_argument("--decode-tokens", type=int, default=32, help="decoded after the longest prompt")
+    parser.add_argument(
+        "--lengths", default="8192,32768,131072", help="prompt lengths, comma-separated"
+    )
+    parser.add_argument(
+        "--decode-tokens", type=int, default=32, help="decoded after the longest prompt"
+    )
     parser.add_argument("--skip-transformers", action="store_true")
-    parser.add_argument("--repeat-length", action="store_true",
-                        help="time each length again with other tokens (attention shapes seen before)")
+    parser.add_argument(
+        "--repeat-length",
+        action="store_true",
+        help="time each length again with other tokens (attention shapes seen before)",
+    )
     add_peak_arguments(parser)
     parser.add_argument("--out", default="bench-results/ttft.json")
 
@@ -42,7 +49,9 @@ def _lengths(args: argparse.Namespace) -> list[int]:
     try:
         lengths = sorted({int(x) for x in args.lengths.split(",") if x.strip()})
     except ValueError:
-        raise ValueError(f"--lengths must be comma-separated integers, got {args.lengths!r}") from None
+        raise ValueError(
+            f"--lengths must be comma-separated integers, got {args.lengths!r}"
+        ) from None
     if not lengths or lengths[0] < 1:
         raise ValueError(f"--lengths needs positive lengths, got {args.lengths!r}")
     if args.decode_tokens < 0:
@@ -63,8 +72,13 @@ def _max_allocated() -> int | None:
     return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
 
 
-def _run_ragserve(config: EngineConfig, lengths: list[int], args: argparse.Namespace,
-                  results: dict[str, Any], state: dict[str, ModelShape]) -> None:
+def _run_ragserve(
+    config: EngineConfig,
+    lengths: list[int],
+    args: argparse.Namespace,
+    results: dict[str, Any],
+    state: dict[str, ModelShape],
+) -> None:
     """Every length through the engine (chunked by max_num_batched_tokens); fills ``results``
     and ``state["shape"]`` (set first, so a later failure still leaves the floors computable)."""
     from ragserve import LLM
@@ -79,9 +93,12 @@ def _run_ragserve(config: EngineConfig, lengths: list[int], args: argparse.Names
         results["memory"] = {"weights_bytes": weights, "kv_cache_bytes": info.kv_cache_bytes}
         if resolve_peaks(args, info.device):
             results["workload"] |= {"peak_tflops": args.peak_tflops, "peak_tbps": args.peak_tbps}
-        results["workload"] |= {"dtype": str(info.dtype), "device": str(info.device),
-                                "non_embedding_params": non_embedding_params(shape),
-                                "weight_bytes": weights}
+        results["workload"] |= {
+            "dtype": str(info.dtype),
+            "device": str(info.device),
+            "non_embedding_params": non_embedding_params(shape),
+            "weight_bytes": weights,
+        }
         # Warm-up: whole chunks, a chunk after cached context and decodes, so Triton
         # compiles before anything is timed.
         chunk = config.max_num_batched_tokens
@@ -100,37 +117,57 @@ def _run_ragserve(config: EngineConfig, lengths: list[int], args: argparse.Names
                 peak["prefill"] = _max_allocated()
 
             tokens = 1 + (args.decode_tokens if length == longest else 0)
-            timing = time_request(engine, _prompt(length, vocab), tokens,
-                                  request_id=f"ttft-{length}", on_first_token=read_peak)
+            timing = time_request(
+                engine,
+                _prompt(length, vocab),
+                tokens,
+                request_id=f"ttft-{length}",
+                on_first_token=read_peak,
+            )
             llm.reset_prefix_cache()
             row = results["rows"].setdefault(str(length), {"length": length})
             row["ragserve_chunks"] = -(-length // chunk)
             row["ragserve_s"] = timing.ttft_s
             row["ragserve_cached_tokens"] = timing.num_cached_tokens
-            print(f"ragserve  {length:>7} tokens: TTFT {timing.ttft_s:.3f} s "
-                  f"({-(-length // chunk)} chunks of <= {chunk})", flush=True)
+            print(
+                f"ragserve  {length:>7} tokens: TTFT {timing.ttft_s:.3f} s "
+                f"({-(-length // chunk)} chunks of <= {chunk})",
+                flush=True,
+            )
             if length == longest:
                 _record_decode(results, timing, info, length, peak.get("prefill"), args)
             if args.repeat_length:
                 # NOTE: other tokens, so the KV is as cold; only the attention shapes repeat
                 # (cuDNN builds an execution plan for each new shape, 45-600 ms measured).
-                again = time_request(engine, _prompt(length, vocab, seed=2000), 1, request_id=f"again-{length}")
+                again = time_request(
+                    engine, _prompt(length, vocab, seed=2000), 1, request_id=f"again-{length}"
+                )
                 llm.reset_prefix_cache()
                 row["ragserve_again_s"] = again.ttft_s
-                print(f"ragserve  {length:>7} tokens: TTFT {again.ttft_s:.3f} s (same length again)", flush=True)
+                print(
+                    f"ragserve  {length:>7} tokens: TTFT {again.ttft_s:.3f} s (same length again)",
+                    flush=True,
+                )
     finally:
         llm.close()
         del llm
         release_device_memory()
 
 
-def _record_decode(results: dict[str, Any], timing: RequestTiming, info: EngineInfo, length: int,
-                   peak_prefill: int | None, args: argparse.Namespace) -> None:
+def _record_decode(
+    results: dict[str, Any],
+    timing: RequestTiming,
+    info: EngineInfo,
+    length: int,
+    peak_prefill: int | None,
+    args: argparse.Namespace,
+) -> None:
     memory = results["memory"]
     memory["peak_allocated_prefill_bytes"] = peak_prefill
     if peak_prefill is not None:
         memory["peak_over_weights_and_kv_bytes"] = (
-            peak_prefill - memory["weights_bytes"] - memory["kv_cache_bytes"])
+            peak_prefill - memory["weights_bytes"] - memory["kv_cache_bytes"]
+        )
     kv_bytes = (length + args.decode_tokens) * info.kv_bytes_per_token
     results["decode"] = {
         "context": length,
@@ -139,16 +176,22 @@ def _record_decode(results: dict[str, Any], timing: RequestTiming, info: EngineI
     }
     if args.peak_tbps is not None:
         results["decode"]["floor_ms_per_token"] = (
-            decode_floor_s(memory["weights_bytes"], kv_bytes, args.peak_tbps) * 1e3)
-    print(f"ragserve  decode after {length} tokens: {timing.decode_ms_per_token or 0:.2f} ms/token "
-          f"over {args.decode_tokens} tokens", flush=True)
+            decode_floor_s(memory["weights_bytes"], kv_bytes, args.peak_tbps) * 1e3
+        )
+    print(
+        f"ragserve  decode after {length} tokens: {timing.decode_ms_per_token or 0:.2f} ms/token "
+        f"over {args.decode_tokens} tokens",
+        flush=True,
+    )
 
 
 def _hf_fits(hf: Any, shape: ModelShape, length: int) -> str | None:
     """Why a one-pass transformers prefill of ``length`` tokens would not fit, or None."""
     if not torch.cuda.is_available():
         return None
-    free = torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+    free = (
+        torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+    )
     itemsize = next(hf.parameters()).element_size()
     kv = length * shape.kv_bytes_per_token(next(hf.parameters()).dtype)
     # NOTE: live activations of one layer: the MLP's gate/up/act and a few hidden-size tensors.
@@ -160,7 +203,9 @@ def _hf_fits(hf: Any, shape: ModelShape, length: int) -> str | None:
 
 
 @torch.inference_mode()
-def _hf_prefill_and_decode(hf: Any, prompt: list[int], decode_tokens: int) -> tuple[float, float | None]:
+def _hf_prefill_and_decode(
+    hf: Any, prompt: list[int], decode_tokens: int
+) -> tuple[float, float | None]:
     """One-pass prefill to the first token, then ``decode_tokens`` greedy steps on its cache."""
     import time
 
@@ -176,7 +221,9 @@ def _hf_prefill_and_decode(hf: Any, prompt: list[int], decode_tokens: int) -> tu
     if decode_tokens <= 0:
         return ttft, None
     # NOTE: newer transformers name it ``cache`` (and warn on ``past_key_values``)
-    cache_name = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
+    cache_name = (
+        "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
+    )
     cache = getattr(out, cache_name)
     del out
     first = time.perf_counter()
@@ -187,8 +234,13 @@ def _hf_prefill_and_decode(hf: Any, prompt: list[int], decode_tokens: int) -> tu
     return ttft, (time.perf_counter() - first) / decode_tokens * 1e3
 
 
-def _run_transformers(config: EngineConfig, shape: ModelShape, lengths: list[int],
-                      args: argparse.Namespace, results: dict[str, Any]) -> None:
+def _run_transformers(
+    config: EngineConfig,
+    shape: ModelShape,
+    lengths: list[int],
+    args: argparse.Namespace,
+    results: dict[str, Any],
+) -> None:
     dtype = getattr(torch, results["workload"]["dtype"].removeprefix("torch."))
     device = torch.device(results["workload"]["device"])
     hf = load_transformers_model(config.model, config.load_format, dtype, device)
@@ -201,7 +253,8 @@ def _run_transformers(config: EngineConfig, shape: ModelShape, lengths: list[int
             if reason is None:
                 try:
                     row["transformers_s"], hf_decode = _hf_prefill_and_decode(
-                        hf, _prompt(length, shape.vocab_size), decode)
+                        hf, _prompt(length, shape.vocab_size), decode
+                    )
                     if decode:
                         results.setdefault("decode", {})["transformers_ms_per_token"] = hf_decode
                 except torch.OutOfMemoryError as exc:
@@ -211,7 +264,10 @@ def _run_transformers(config: EngineConfig, shape: ModelShape, lengths: list[int
                 row["transformers_skipped"] = reason
                 print(f"transformers {length:>7} tokens: skipped ({reason})", flush=True)
             else:
-                print(f"transformers {length:>7} tokens: TTFT {row['transformers_s']:.3f} s", flush=True)
+                print(
+                    f"transformers {length:>7} tokens: TTFT {row['transformers_s']:.3f} s",
+                    flush=True,
+                )
             write_json(args.out, results, quiet=True)
     finally:
         del hf
@@ -224,18 +280,35 @@ def _print_tables(results: dict[str, Any], args: argparse.Namespace) -> None:
         floor = row.get("floor_s")
         ours, theirs = row.get("ragserve_s"), row.get("transformers_s")
         again = row.get("ragserve_again_s")
-        rows.append([
-            row["length"], ours, theirs if theirs is not None else row.get("transformers_skipped", "-"),
-            floor, ours / floor if ours and floor else None,
-            theirs / floor if theirs and floor else None,
-            theirs / ours if ours and theirs else None,
-        ] + ([again, again / floor if again and floor else None] if args.repeat_length else []))
+        rows.append(
+            [
+                row["length"],
+                ours,
+                theirs if theirs is not None else row.get("transformers_skipped", "-"),
+                floor,
+                ours / floor if ours and floor else None,
+                theirs / floor if theirs and floor else None,
+                theirs / ours if ours and theirs else None,
+            ]
+            + ([again, again / floor if again and floor else None] if args.repeat_length else [])
+        )
     no_floor = "no floor (give --peak-tflops and --peak-tbps)"
     print_table(
         f"cold TTFT, one request, chunks of {results['workload']['max_num_batched_tokens']} tokens; "
-        + (f"floor = prefill FLOPs / {args.peak_tflops:g} TFLOP/s" if args.peak_tflops else no_floor),
-        ["tokens", "ragserve s", "transformers s", "floor s", "ragserve/floor",
-         "transformers/floor", "speed-up"]
+        + (
+            f"floor = prefill FLOPs / {args.peak_tflops:g} TFLOP/s"
+            if args.peak_tflops
+            else no_floor
+        ),
+        [
+            "tokens",
+            "ragserve s",
+            "transformers s",
+            "floor s",
+            "ragserve/floor",
+            "transformers/floor",
+            "speed-up",
+        ]
         + (["ragserve s, same length again", "again/floor"] if args.repeat_length else []),
         rows,
     )
@@ -245,16 +318,32 @@ def _print_tables(results: dict[str, Any], args: argparse.Namespace) -> None:
         print_table(
             f"batch-1 decode after a {decode['context']}-token prefill, {decode['tokens']} tokens; "
             + (f"floor = (weights + KV) / {args.peak_tbps:g} TB/s" if floor else no_floor),
-            ["context", "ragserve ms/token", "transformers ms/token", "floor ms/token", "ragserve/floor"],
-            [[decode["context"], ours, decode.get("transformers_ms_per_token"), floor,
-              ours / floor if ours and floor else None]],
+            [
+                "context",
+                "ragserve ms/token",
+                "transformers ms/token",
+                "floor ms/token",
+                "ragserve/floor",
+            ],
+            [
+                [
+                    decode["context"],
+                    ours,
+                    decode.get("transformers_ms_per_token"),
+                    floor,
+                    ours / floor if ours and floor else None,
+                ]
+            ],
         )
     memory = results.get("memory", {})
     if memory.get("peak_allocated_prefill_bytes") is not None:
-        print(f"\npeak device memory allocated during the {decode['context'] if decode else ''}-token "
-              f"prefill: {memory['peak_allocated_prefill_bytes'] / GIB:.2f} GiB = weights "
-              f"{memory['weights_bytes'] / GIB:.2f} + KV cache {memory['kv_cache_bytes'] / GIB:.2f} "
-              f"+ {memory['peak_over_weights_and_kv_bytes'] / GIB:.2f} GiB activations/other", flush=True)
+        print(
+            f"\npeak device memory allocated during the {decode['context'] if decode else ''}-token "
+            f"prefill: {memory['peak_allocated_prefill_bytes'] / GIB:.2f} GiB = weights "
+            f"{memory['weights_bytes'] / GIB:.2f} + KV cache {memory['kv_cache_bytes'] / GIB:.2f} "
+            f"+ {memory['peak_over_weights_and_kv_bytes'] / GIB:.2f} GiB activations/other",
+            flush=True,
+        )
 
 
 def _record_failure(results: dict[str, Any], phase: str, exc: Exception) -> None:
@@ -266,9 +355,13 @@ def _record_failure(results: dict[str, Any], phase: str, exc: Exception) -> None
 def run(args: argparse.Namespace, config: EngineConfig) -> int:
     lengths = _lengths(args)
     results: dict[str, Any] = {
-        "workload": {"lengths": lengths, "decode_tokens": args.decode_tokens,
-                     "max_num_batched_tokens": config.max_num_batched_tokens,
-                     "model": config.model or "default", "load_format": config.load_format},
+        "workload": {
+            "lengths": lengths,
+            "decode_tokens": args.decode_tokens,
+            "max_num_batched_tokens": config.max_num_batched_tokens,
+            "model": config.model or "default",
+            "load_format": config.load_format,
+        },
         "rows": {},
         "errors": [],
     }

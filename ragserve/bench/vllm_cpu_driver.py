@@ -51,7 +51,9 @@ def main(spec_path: str, out_path: str) -> int:
 
     def run(prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
         started = time.perf_counter()
-        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], greedy(max_tokens), use_tqdm=False)
+        outputs = llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompts], greedy(max_tokens), use_tqdm=False
+        )
         seconds = time.perf_counter() - started
         return seconds, [list(o.outputs[0].token_ids) for o in outputs]
 
@@ -61,7 +63,10 @@ def main(spec_path: str, out_path: str) -> int:
         name = phase["name"]
         if phase["kind"] == "throughput":
             seconds, outputs = run(phase["prompts"], phase["output_len"])
-            results["phases"][name] = {"seconds": seconds, "output_tokens": sum(len(o) for o in outputs)}
+            results["phases"][name] = {
+                "seconds": seconds,
+                "output_tokens": sum(len(o) for o in outputs),
+            }
         elif phase["kind"] == "ttft":
             times = {}
             for prompt in phase["prompts"]:

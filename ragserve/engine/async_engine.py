@@ -67,7 +67,9 @@ class AsyncEngine:
     def __init__(self, config: EngineConfig | None = None, engine: LLMEngine | None = None) -> None:
         # NOTE: the engine thread prepares itself (per-thread GPU state) before its first step.
         self.engine = (
-            engine if engine is not None else LLMEngine(config or EngineConfig(), prepare_this_thread=False)
+            engine
+            if engine is not None
+            else LLMEngine(config or EngineConfig(), prepare_this_thread=False)
         )
         self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
         self._sinks: dict[str, _Sink] = {}
@@ -137,7 +139,9 @@ class AsyncEngine:
                 if not isinstance(exc, ValueError):  # a fault, not a rejection of the input
                     logger.exception("adding request %s failed", request_id)
                     self.engine.abort_request(request_id)
-                    exc = RequestFailedError(f"the request could not be added: {type(exc).__name__}: {exc}")
+                    exc = RequestFailedError(
+                        f"the request could not be added: {type(exc).__name__}: {exc}"
+                    )
                 sink.put(exc)
 
         self._commands.put(add)
@@ -226,7 +230,9 @@ class AsyncEngine:
         timeout: float | None = CALL_TIMEOUT_S,
     ) -> dict[str, int]:
         """``LLMEngine.purge_prefix`` on the engine thread; EngineDeadError as for ``call``."""
-        return await self.call(lambda engine: engine.purge_prefix(token_ids, namespace, keep), timeout)
+        return await self.call(
+            lambda engine: engine.purge_prefix(token_ids, namespace, keep), timeout
+        )
 
     async def locate_prefix(
         self, token_ids: list[int], namespace: str = "", timeout: float | None = CALL_TIMEOUT_S

@@ -49,6 +49,7 @@ FAIL_SAMPLING_ENV = "RAGSERVE_TEST_FAIL_SAMPLING_MARKER"
 class InjectedFault(RuntimeError):
     """Raised by the test-only sampling fault hook (``FAIL_SAMPLING_ENV``)."""
 
+
 @dataclass
 class EngineStats:
     steps: int = 0
@@ -151,7 +152,9 @@ class LLMEngine:
             tiers=self.tiers,
             max_load_bytes_per_step=int(config.kv_load_gib_per_step * 2**30),
         )
-        self.scheduler = Scheduler(self.kv_manager, config.max_num_batched_tokens, config.max_num_seqs)
+        self.scheduler = Scheduler(
+            self.kv_manager, config.max_num_batched_tokens, config.max_num_seqs
+        )
         backend = get_backend(config.attention_backend, self.device)
         self.runner = ModelRunner(
             self.loaded.model, self.kv_cache, backend, config.block_size, self.device
@@ -168,7 +171,9 @@ class LLMEngine:
         self._pins: dict[str, _Pin] = {}
         self._next_seq_id = 0
         async_scheduling = config.async_scheduling
-        self.async_scheduling = self.device.type == "cuda" if async_scheduling is None else async_scheduling
+        self.async_scheduling = (
+            self.device.type == "cuda" if async_scheduling is None else async_scheduling
+        )
         self._lookahead: _LaunchedStep | None = None
         # Outputs of requests failed alone during a step, returned with that step's outputs.
         self._failed: list[RequestOutput] = []
@@ -259,7 +264,9 @@ class LLMEngine:
         self.prepared_threads.add(thread)
         started = time.perf_counter()
         capacity = self.block_pool.num_blocks * self.config.block_size
-        self.runner.prepare_attention(self.config.max_num_batched_tokens, min(self.max_model_len, capacity))
+        self.runner.prepare_attention(
+            self.config.max_num_batched_tokens, min(self.max_model_len, capacity)
+        )
         if self.device.type == "cuda":
             logger.info("attention plans built in %.1fs", time.perf_counter() - started)
 
@@ -404,10 +411,14 @@ class LLMEngine:
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this model has none")
         if params.top_k > vocab:
-            raise ValueError(f"top_k must be -1 or at most the vocabulary size {vocab}, got {params.top_k}")
+            raise ValueError(
+                f"top_k must be -1 or at most the vocabulary size {vocab}, got {params.top_k}"
+            )
         bad_stops = [t for t in params.stop_token_ids or () if t >= vocab]
         if bad_stops:
-            raise ValueError(f"stop_token_ids {bad_stops[:5]} are outside the vocabulary [0, {vocab})")
+            raise ValueError(
+                f"stop_token_ids {bad_stops[:5]} are outside the vocabulary [0, {vocab})"
+            )
         total = len(token_ids) + self._max_new_tokens(len(token_ids), params)
         needed = self.kv_manager.blocks_needed(total)
         if needed > self.num_kv_blocks:
@@ -462,7 +473,12 @@ class LLMEngine:
         limit = int(self.block_pool.num_blocks * MAX_PINNED_FRACTION)
         own_limit = int(limit * namespace_share)
         held = {block for pin in self._pins.values() for block in pin.alloc.block_table}
-        own = {b for pin in self._pins.values() if pin.namespace == namespace for b in pin.alloc.block_table}
+        own = {
+            b
+            for pin in self._pins.values()
+            if pin.namespace == namespace
+            for b in pin.alloc.block_table
+        }
         if len(held | blocks) > limit or len(own | blocks) > own_limit:
             # NOTE: pins may never starve requests (or one tenant's pins another's) of
             # blocks; the document stays cached (and on disk with a disk tier), just evictable.
@@ -470,7 +486,10 @@ class LLMEngine:
             logger.warning(
                 "not pinning %s: pins would hold more than %d of %d KV blocks, or this "
                 "namespace's more than %d",
-                pin_id, limit, self.block_pool.num_blocks, own_limit,
+                pin_id,
+                limit,
+                self.block_pool.num_blocks,
+                own_limit,
             )
             return 0
         self._pins[pin_id] = _Pin(namespace, alloc)
@@ -608,7 +627,9 @@ class LLMEngine:
                 self._draw(logits[row : row + 1], [request])
             except Exception as exc:
                 failed.add(seqs[row].request_id)
-                self._fail_request(seqs[row].request_id, f"sampling failed: {type(exc).__name__}: {exc}")
+                self._fail_request(
+                    seqs[row].request_id, f"sampling failed: {type(exc).__name__}: {exc}"
+                )
         _restore(requests, states)
         keep = [row for row, seq in enumerate(seqs) if seq.request_id not in failed]
         if not keep:
@@ -699,7 +720,9 @@ class LLMEngine:
             try:
                 self._append_token(seq, result.token_id, result.logprob, result.top_logprobs)
             except Exception as exc:
-                self._fail_request(seq.request_id, f"detokenizing failed: {type(exc).__name__}: {exc}")
+                self._fail_request(
+                    seq.request_id, f"detokenizing failed: {type(exc).__name__}: {exc}"
+                )
                 continue
             if seq.finish_reason is not None:
                 self.scheduler.finish(seq)
@@ -710,7 +733,9 @@ class LLMEngine:
             try:
                 output = self._make_output(request)
             except Exception as exc:
-                self._fail_request(request.request_id, f"building the output failed: {type(exc).__name__}: {exc}")
+                self._fail_request(
+                    request.request_id, f"building the output failed: {type(exc).__name__}: {exc}"
+                )
                 continue
             outputs.append(output)
             if request.finished:
@@ -749,14 +774,18 @@ class LLMEngine:
         self.stats.kv_tokens_stored += sum(
             seq.num_computed_tokens + n for seq, n in zip(seqs, num_new, strict=True)
         )
-        self.stats.kv_slots_allocated += sum(len(s.kv.block_table) for s in seqs) * self.config.block_size
+        self.stats.kv_slots_allocated += (
+            sum(len(s.kv.block_table) for s in seqs) * self.config.block_size
+        )
 
     def _sample_request(self, seq: Sequence, ahead: int = 0) -> SampleRequest:
         """``ahead``: tokens the sequence will have gained before this draw is appended."""
         params = seq.params
         banned: list[int] = []
         if seq.num_output_tokens + ahead < params.min_tokens:
-            banned = list(params.stop_token_ids or ()) + ([] if params.ignore_eos else self.eos_token_ids)
+            banned = list(params.stop_token_ids or ()) + (
+                [] if params.ignore_eos else self.eos_token_ids
+            )
         return SampleRequest(params, seq.generator, banned, seq.request_id)
 
     def _append_token(self, seq: Sequence, token: int, logprob: float | None, top: Any) -> None:
@@ -787,7 +816,9 @@ class LLMEngine:
                 finish_reason=seq.finish_reason,
                 stop_reason=seq.stop_reason,
                 logprobs=list(seq.logprobs) if request.params.logprobs is not None else None,
-                cumulative_logprob=seq.cumulative_logprob if request.params.logprobs is not None else None,
+                cumulative_logprob=seq.cumulative_logprob
+                if request.params.logprobs is not None
+                else None,
             )
             for seq in request.seqs
         ]
@@ -802,7 +833,9 @@ class LLMEngine:
             outputs=completions,
             finished=request.finished,
             num_cached_tokens=cached,
-            cached_tokens_by_tier=_by_tier(cached, request.seqs[0].kv.loaded_blocks, self.config.block_size),
+            cached_tokens_by_tier=_by_tier(
+                cached, request.seqs[0].kv.loaded_blocks, self.config.block_size
+            ),
             metrics=metrics,
         )
 

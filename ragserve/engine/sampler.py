@@ -31,7 +31,9 @@ class SampleResult:
     error: str | None = None  # this row's logprobs could not be read; the others are valid
 
 
-def to_device_async(values: list[int] | list[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def to_device_async(
+    values: list[int] | list[float], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
     """``values`` as a tensor on ``device``, copied without waiting for work already queued.
 
     NOTE: a copy from pageable host memory waits for the device's stream to drain, which
@@ -44,7 +46,9 @@ def to_device_async(values: list[int] | list[float], dtype: torch.dtype, device:
     return host.pin_memory().to(device, non_blocking=True)
 
 
-def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def _filter_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
     """Rows of ``logits`` with everything outside each row's top-k and top-p set to -inf.
 
     ``top_k [rows]`` (0: off) and ``top_p [rows]`` (1.0: off). Top-p keeps the smallest set
@@ -149,7 +153,9 @@ def read_samples(samples: DeviceSamples) -> list[SampleResult]:
     return results
 
 
-def _row_logprobs(row_logprobs: torch.Tensor, token: int, num_top: int) -> tuple[float, dict[int, Logprob]]:
+def _row_logprobs(
+    row_logprobs: torch.Tensor, token: int, num_top: int
+) -> tuple[float, dict[int, Logprob]]:
     """The sampled token's logprob, and the top ``num_top`` plus the sampled token ranked."""
     top = {}
     if num_top > 0:

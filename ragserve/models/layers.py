@@ -88,7 +88,9 @@ class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float, *, device: torch.device, dtype: torch.dtype) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.empty(size, device=device, dtype=dtype), requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.empty(size, device=device, dtype=dtype), requires_grad=False
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and use_fused_kernels(x):

@@ -171,7 +171,9 @@ class LlamaAttention(nn.Module):
             if output_rows.count == 0:
                 return hidden[:0]
             rows = output_rows.indices
-            out = ctx.backend.forward(q[rows], k[rows], v[rows], kv_layer, output_rows.meta, self.scale)
+            out = ctx.backend.forward(
+                q[rows], k[rows], v[rows], kv_layer, output_rows.meta, self.scale
+            )
         return self.o_proj(out.reshape(out.shape[0], self.q_size))
 
 
@@ -189,7 +191,11 @@ class LlamaMLP(nn.Module):
             dtype=dtype,
         )
         self.down_proj = Linear(
-            shape.intermediate_size, shape.hidden_size, bias=flags.mlp_bias, device=device, dtype=dtype
+            shape.intermediate_size,
+            shape.hidden_size,
+            bias=flags.mlp_bias,
+            device=device,
+            dtype=dtype,
         )
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -260,7 +266,9 @@ class LlamaModel(nn.Module):
         dtype: torch.dtype,
     ) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(shape.vocab_size, shape.hidden_size, device=device, dtype=dtype)
+        self.embed_tokens = Embedding(
+            shape.vocab_size, shape.hidden_size, device=device, dtype=dtype
+        )
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, shape, flags, i, device=device, dtype=dtype)
             for i in range(shape.num_layers)
@@ -274,7 +282,10 @@ class LlamaModel(nn.Module):
         )
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, output_rows: OutputRows | None = None
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        output_rows: OutputRows | None = None,
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         rotation = self.rotary_emb(positions)
@@ -283,7 +294,9 @@ class LlamaModel(nn.Module):
         for index, layer in enumerate(self.layers):
             # The last layer computes its output for the needed rows only: in a long
             # prompt's prefill that skips nearly 1/num_layers of the work (3% for Llama-3.1-8B).
-            hidden, residual = layer(hidden, residual, rotation, output_rows if index == last else None)
+            hidden, residual = layer(
+                hidden, residual, rotation, output_rows if index == last else None
+            )
         if residual is None:  # a model without layers
             return self.norm(hidden if output_rows is None else hidden[output_rows.indices])
         if hidden.shape[0] == 0:
@@ -331,7 +344,11 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head: Linear | None = None
         if not self.tie_word_embeddings:
             self.lm_head = Linear(
-                self.shape.hidden_size, self.shape.vocab_size, bias=False, device=device, dtype=dtype
+                self.shape.hidden_size,
+                self.shape.vocab_size,
+                bias=False,
+                device=device,
+                dtype=dtype,
             )
         # A oneDNN copy of the tied embedding for the LM head; see pack_cpu_weights.
         self._packed_tied_head: torch.Tensor | None = None
@@ -362,7 +379,10 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, output_rows: OutputRows | None = None
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        output_rows: OutputRows | None = None,
     ) -> torch.Tensor:
         """Final-norm hidden states ``[T, hidden_size]`` of the flat batch ``input_ids [T]``,
         or ``[R, hidden_size]`` of ``output_rows`` alone (computed exactly, with less work)."""
@@ -410,7 +430,9 @@ class LlamaForCausalLM(nn.Module):
             target, shard = self._resolve(name)
             param = params.get(target)
             if param is None:
-                raise ValueError(f"checkpoint weight {name!r} has no place in {type(self).__name__}")
+                raise ValueError(
+                    f"checkpoint weight {name!r} has no place in {type(self).__name__}"
+                )
             dest = param.data if shard is None else self._shard_view(param.data, target, shard)
             if dest.shape != tensor.shape:
                 raise ValueError(
@@ -424,7 +446,9 @@ class LlamaForCausalLM(nn.Module):
             if (n, s) not in loaded
         )
         if missing:
-            raise ValueError(f"{len(missing)} weights missing from the checkpoint, e.g. {missing[:5]}")
+            raise ValueError(
+                f"{len(missing)} weights missing from the checkpoint, e.g. {missing[:5]}"
+            )
         self.pack_cpu_weights()
 
     @staticmethod

@@ -151,7 +151,9 @@ def _locate(model: str | Path | None, load_format: str) -> tuple[Path, str]:
         path = ggufs[0]
     kind = "gguf" if path.is_file() else "hf"
     if kind == "gguf" and path.suffix != ".gguf" and load_format != "gguf":
-        raise ValueError(f"model file {path} is not a .gguf file; pass an HF directory or a GGUF file")
+        raise ValueError(
+            f"model file {path} is not a .gguf file; pass an HF directory or a GGUF file"
+        )
     if (kind, load_format) in (("gguf", "safetensors"), ("hf", "gguf")):
         raise ValueError(f"load_format={load_format!r} does not fit {path}")
     return path, kind
@@ -319,7 +321,11 @@ def _eos_token_ids(
     tokenizer: PreTrainedTokenizerBase | None,
 ) -> list[int]:
     """generation_config.json's EOS ids (else the config's), plus the tokenizer's, deduplicated."""
-    ids = generation_eos if generation_eos is not None else _as_id_list(getattr(config, "eos_token_id", None))
+    ids = (
+        generation_eos
+        if generation_eos is not None
+        else _as_id_list(getattr(config, "eos_token_id", None))
+    )
     if tokenizer is not None:
         ids = ids + _as_id_list(tokenizer.eos_token_id)
     return list(dict.fromkeys(ids))

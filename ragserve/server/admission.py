@@ -245,7 +245,9 @@ class WorkAdmission:
         elapsed = self.busy_s - busy
         if elapsed < self.window_s:
             return
-        self._windows.append((elapsed, self.prompt_computed - prompt, self.answer_generated - answer))
+        self._windows.append(
+            (elapsed, self.prompt_computed - prompt, self.answer_generated - answer)
+        )
         self._window = (self.busy_s, self.prompt_computed, self.answer_generated)
         if len(self._windows) >= self.min_windows:
             self._costs = fit_costs(list(self._windows))

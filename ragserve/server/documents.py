@@ -233,7 +233,9 @@ class DocumentService:
         stale = self._docs.get((namespace, doc_id))
         if stale is not None:  # expired (not swept yet) or failed: it goes first, like a DELETE
             await self.remove(namespace, doc_id, even_expired=True)
-        doc = RegisteredDocument(doc_id, namespace, token_ids, prefix_ids, metadata, int(time.time()))
+        doc = RegisteredDocument(
+            doc_id, namespace, token_ids, prefix_ids, metadata, int(time.time())
+        )
         doc.expire_time = expires
         self._register(doc)
         logger.info("document %s: %d tokens, ingesting", doc_id, len(token_ids))
@@ -286,7 +288,10 @@ class DocumentService:
                         computed = len(output.prompt_token_ids) - output.num_cached_tokens
                         generated = len(output.outputs[0].token_ids) if output.outputs else 0
                         admission.progress(
-                            ticket, prompt=len(doc.prefix_ids), computed=computed, generated=generated
+                            ticket,
+                            prompt=len(doc.prefix_ids),
+                            computed=computed,
+                            generated=generated,
                         )
             pinned = await self.engine.pin_prefix(
                 doc.pin_id, doc.prefix_ids, doc.namespace, self.limits.tenant_pin_share
@@ -394,7 +399,12 @@ class DocumentService:
                 logger.warning("stored document %s not restored: %s", entry.id, exc.message)
                 continue
             doc = RegisteredDocument(
-                entry.id, entry.namespace, entry.token_ids, prefix_ids, entry.metadata, entry.created
+                entry.id,
+                entry.namespace,
+                entry.token_ids,
+                prefix_ids,
+                entry.metadata,
+                entry.created,
             )
             doc.expire_time = entry.expire_time
             self._register(doc)

@@ -122,7 +122,12 @@ _TIER_FIELDS = (
     ("read_bytes", "bytes_read", "Bytes read from the tier", True),
     ("written_bytes", "bytes_written", "Bytes written to the tier", True),
     ("load_seconds", "load_seconds_total", "Time spent loading blocks", True),
-    ("load_copies", "load_copies", "Copies issued by loads (a run of adjacent blocks is one)", True),
+    (
+        "load_copies",
+        "load_copies",
+        "Copies issued by loads (a run of adjacent blocks is one)",
+        True,
+    ),
     ("store_seconds", "store_seconds_total", "Time spent storing blocks", True),
     ("dropped_demotions", "dropped_demotions", "Demotions dropped (queue full, disk full)", True),
     ("corrupt_records", "corrupt_records", "Damaged records found and removed", True),

@@ -30,8 +30,20 @@ def _bench(tmp_path: Path, name: str, *extra: str) -> tuple[int, dict[str, Any]]
 
 
 def test_ttft_chunked_prefill_then_decode_against_transformers(tmp_path: Path) -> None:
-    code, result = _bench(tmp_path, "ttft", "--lengths", "64,300", "--decode-tokens", "4",
-                          "--max-num-batched-tokens", "64", "--peak-tflops", "791", "--peak-tbps", "4.25")
+    code, result = _bench(
+        tmp_path,
+        "ttft",
+        "--lengths",
+        "64,300",
+        "--decode-tokens",
+        "4",
+        "--max-num-batched-tokens",
+        "64",
+        "--peak-tflops",
+        "791",
+        "--peak-tbps",
+        "4.25",
+    )
     assert code == 0 and result["errors"] == []
     rows = result["rows"]
     assert set(rows) == {"64", "300"}
@@ -50,8 +62,17 @@ def test_ttft_chunked_prefill_then_decode_against_transformers(tmp_path: Path) -
 
 def test_ttft_longest_prompt_may_exceed_the_shape_limit(tmp_path: Path) -> None:
     """The shape's max_position_embeddings (8192) is raised so 8192 tokens + decode fit."""
-    code, result = _bench(tmp_path, "ttft", "--lengths", "8192", "--decode-tokens", "2",
-                          "--max-num-batched-tokens", "4096", "--skip-transformers")
+    code, result = _bench(
+        tmp_path,
+        "ttft",
+        "--lengths",
+        "8192",
+        "--decode-tokens",
+        "2",
+        "--max-num-batched-tokens",
+        "4096",
+        "--skip-transformers",
+    )
     assert code == 0
     assert result["rows"]["8192"]["ragserve_chunks"] == 2
     assert "floor_s" not in result["rows"]["8192"] and "floor_ms_per_token" not in result["decode"]
@@ -60,21 +81,46 @@ def test_ttft_longest_prompt_may_exceed_the_shape_limit(tmp_path: Path) -> None:
 
 
 def test_throughput_variable_with_a_transformers_subset(tmp_path: Path) -> None:
-    code, result = _bench(tmp_path, "throughput", "--variable", "--num-prompts", "6",
-                          "--hf-max-prompts", "2", "--hf-batch-size", "2", "--hf-sort")
+    code, result = _bench(
+        tmp_path,
+        "throughput",
+        "--variable",
+        "--num-prompts",
+        "6",
+        "--hf-max-prompts",
+        "2",
+        "--hf-batch-size",
+        "2",
+        "--hf-sort",
+    )
     assert code == 0 and result["errors"] == []
     ours, theirs = result["ragserve"], result["transformers"]
     assert ours["output_tokens"] == result["workload"]["output_tokens"]
     assert 0.9 <= ours["kv_utilisation"] <= 1.0
     assert theirs["num_prompts"] == 2 and theirs["sorted_by_length"]
-    assert result["speedup_vs_transformers"] == pytest.approx(ours["output_tok_s"] / theirs["output_tok_s"])
+    assert result["speedup_vs_transformers"] == pytest.approx(
+        ours["output_tok_s"] / theirs["output_tok_s"]
+    )
     # A GPU's peaks say nothing about this CPU: no floor unless the peaks are given.
     assert "floor" not in result
 
 
 def test_throughput_floor_from_given_peaks(tmp_path: Path) -> None:
-    code, result = _bench(tmp_path, "throughput", "--num-prompts", "2", "--input-len", "8", "--output-len", "3",
-                          "--skip-transformers", "--peak-tflops", "0.5", "--peak-tbps", "0.01")
+    code, result = _bench(
+        tmp_path,
+        "throughput",
+        "--num-prompts",
+        "2",
+        "--input-len",
+        "8",
+        "--output-len",
+        "3",
+        "--skip-transformers",
+        "--peak-tflops",
+        "0.5",
+        "--peak-tbps",
+        "0.01",
+    )
     assert code == 0
     floor = result["floor"]
     assert floor["seconds"] == max(floor["compute_s"], floor["weights_read_s"]) > 0
@@ -107,8 +153,18 @@ def test_throughput_against_transformers_continuous_batching(tmp_path: Path) -> 
 
 
 def test_tiers_report_bytes_rates_and_references(tmp_path: Path) -> None:
-    code, result = _bench(tmp_path, "tiers", "--doc-tokens", "400", "--question-tokens", "8",
-                          "--max-num-batched-tokens", "128", "--disk-dir", str(tmp_path / "disk"))
+    code, result = _bench(
+        tmp_path,
+        "tiers",
+        "--doc-tokens",
+        "400",
+        "--question-tokens",
+        "8",
+        "--max-num-batched-tokens",
+        "128",
+        "--disk-dir",
+        str(tmp_path / "disk"),
+    )
     assert code == 0 and result["errors"] == []
     tiers = result["tiers"]
     doc_blocks = 400 // 16
@@ -128,8 +184,20 @@ def test_tiers_report_bytes_rates_and_references(tmp_path: Path) -> None:
 
 def test_tiers_refuse_a_tier_smaller_than_the_document(tmp_path: Path) -> None:
     out = tmp_path / "t.json"
-    code = main(["bench", "tiers", "--model-shape", "tiny-llama", "--doc-tokens", "400",
-                 "--tier-gib", "0.0001", "--out", str(out)])
+    code = main(
+        [
+            "bench",
+            "tiers",
+            "--model-shape",
+            "tiny-llama",
+            "--doc-tokens",
+            "400",
+            "--tier-gib",
+            "0.0001",
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 2  # a ValueError with the sizes, before any measurement
 
 
@@ -141,7 +209,8 @@ def test_floors_of_the_8b_shape_match_the_issue() -> None:
     assert prefill_flops(shape, 131072) / 791e12 == pytest.approx(8.01, rel=0.01)
     one_request = generate_flops(shape, 512, 128)
     assert one_request == pytest.approx(
-        prefill_flops(shape, 512) + sum(prefill_flops(shape, 1, 512 + s - 1) for s in range(1, 128)))
+        prefill_flops(shape, 512) + sum(prefill_flops(shape, 1, 512 + s - 1) for s in range(1, 128))
+    )
 
 
 def test_ceiling_reports_burst_and_sustained_rates(

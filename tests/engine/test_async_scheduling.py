@@ -73,7 +73,10 @@ def test_mixed_stops_and_sampling_match_step_by_step_serving(engines: tuple[LLM,
 def test_eos_stop_inside_a_step_ahead_drops_its_row(engines: tuple[LLM, LLM]) -> None:
     """Sequences that stop on a sampled token leave a step already launched for them."""
     ahead, in_step = engines
-    chat = [[{"role": "user", "content": question}] for question in ("Say hi.", "Name a colour.", "What is 2+2?")]
+    chat = [
+        [{"role": "user", "content": question}]
+        for question in ("Say hi.", "Name a colour.", "What is 2+2?")
+    ]
     params = SamplingParams(temperature=0.0, max_tokens=64)
     got = ahead.chat(chat, params, use_tqdm=False)
     expected = in_step.chat(chat, params, use_tqdm=False)
@@ -135,7 +138,9 @@ def test_abort_while_a_step_runs_ahead(engines: tuple[LLM, LLM]) -> None:
 def test_steps_ahead_in_cuda_graphs_match_plain_steps(tmp_path: Path) -> None:
     directory = make_tiny_model(tmp_path, "llama")
     generator = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 128, (int(n),), generator=generator).tolist() for n in (5, 17, 40, 9)]
+    prompts = [
+        torch.randint(3, 128, (int(n),), generator=generator).tolist() for n in (5, 17, 40, 9)
+    ]
     params = [
         SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
         SamplingParams(temperature=0.0, max_tokens=30),  # the tiny model's EOS may stop it
@@ -144,7 +149,13 @@ def test_steps_ahead_in_cuda_graphs_match_plain_steps(tmp_path: Path) -> None:
     ]
     results = {}
     for ahead in (True, False):
-        llm = LLM(str(directory), device="cuda", dtype="float32", kv_cache_gib=0.25, async_scheduling=ahead)
+        llm = LLM(
+            str(directory),
+            device="cuda",
+            dtype="float32",
+            kv_cache_gib=0.25,
+            async_scheduling=ahead,
+        )
         results[ahead] = summary(llm.generate(prompts, params, use_tqdm=False))
         assert (llm.engine.stats.steps_ahead > 0) == ahead
         assert_no_leak(llm.engine)

@@ -21,8 +21,6 @@ def test_buckets_cover_every_batch_size_up_to_the_largest() -> None:
         decode_buckets(0)
 
 
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_prompts", [1, 3, 5, 17])  # exact and padded buckets
 def test_graph_decode_matches_eager_decode(tmp_path: Path, num_prompts: int) -> None:

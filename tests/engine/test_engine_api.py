@@ -23,8 +23,11 @@ def assert_no_leak(llm: LLM) -> None:
 
 
 def test_chat_answers_with_the_template(llm: LLM) -> None:
-    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                   SamplingParams(temperature=0.0, max_tokens=20), use_tqdm=False)[0]
+    out = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0.0, max_tokens=20),
+        use_tqdm=False,
+    )[0]
     assert "Paris" in out.outputs[0].text
     assert out.outputs[0].finish_reason == "stop"  # <|im_end|> ends the turn
     assert out.prompt_token_ids[0] == llm.get_tokenizer().convert_tokens_to_ids("<|im_start|>")
@@ -33,15 +36,21 @@ def test_chat_answers_with_the_template(llm: LLM) -> None:
 
 def test_seeded_sampling_is_reproducible_and_seed_dependent(llm: LLM) -> None:
     prompt = "Write a short poem about the sea."
+
     def run(seed: int) -> str:
         params = SamplingParams(temperature=1.0, top_p=0.95, top_k=50, seed=seed, max_tokens=24)
         return llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].text
+
     first, again, other = run(1), run(1), run(2)
     assert first == again
     assert first != other
     # A seeded request gives the same text whatever runs beside it in the batch.
     params = SamplingParams(temperature=1.0, top_p=0.95, top_k=50, seed=1, max_tokens=24)
-    batched = llm.generate([prompt, "Other prompt", prompt * 2], [params, SamplingParams(temperature=1.0), params], use_tqdm=False)
+    batched = llm.generate(
+        [prompt, "Other prompt", prompt * 2],
+        [params, SamplingParams(temperature=1.0), params],
+        use_tqdm=False,
+    )
     assert batched[0].outputs[0].text == first
     assert_no_leak(llm)
 
@@ -51,7 +60,11 @@ def test_stop_strings_are_cut_from_the_text(llm: LLM) -> None:
     full = llm.generate("Count: 1, 2, 3,", greedy, use_tqdm=False)[0].outputs[0].text
     assert " 5" in full, full
     stop_at = full.index(" 5")
-    stopped = llm.generate("Count: 1, 2, 3,", SamplingParams(temperature=0.0, max_tokens=30, stop=[" 5"]), use_tqdm=False)[0].outputs[0]
+    stopped = llm.generate(
+        "Count: 1, 2, 3,",
+        SamplingParams(temperature=0.0, max_tokens=30, stop=[" 5"]),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert stopped.text == full[:stop_at]
     assert stopped.finish_reason == "stop" and stopped.stop_reason == " 5"
 
@@ -61,13 +74,32 @@ def test_stop_token_ids_min_tokens_and_max_tokens(llm: LLM) -> None:
     tokens = llm.generate("The alphabet: a b c", greedy, use_tqdm=False)[0].outputs[0].token_ids
     stop_token = tokens[3]
     first = tokens.index(stop_token)
-    out = llm.generate("The alphabet: a b c", SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop_token]), use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        "The alphabet: a b c",
+        SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop_token]),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert out.token_ids == tokens[: first + 1] and out.stop_reason == stop_token
-    eos_early = llm.chat([{"role": "user", "content": "Say OK."}], SamplingParams(temperature=0.0, max_tokens=40), use_tqdm=False)[0].outputs[0]
+    eos_early = llm.chat(
+        [{"role": "user", "content": "Say OK."}],
+        SamplingParams(temperature=0.0, max_tokens=40),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert eos_early.finish_reason == "stop"
-    at_least = llm.chat([{"role": "user", "content": "Say OK."}], SamplingParams(temperature=0.0, max_tokens=40, min_tokens=len(eos_early.token_ids) + 3), use_tqdm=False)[0].outputs[0]
+    at_least = llm.chat(
+        [{"role": "user", "content": "Say OK."}],
+        SamplingParams(temperature=0.0, max_tokens=40, min_tokens=len(eos_early.token_ids) + 3),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert len(at_least.token_ids) >= len(eos_early.token_ids) + 3
-    assert len(llm.generate("x", SamplingParams(max_tokens=5, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids) == 5
+    assert (
+        len(
+            llm.generate("x", SamplingParams(max_tokens=5, ignore_eos=True), use_tqdm=False)[0]
+            .outputs[0]
+            .token_ids
+        )
+        == 5
+    )
 
 
 def test_logprobs_and_n_samples_share_the_prompt(llm: LLM) -> None:

@@ -64,7 +64,10 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     ],
 )
 def test_greedy_matches_transformers(
-    smollm_path: str, prompts: list[list[int]], expected: list[list[int]], engine_args: dict[str, Any]
+    smollm_path: str,
+    prompts: list[list[int]],
+    expected: list[list[int]],
+    engine_args: dict[str, Any],
 ) -> None:
     llm = LLM(smollm_path, device=DEVICE, dtype="float32", **engine_args)
     if DEVICE == "cpu":  # the default CPU backend, on its native kernels where they build

@@ -29,6 +29,7 @@ def tier(engine: LLMEngine, name: str) -> KVTier:
 
 pytestmark = pytest.mark.slow  # each test computes and restores a long document
 
+
 @pytest.fixture(scope="module")
 def doc(smollm_tokenizer: Any) -> list[int]:
     text = (

@@ -18,8 +18,10 @@ DEVICE_BLOCKS = 24
 
 @pytest.fixture(scope="module")
 def doc(smollm_tokenizer: Any) -> list[int]:
-    text = ("Clause 7. Either party may end this agreement with thirty days' written notice, "
-            "provided all invoices are settled. ") * 6
+    text = (
+        "Clause 7. Either party may end this agreement with thirty days' written notice, "
+        "provided all invoices are settled. "
+    ) * 6
     ids = list(smollm_tokenizer.encode(text))
     assert 8 * BLOCK < len(ids) < 14 * BLOCK
     return ids
@@ -68,9 +70,14 @@ def test_prefix_from_device_cpu_and_disk_gives_identical_outputs(
     ask(cpu, doc)
     evict_device_cache(cpu)
     assert ask(cpu, doc) == (reference, full_block_tokens)
-    assert cpu.engine.tiers is not None and cpu.engine.tiers.traffic.loaded_from_cpu >= len(doc) // BLOCK - 2
+    assert (
+        cpu.engine.tiers is not None
+        and cpu.engine.tiers.traffic.loaded_from_cpu >= len(doc) // BLOCK - 2
+    )
 
-    disk = small_engine(smollm_path, kv_disk_gib=64 * BLOCK_BYTES / 2**30, kv_disk_dir=str(tmp_path))
+    disk = small_engine(
+        smollm_path, kv_disk_gib=64 * BLOCK_BYTES / 2**30, kv_disk_dir=str(tmp_path)
+    )
     ask(disk, doc)
     evict_device_cache(disk)
     assert disk.engine.tiers is not None

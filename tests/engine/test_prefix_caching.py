@@ -16,8 +16,10 @@ BLOCK = 16
 
 @pytest.fixture(scope="module")
 def doc(smollm_tokenizer: Any) -> list[int]:
-    text = ("Section 4.2. The tenant shall keep the premises in good repair and return them "
-            "in the condition received, fair wear and tear excepted. ") * 8
+    text = (
+        "Section 4.2. The tenant shall keep the premises in good repair and return them "
+        "in the condition received, fair wear and tear excepted. "
+    ) * 8
     return list(smollm_tokenizer.encode(text))
 
 
@@ -26,7 +28,7 @@ def prompts_sharing(doc: list[int]) -> list[list[int]]:
     boundary = len(doc) // BLOCK * BLOCK
     return [
         doc + [330, 331, 332],
-        doc[: boundary] + [400, 401],  # diverges exactly at a block boundary
+        doc[:boundary] + [400, 401],  # diverges exactly at a block boundary
         doc[: boundary - 5] + [500, 501, 502],  # diverges inside a block
         doc,  # the whole prompt is cached on the second pass
         doc[:BLOCK],  # exactly one block
@@ -34,11 +36,16 @@ def prompts_sharing(doc: list[int]) -> list[list[int]]:
     ]
 
 
-def run_twice(llm: LLM, prompts: list[list[int]]) -> tuple[list[list[int]], list[list[int]], list[int]]:
+def run_twice(
+    llm: LLM, prompts: list[list[int]]
+) -> tuple[list[list[int]], list[list[int]], list[int]]:
     first = llm.generate(prompts, GREEDY, use_tqdm=False)
     second = llm.generate(prompts, GREEDY, use_tqdm=False)
-    return ([o.outputs[0].token_ids for o in first], [o.outputs[0].token_ids for o in second],
-            [o.num_cached_tokens for o in second])
+    return (
+        [o.outputs[0].token_ids for o in first],
+        [o.outputs[0].token_ids for o in second],
+        [o.num_cached_tokens for o in second],
+    )
 
 
 @pytest.mark.slow
@@ -69,7 +76,9 @@ def engine(smollm_path: str) -> LLMEngine:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("readers", [1, 4, 16])
-def test_concurrent_readers_share_one_copy_computed_once(engine: LLMEngine, doc: list[int], readers: int) -> None:
+def test_concurrent_readers_share_one_copy_computed_once(
+    engine: LLMEngine, doc: list[int], readers: int
+) -> None:
     engine.reset_prefix_cache()
     before = engine.stats.prompt_tokens_computed
     questions = [[600 + i, 601 + i, 602] for i in range(readers)]
@@ -112,11 +121,17 @@ def test_namespaces_never_hit_each_other(engine: LLMEngine, doc: list[int]) -> N
     assert a_tokens == b_tokens == a_again
 
 
-def test_forced_hash_collision_is_detected(smollm_path: str, doc: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
-    reference = LLM(smollm_path, enable_prefix_caching=False).generate([doc, doc[::-1]], GREEDY, use_tqdm=False)
+def test_forced_hash_collision_is_detected(
+    smollm_path: str, doc: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reference = LLM(smollm_path, enable_prefix_caching=False).generate(
+        [doc, doc[::-1]], GREEDY, use_tqdm=False
+    )
     monkeypatch.setattr(hashing, "hash_block", lambda salt, parent, data: b"\x07" * 16)
     llm = LLM(smollm_path)
     first = llm.generate([doc], GREEDY, use_tqdm=False)[0]
     second = llm.generate([doc[::-1]], GREEDY, use_tqdm=False)[0]  # every block "collides"
     assert second.num_cached_tokens == 0
-    assert [first.outputs[0].token_ids, second.outputs[0].token_ids] == [r.outputs[0].token_ids for r in reference]
+    assert [first.outputs[0].token_ids, second.outputs[0].token_ids] == [
+        r.outputs[0].token_ids for r in reference
+    ]

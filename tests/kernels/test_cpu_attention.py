@@ -71,9 +71,7 @@ def assert_close(out: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("layout", ["contiguous", "fragmented"])
 @pytest.mark.parametrize(("heads", "kv_heads"), [(6, 2), (4, 4), (9, 3)])
-def test_decode_matches_dense(
-    dtype: torch.dtype, layout: str, heads: int, kv_heads: int
-) -> None:
+def test_decode_matches_dense(dtype: torch.dtype, layout: str, heads: int, kv_heads: int) -> None:
     head_dim = 16
     cache = make_cache(kv_heads, head_dim, dtype, seed=1)
     seq_lens = [13, 1, 29, 16]  # a partial last block, one token, several blocks, exactly full
@@ -86,7 +84,9 @@ def test_decode_matches_dense(
     out = decode_attention(query, cache[:, LAYER], tables, seq_lens, scale, GatherWorkspace())
     assert out.shape == query.shape and out.dtype == dtype
     for row, seq_len in enumerate(seq_lens):
-        expected = dense_attention(query[row : row + 1], cache[:, LAYER], tables[row], seq_len, scale)
+        expected = dense_attention(
+            query[row : row + 1], cache[:, LAYER], tables[row], seq_len, scale
+        )
         assert_close(out[row : row + 1], expected, dtype)
 
 
@@ -112,7 +112,9 @@ def test_decode_by_products_matches_dense(
     assert out.shape == grouped.shape and out.dtype == dtype
     out = out.reshape(query.shape)
     for row, seq_len in enumerate(seq_lens):
-        expected = dense_attention(query[row : row + 1], cache[:, LAYER], tables[row], seq_len, scale)
+        expected = dense_attention(
+            query[row : row + 1], cache[:, LAYER], tables[row], seq_len, scale
+        )
         assert_close(out[row : row + 1], expected, dtype)
 
 
@@ -144,7 +146,9 @@ def test_long_bf16_decode_dispatches_to_products_and_matches_dense() -> None:
     scale = head_dim**-0.5
     out = decode_attention(query, cache[:, LAYER], tables, seq_lens, scale, GatherWorkspace())
     for row, seq_len in enumerate(seq_lens):
-        expected = dense_attention(query[row : row + 1], cache[:, LAYER], tables[row], seq_len, scale)
+        expected = dense_attention(
+            query[row : row + 1], cache[:, LAYER], tables[row], seq_len, scale
+        )
         assert_close(out[row : row + 1], expected, torch.bfloat16)
 
 
@@ -174,7 +178,9 @@ def test_workspace_reuse_across_calls_of_different_sizes() -> None:
         table = make_table(math.ceil(seq_len / BLOCK_SIZE), "fragmented", seed=seq_len)
         query = torch.randn(1, heads, head_dim)
         out = decode_attention(query, cache[:, LAYER], table[None], [seq_len], scale, workspace)
-        assert_close(out, dense_attention(query, cache[:, LAYER], table, seq_len, scale), torch.float32)
+        assert_close(
+            out, dense_attention(query, cache[:, LAYER], table, seq_len, scale), torch.float32
+        )
 
 
 def test_workspace_grows_and_keeps_its_buffer() -> None:
@@ -202,7 +208,10 @@ def test_backend_mixed_batch_writes_kv_and_attends(dtype: torch.dtype) -> None:
     for row, (cached, new) in enumerate(seqs):
         for block in range(math.ceil((cached + new) / BLOCK_SIZE)):
             tables[row, block] = next(free)
-        slots += [int(tables[row, t // BLOCK_SIZE]) * BLOCK_SIZE + t % BLOCK_SIZE for t in range(cached, cached + new)]
+        slots += [
+            int(tables[row, t // BLOCK_SIZE]) * BLOCK_SIZE + t % BLOCK_SIZE
+            for t in range(cached, cached + new)
+        ]
     total = sum(new for _, new in seqs)
     query = torch.randn(total, heads, head_dim).to(dtype)
     key = torch.randn(total, kv_heads, head_dim).to(dtype)

@@ -20,7 +20,9 @@ def make_manager(num_blocks: int = 16) -> KVCacheManager:
     return KVCacheManager(BlockPool(num_blocks), BLOCK, enable_prefix_caching=True)
 
 
-def run_prefill(manager: KVCacheManager, tokens: list[int], salt: bytes = SALT) -> tuple[KVAllocation, int]:
+def run_prefill(
+    manager: KVCacheManager, tokens: list[int], salt: bytes = SALT
+) -> tuple[KVAllocation, int]:
     """Admit a sequence as the scheduler does: hit the cache, allocate, 'compute', commit."""
     alloc = KVAllocation(salt=salt)
     manager.update_hashes(alloc, tokens)
@@ -121,8 +123,10 @@ class PoolMachine(RuleBasedStateMachine):
         self.manager = make_manager(num_blocks=12)
         self.live: list[tuple[KVAllocation, list[int]]] = []
 
-    @rule(prefix=st.sampled_from([[], [1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7, 8]]),
-          tail=st.lists(st.integers(0, 3), min_size=1, max_size=9))
+    @rule(
+        prefix=st.sampled_from([[], [1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7, 8]]),
+        tail=st.lists(st.integers(0, 3), min_size=1, max_size=9),
+    )
     def admit(self, prefix: list[int], tail: list[int]) -> None:
         tokens = prefix + tail
         alloc = KVAllocation(salt=SALT)

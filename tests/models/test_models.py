@@ -111,7 +111,11 @@ def hf_logits(hf: Any, tokens: list[int]) -> torch.Tensor:
 
 
 def check_against_transformers(
-    model: LlamaForCausalLM, hf: Any, sequences: list[list[int]], schedule: list[list[int]], tol: float
+    model: LlamaForCausalLM,
+    hf: Any,
+    sequences: list[list[int]],
+    schedule: list[list[int]],
+    tol: float,
 ) -> None:
     """Feed ``sequences`` in the chunk sizes of ``schedule`` (one row per step, one size per
     sequence) and compare every step's logits with transformers' on the whole sequence."""
@@ -126,7 +130,9 @@ def check_against_transformers(
             assert out.dtype == torch.float32 and out.shape == ref.shape
             diff = (out - ref).abs().max().item()
             assert diff < tol, f"step {step} seq {i}: max |logit diff| {diff:.2e}"
-            assert torch.equal(out.argmax(-1), ref.argmax(-1)), f"step {step} seq {i}: argmax differs"
+            assert torch.equal(out.argmax(-1), ref.argmax(-1)), (
+                f"step {step} seq {i}: argmax differs"
+            )
 
 
 def random_sequences(lengths: list[int], seed: int = 0) -> list[list[int]]:
@@ -244,7 +250,10 @@ def test_default_model_matches_transformers(smollm: LoadedModel, hf_smollm: Any)
 
 @torch.inference_mode()
 def test_default_model_greedy_matches_transformers(smollm: LoadedModel, hf_smollm: Any) -> None:
-    prompts = [chat_prompt(smollm, "Write a haiku about the sea."), chat_prompt(smollm, "What is 2+2?")]
+    prompts = [
+        chat_prompt(smollm, "Write a haiku about the sea."),
+        chat_prompt(smollm, "What is 2+2?"),
+    ]
     new_tokens = 8
     batch = PagedBatch(smollm.model, len(prompts), max(map(len, prompts)) + new_tokens)
     outputs: list[list[int]] = [[] for _ in prompts]
@@ -327,14 +336,23 @@ def test_dummy_load_needs_only_config(tmp_path: Path) -> None:
         "original_max_position_embeddings": 64,
     }
     config = tiny_config(
-        "llama", num_hidden_layers=3, num_key_value_heads=1, rope_scaling=rope, max_position_embeddings=512
+        "llama",
+        num_hidden_layers=3,
+        num_key_value_heads=1,
+        rope_scaling=rope,
+        max_position_embeddings=512,
     )
     directory = write_config(tmp_path / "dummy", config)
     assert [p.name for p in directory.iterdir()] == ["config.json"]
     loaded = load_model(directory, device="cpu", load_format="dummy")
     model = loaded.model
     assert loaded.max_model_len == 512 and loaded.tokenizer is None
-    assert (model.num_layers, model.num_kv_heads, model.head_dim, model.vocab_size) == (3, 1, 16, 128)
+    assert (model.num_layers, model.num_kv_heads, model.head_dim, model.vocab_size) == (
+        3,
+        1,
+        16,
+        128,
+    )
     assert model.model.layers[2].self_attn.qkv_proj.weight.shape == ((4 + 2) * 16, 64)
     assert torch.equal(model.model.norm.weight, torch.ones(64))
     weights = torch.cat([p.flatten() for n, p in model.named_parameters() if "norm" not in n])
@@ -386,7 +404,10 @@ def test_missing_path_is_named(tmp_path: Path) -> None:
 
 
 def test_unsupported_architecture_names_supported_ones(tmp_path: Path) -> None:
-    directory = write_config(tmp_path / "gpt2", GPT2Config(n_layer=1, n_embd=32, n_head=2, architectures=["GPT2LMHeadModel"]))
+    directory = write_config(
+        tmp_path / "gpt2",
+        GPT2Config(n_layer=1, n_embd=32, n_head=2, architectures=["GPT2LMHeadModel"]),
+    )
     with pytest.raises(ValueError, match=r"GPT2LMHeadModel.*LlamaForCausalLM.*Qwen3ForCausalLM"):
         load_model(directory, device="cpu", load_format="dummy")
 
@@ -400,10 +421,15 @@ def test_unsupported_architecture_names_supported_ones(tmp_path: Path) -> None:
 )
 def test_sliding_window_is_refused(tmp_path: Path, arch: str, overrides: dict[str, Any]) -> None:
     directory = write_config(tmp_path / arch, tiny_config(arch, **overrides))
-    with pytest.raises(ValueError, match=r"sliding-window attention \(window 16 < max_model_len 128\)"):
+    with pytest.raises(
+        ValueError, match=r"sliding-window attention \(window 16 < max_model_len 128\)"
+    ):
         load_model(directory, device="cpu", load_format="dummy")
     # A window covering every served position is plain causal attention.
-    assert load_model(directory, device="cpu", load_format="dummy", max_model_len=16).max_model_len == 16
+    assert (
+        load_model(directory, device="cpu", load_format="dummy", max_model_len=16).max_model_len
+        == 16
+    )
 
 
 def test_unsupported_rope_and_too_long_max_len(tmp_path: Path) -> None:
@@ -432,7 +458,9 @@ def test_checkpoint_must_match_the_model(tmp_path: Path) -> None:
     weights = load_file(weights_file)
     del weights["model.layers.1.self_attn.k_proj.weight"]
     save_file(weights, weights_file)
-    with pytest.raises(ValueError, match=r"missing.*layers\.1\.self_attn\.qkv_proj\.weight\[shard 1\]"):
+    with pytest.raises(
+        ValueError, match=r"missing.*layers\.1\.self_attn\.qkv_proj\.weight\[shard 1\]"
+    ):
         load_model(directory, device="cpu")
     weights["model.layers.1.self_attn.k_proj.weight"] = torch.zeros(3, 64)
     save_file(weights, weights_file)

@@ -23,14 +23,33 @@ from pipelines.chunking import (
     tokenize_with_offsets,
 )
 
-WORDS = ["cache", "block", "token", "engine", "prefix", "memory", "request", "batch", "model",
-         "layer", "attention", "value", "key", "document", "summary", "question", "answer"]
+WORDS = [
+    "cache",
+    "block",
+    "token",
+    "engine",
+    "prefix",
+    "memory",
+    "request",
+    "batch",
+    "model",
+    "layer",
+    "attention",
+    "value",
+    "key",
+    "document",
+    "summary",
+    "question",
+    "answer",
+]
 
 
 def make_text(paragraphs: int, sentences: int, seed: int = 0) -> str:
     rng = random.Random(seed)
+
     def sentence() -> str:
         return " ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 9))).capitalize() + "."
+
     return "\n\n".join(" ".join(sentence() for _ in range(sentences)) for _ in range(paragraphs))
 
 
@@ -50,9 +69,13 @@ def assert_contract(ranges: list[tuple[int, int]], n: int, chunk_tokens: int, ov
     n=st.integers(0, 400),
     chunk_tokens=st.integers(2, 120),
 )
-def test_plan_chunks_contract_holds_for_any_boundaries(data: Any, n: int, chunk_tokens: int) -> None:
+def test_plan_chunks_contract_holds_for_any_boundaries(
+    data: Any, n: int, chunk_tokens: int
+) -> None:
     overlap = data.draw(st.integers(0, chunk_tokens // 2 - 1)) if chunk_tokens >= 2 else 0
-    inner = data.draw(st.lists(st.integers(NONE, PARAGRAPH), min_size=max(0, n - 1), max_size=max(0, n - 1)))
+    inner = data.draw(
+        st.lists(st.integers(NONE, PARAGRAPH), min_size=max(0, n - 1), max_size=max(0, n - 1))
+    )
     strengths = [PARAGRAPH, *inner, PARAGRAPH] if n else [PARAGRAPH]
     ranges = plan_chunks(strengths, chunk_tokens, overlap)
     assert_contract(ranges, n, chunk_tokens, overlap)
@@ -70,7 +93,11 @@ def test_boundary_strengths_read_the_text(smollm_tokenizer: Any) -> None:
     text = "Hello world.\n\nNext para.  Sentence two!\nA line"
     tokenized = tokenize_with_offsets(smollm_tokenizer, text)
     strengths = boundary_strengths(tokenized)
-    by_token = {text[s:e].strip(): strengths[j] for j, (s, e) in enumerate(tokenized.offsets) if text[s:e].strip()}
+    by_token = {
+        text[s:e].strip(): strengths[j]
+        for j, (s, e) in enumerate(tokenized.offsets)
+        if text[s:e].strip()
+    }
     assert by_token["world"] == WORD
     assert by_token["Next"] == PARAGRAPH
     assert by_token["Sentence"] == SENTENCE
@@ -83,7 +110,9 @@ def test_boundary_strengths_read_the_text(smollm_tokenizer: Any) -> None:
 
 
 @pytest.mark.parametrize("overlap", [0, 16])
-def test_real_document_chunks_respect_bounds_and_lose_no_text(smollm_tokenizer: Any, overlap: int) -> None:
+def test_real_document_chunks_respect_bounds_and_lose_no_text(
+    smollm_tokenizer: Any, overlap: int
+) -> None:
     text = make_text(paragraphs=12, sentences=4) + " Ünïcödé 日本語の文章。 Done."
     tokenized = tokenize_with_offsets(smollm_tokenizer, text)
     chunks = chunk_text(tokenized, 96, overlap)

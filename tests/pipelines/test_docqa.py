@@ -36,12 +36,27 @@ DOCS = {
     ),
 }
 QUESTIONS = {
-    "alpha": ["Who built the lighthouse?", "When was it built?", "What does the lamp burn?",
-              "How many steps are there?", "What colour is the light?"],
-    "beta": ["When does the bakery open?", "Who owns the bakery?", "What cake is famous?",
-             "Where does unsold bread go?", "What kind of oven is used?"],
-    "gamma": ["How long is the river?", "Where does the river start?", "When do salmon arrive?",
-              "How many bridges does Dunmore have?", "What happened in 1902?"],
+    "alpha": [
+        "Who built the lighthouse?",
+        "When was it built?",
+        "What does the lamp burn?",
+        "How many steps are there?",
+        "What colour is the light?",
+    ],
+    "beta": [
+        "When does the bakery open?",
+        "Who owns the bakery?",
+        "What cake is famous?",
+        "Where does unsold bread go?",
+        "What kind of oven is used?",
+    ],
+    "gamma": [
+        "How long is the river?",
+        "Where does the river start?",
+        "When do salmon arrive?",
+        "How many bridges does Dunmore have?",
+        "What happened in 1902?",
+    ],
 }
 
 
@@ -59,15 +74,24 @@ def answers(llm: LLM) -> tuple[dict[str, dict[str, Any]], int]:
     llm.reset_prefix_cache()
     before = llm.snapshot().prompt_tokens_computed
     documents = [Document(doc_id, text) for doc_id, text in DOCS.items()]
-    questions = [{"doc": d, "question": q, "id": f"{d}-{n}"} for d, qs in QUESTIONS.items() for n, q in enumerate(qs)]
-    results = {r["id"]: r for r in docqa(llm, documents, questions, max_tokens=MAX_TOKENS, use_tqdm=False)}
+    questions = [
+        {"doc": d, "question": q, "id": f"{d}-{n}"}
+        for d, qs in QUESTIONS.items()
+        for n, q in enumerate(qs)
+    ]
+    results = {
+        r["id"]: r for r in docqa(llm, documents, questions, max_tokens=MAX_TOKENS, use_tqdm=False)
+    }
     return results, llm.snapshot().prompt_tokens_computed - before
 
 
 def test_each_document_is_computed_once_for_all_its_questions(llm: LLM, answers: Any) -> None:
     results, computed = answers
     assert len(results) == 15
-    prefix = {doc_id: next(r["prefix_tokens"] for r in results.values() if r["doc"] == doc_id) for doc_id in DOCS}
+    prefix = {
+        doc_id: next(r["prefix_tokens"] for r in results.values() if r["doc"] == doc_id)
+        for doc_id in DOCS
+    }
     documents_once = sum(prefix.values())
     tails = sum(r["prompt_tokens"] - r["prefix_tokens"] for r in results.values())
     # At most: every document once, plus each question's tail and its share of a partial block.
@@ -81,7 +105,9 @@ def test_each_document_is_computed_once_for_all_its_questions(llm: LLM, answers:
     assert usage.used == usage.pinned == 0  # every pin released
 
 
-def test_answers_equal_one_by_one_generation_without_cache(smollm_path: str, llm: LLM, answers: Any) -> None:
+def test_answers_equal_one_by_one_generation_without_cache(
+    smollm_path: str, llm: LLM, answers: Any
+) -> None:
     results, _ = answers
     tokenizer = llm.get_tokenizer()
     prompts = QAPrompts(tokenizer)
@@ -93,7 +119,9 @@ def test_answers_equal_one_by_one_generation_without_cache(smollm_path: str, llm
             # Split tokenization gives the same ids as templating the whole turn at once here.
             whole = tokenizer.apply_chat_template(
                 [{"role": "user", "content": f"Document:\n{DOCS[doc_id]}\n\nQuestion: {question}"}],
-                add_generation_prompt=True, tokenize=True, return_dict=False,
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=False,
             )
             assert ids == list(whole)
             expected = reference.generate([ids], greedy, use_tqdm=False)[0]
@@ -123,8 +151,20 @@ def test_cli_answers_streams_to_jsonl_skips_bad_questions_and_resumes(
     questions = tmp_path / "questions.jsonl"
     questions.write_text("\n".join(lines) + "\n")
     out = tmp_path / "answers.jsonl"
-    argv = ["docqa", "--docs", str(docs), "--questions", str(questions), "--out", str(out),
-            "--max-tokens", str(MAX_TOKENS), "--kv-cache-gib", "0.1", "--no-progress"]
+    argv = [
+        "docqa",
+        "--docs",
+        str(docs),
+        "--questions",
+        str(questions),
+        "--out",
+        str(out),
+        "--max-tokens",
+        str(MAX_TOKENS),
+        "--kv-cache-gib",
+        "0.1",
+        "--no-progress",
+    ]
 
     assert ragserve_main(argv) == 1  # answered what it could; bad inputs reported
     err = capsys.readouterr().err
@@ -138,5 +178,7 @@ def test_cli_answers_streams_to_jsonl_skips_bad_questions_and_resumes(
 
     assert ragserve_main([*argv, "--resume"]) == 1
     err = capsys.readouterr().err
-    assert "questions to answer: 0 (3 already done)" in err and "unknown document 'nowhere.txt'" in err
+    assert (
+        "questions to answer: 0 (3 already done)" in err and "unknown document 'nowhere.txt'" in err
+    )
     assert len(read_records(out)) == 3

@@ -38,15 +38,25 @@ def count_tokens(llm: LLM, text: str) -> int:
 
 def test_short_document_takes_one_call_and_long_one_a_reduce_tree(llm: LLM) -> None:
     engine = llm.engine
-    short = Document("short", "The cat sat on the mat. It was warm, so the cat slept all afternoon.")
+    short = Document(
+        "short", "The cat sat on the mat. It was warm, so the cat slept all afternoon."
+    )
     long = Document("long", make_text(paragraphs=30, sentences=3, seed=3))
     expected_chunks = len(chunk_text(tokenize_with_offsets(llm.get_tokenizer(), long.text), 96, 8))
     assert expected_chunks >= 10
     before = llm.snapshot()
 
-    results = {r["id"]: r for r in summarize(
-        llm, [short, long], max_summary_tokens=16, chunk_tokens=96, overlap_tokens=8, use_tqdm=False
-    )}
+    results = {
+        r["id"]: r
+        for r in summarize(
+            llm,
+            [short, long],
+            max_summary_tokens=16,
+            chunk_tokens=96,
+            overlap_tokens=8,
+            use_tqdm=False,
+        )
+    }
 
     assert set(results) == {"short", "long"}
     one = results["short"]
@@ -70,8 +80,15 @@ def test_short_document_takes_one_call_and_long_one_a_reduce_tree(llm: LLM) -> N
 
 def test_stopping_early_aborts_the_requests_in_flight(llm: LLM) -> None:
     docs = [Document("a", "One short note about caching."), Document("b", make_text(8, 3, seed=4))]
-    results = summarize(llm, docs, max_summary_tokens=4, chunk_tokens=64, concurrency=8, use_tqdm=False,
-                        prompt_template="In one line, what is this about?\n{text}")
+    results = summarize(
+        llm,
+        docs,
+        max_summary_tokens=4,
+        chunk_tokens=64,
+        concurrency=8,
+        use_tqdm=False,
+        prompt_template="In one line, what is this about?\n{text}",
+    )
     first = next(results)
     assert first["id"] == "a" and first["summary"]
     assert llm.engine.has_unfinished_requests()  # b's chunks are running
@@ -86,14 +103,23 @@ def make_inputs(folder: Path) -> dict[str, str]:
     folder.mkdir()
     topics = ["paged attention", "prefix caching", "disk tiers", "batch scheduling"]
     for number, topic in enumerate(topics):
-        (folder / f"doc{number}.txt").write_text(f"A note on {topic}. " + make_text(1, 2, seed=number))
-    (folder / "more.jsonl").write_text('{"id": "j1", "text": "Tokens are cut into blocks of sixteen."}\n{oops\n')
+        (folder / f"doc{number}.txt").write_text(
+            f"A note on {topic}. " + make_text(1, 2, seed=number)
+        )
+    (folder / "more.jsonl").write_text(
+        '{"id": "j1", "text": "Tokens are cut into blocks of sixteen."}\n{oops\n'
+    )
     (folder / "binary.txt").write_bytes(b"\x7fELF\x00\x01\x02")
     (folder / "empty.md").write_text("\n  \n")
     (folder / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
     (folder / "gone.txt").symlink_to(folder / "missing-target.txt")
-    return {"binary.txt": "binary", "empty.md": "empty", "latin1.txt": "not UTF-8",
-            "gone.txt": "unreadable", "more.jsonl:2": "invalid JSON"}
+    return {
+        "binary.txt": "binary",
+        "empty.md": "empty",
+        "latin1.txt": "not UTF-8",
+        "gone.txt": "unreadable",
+        "more.jsonl:2": "invalid JSON",
+    }
 
 
 def cli(*args: str) -> list[str]:
@@ -101,21 +127,44 @@ def cli(*args: str) -> list[str]:
 
 
 @pytest.mark.e2e
-def test_ctrl_c_then_resume_gives_the_full_run_and_bad_files_are_skipped(llm: LLM, tmp_path: Path) -> None:
+def test_ctrl_c_then_resume_gives_the_full_run_and_bad_files_are_skipped(
+    llm: LLM, tmp_path: Path
+) -> None:
     folder = tmp_path / "docs"
     bad = make_inputs(folder)
     errors: list[tuple[str, str]] = []
-    reference = {r["id"]: r for r in summarize(
-        llm, [folder], max_summary_tokens=8, use_tqdm=False, on_error=lambda s, r: errors.append((s, r))
-    )}
+    reference = {
+        r["id"]: r
+        for r in summarize(
+            llm,
+            [folder],
+            max_summary_tokens=8,
+            use_tqdm=False,
+            on_error=lambda s, r: errors.append((s, r)),
+        )
+    }
     assert set(reference) == {"doc0.txt", "doc1.txt", "doc2.txt", "doc3.txt", "j1"}
     assert len(errors) == len(bad)
 
     out = tmp_path / "summaries.jsonl"
-    flags = ["--max-summary-tokens", "8", "--no-progress", "--kv-cache-gib", "0.25", "--out", str(out)]
+    flags = [
+        "--max-summary-tokens",
+        "8",
+        "--no-progress",
+        "--kv-cache-gib",
+        "0.25",
+        "--out",
+        str(out),
+    ]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    first = subprocess.Popen(cli("summarize", str(folder), "--concurrency", "1", *flags), cwd=REPO,
-                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = subprocess.Popen(
+        cli("summarize", str(folder), "--concurrency", "1", *flags),
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 120
     while not (out.exists() and out.read_bytes().count(b"\n") >= 1):
         assert first.poll() is None, first.communicate()
@@ -133,10 +182,19 @@ def test_ctrl_c_then_resume_gives_the_full_run_and_bad_files_are_skipped(llm: LL
     # Without --resume an existing output is refused before any work (exit 2).
     assert ragserve_main(["summarize", str(folder), *flags]) == 2
 
-    resumed = subprocess.run(cli("summarize", str(folder), "--resume", *flags), cwd=REPO, env=env,
-                             capture_output=True, text=True, timeout=300)
+    resumed = subprocess.run(
+        cli("summarize", str(folder), "--resume", *flags),
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert resumed.returncode == 1, resumed.stderr  # the bad inputs are still bad
-    assert f"documents to summarize: {len(reference) - len(partial)} ({len(partial)} already done)" in resumed.stderr
+    assert (
+        f"documents to summarize: {len(reference) - len(partial)} ({len(partial)} already done)"
+        in resumed.stderr
+    )
     final = read_records(out)
     assert [r["id"] for r in final[: len(partial)]] == [r["id"] for r in partial]
     assert sorted(r["id"] for r in final) == sorted(reference)  # each exactly once
@@ -152,7 +210,12 @@ def test_options_are_checked_against_the_context_with_the_numbers(smollm_tokeniz
         return Summarizer(smollm_tokenizer, 512, SummarizeOptions(**options))
 
     default = build(max_summary_tokens=64)
-    assert default.chunk_tokens + 64 + max(len(h) + len(t) for h, t in (default.map_frame, default.reduce_frame)) == 512
+    assert (
+        default.chunk_tokens
+        + 64
+        + max(len(h) + len(t) for h, t in (default.map_frame, default.reduce_frame))
+        == 512
+    )
     with pytest.raises(ValueError, match=r"chunk_tokens 500 .* context of 512"):
         build(chunk_tokens=500)
     with pytest.raises(ValueError, match=r"at least 6\d for max_summary_tokens 32, got 60"):

@@ -104,7 +104,10 @@ def post(server: ServerProcess, body: dict[str, Any], timeout: float = 60) -> re
 
 def long_stream(server: ServerProcess, max_tokens: int) -> requests.Response:
     body: dict[str, Any] = {
-        "prompt": "Count: one, two,", "max_tokens": max_tokens, "stream": True, "ignore_eos": True
+        "prompt": "Count: one, two,",
+        "max_tokens": max_tokens,
+        "stream": True,
+        "ignore_eos": True,
     }
     response = requests.post(f"{server.url}{C}", json=body, stream=True, timeout=60)
     assert response.status_code == 200
@@ -140,8 +143,13 @@ def test_a_request_that_would_wait_too_long_gets_503_quickly(server: ServerProce
         error = assert_error(response, 503, "overloaded")
         assert "budget" in error["message"]
         assert 1 <= int(response.headers["Retry-After"]) <= MAX_RETRY_AFTER_S
-        long_summary: dict[str, Any] = {"text": "A text to summarize. " * 40, "max_summary_tokens": big}
-        answer = requests.post(f"{server.url}/v1/pipelines/summarize", json=long_summary, timeout=60)
+        long_summary: dict[str, Any] = {
+            "text": "A text to summarize. " * 40,
+            "max_summary_tokens": big,
+        }
+        answer = requests.post(
+            f"{server.url}/v1/pipelines/summarize", json=long_summary, timeout=60
+        )
         assert_error(answer, 503, "overloaded")
     finally:
         stream.close()

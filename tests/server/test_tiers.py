@@ -11,7 +11,9 @@ from tests.server.server_fixtures import running_server, wait_ready
 
 pytestmark = pytest.mark.e2e
 
-DOC = " ".join(f"Article {i}: the lessee keeps the premises insured against fire and flood." for i in range(30))
+DOC = " ".join(
+    f"Article {i}: the lessee keeps the premises insured against fire and flood." for i in range(30)
+)
 COMPUTED = "ragserve_prompt_tokens_computed_total"
 
 
@@ -36,7 +38,9 @@ def test_restarted_server_reads_a_document_back_from_disk(tmp_path: Path) -> Non
         again = upload(second.url)
         metrics = second.metrics()
         assert again["id"] == doc["id"]
-        assert metrics['ragserve_kv_tier_hits_total{tier="disk"}'] >= int(str(doc["tokens"])) // 16 - 2
+        assert (
+            metrics['ragserve_kv_tier_hits_total{tier="disk"}'] >= int(str(doc["tokens"])) // 16 - 2
+        )
         # Only the document's last partial block (and one token) is computed again.
         assert metrics[COMPUTED] - before < 32
         assert metrics['ragserve_kv_tier_corrupt_records_total{tier="disk"}'] == 0
