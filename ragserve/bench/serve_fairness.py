@@ -111,6 +111,9 @@ class TenantRun:
                     if r.error is not None and r.status not in (429, 503)
                 }
             )[:5],
+            "refusals": sorted(
+                {r.error[:200] for r in self.results if r.error and r.status in (429, 503)}
+            )[:3],
         }
 
 

@@ -13,13 +13,15 @@ over the last ``num_windows`` windows.
 
 A new request's expected time to finish is the time to get through its tenant's
 outstanding work and its own, ``own = a·(P_tenant + P_new) + b·(D_tenant + D_new)``, plus
-what the other tenants get meanwhile: the engine serves tenants in turn, so each other
-tenant ``u`` takes ``min(cost_u, own)`` (all its work, or as much as this tenant's).
-With a single tenant that is the time to get through all the outstanding work; with
-several, one tenant's flood lengthens its own estimate, and another's by at most its own
-``own`` per active tenant. A request is refused when the estimate exceeds
-``max_queue_seconds``; with a budget well below the clients' timeout, overload turns into
-quick 503s (with ``Retry-After``: the seconds over the budget) instead of timeouts.
+the other tenants' prompt work served meanwhile: the engine shares each step's tokens
+among tenants in turn, so each other tenant ``u`` takes ``min(a·P_u, a·(P_tenant +
+P_new))`` (all its prompt work, or as much as this tenant's), while answer tokens of
+different requests share steps rather than wait for each other. With a single tenant that
+is the time to get through all the outstanding work, as it was; with several, one
+tenant's flood lengthens its own estimate, and another's by at most its own prompt work
+per active tenant. A request is refused when the estimate exceeds ``max_queue_seconds``;
+with a budget well below the clients' timeout, overload turns into quick 503s (with
+``Retry-After``: the seconds over the budget) instead of timeouts.
 
 NOTE: this is the time to drain the queue. A request's own answer comes one token per
 engine step, and under sustained load each step also carries the answers (and prefill
@@ -143,13 +145,11 @@ class WorkAdmission:
         if costs is None:
             return None
         prompt, answer = self._by_tenant.get(tenant, (0, 0))
-        own = costs.seconds(prompt + prompt_tokens, answer + decode_steps * sequences)
+        own_prompt = prompt + prompt_tokens
         others = sum(
-            min(costs.seconds(*work), own)
-            for other, work in self._by_tenant.items()
-            if other != tenant
+            min(work[0], own_prompt) for other, work in self._by_tenant.items() if other != tenant
         )
-        return own + others
+        return costs.seconds(own_prompt + others, answer + decode_steps * sequences)
 
     def tenant_outstanding(self, tenant: str) -> tuple[int, int]:
         """(prompt tokens, answer tokens) outstanding for ``tenant``."""
