@@ -303,10 +303,17 @@ class AsyncEngine:
                 self._sinks.pop(output.request_id, None)
 
     def _fail_all(self, exc: BaseException) -> None:
-        for request_id, sink in list(self._sinks.items()):
-            self.engine.abort_request(request_id)
+        """Fail every request with a sink. NOTE: sinks are popped one by one, never cleared
+        at once: a request registered by the event loop meanwhile keeps its sink and runs."""
+        for request_id in list(self._sinks):
+            sink = self._sinks.pop(request_id, None)
+            if sink is None:
+                continue
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:  # NOTE: the others must still be failed and freed
+                logger.exception("aborting request %s failed", request_id)
             sink.put(exc)
-        self._sinks.clear()
 
 
 def _as_error(output: RequestOutput) -> BaseException:

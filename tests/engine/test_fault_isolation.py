@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -163,19 +164,24 @@ def test_a_step_that_does_not_return_shows_as_stalled(
         try:
             assert engine.stalled_for() == 0.0
             execute = engine.engine.runner.execute
+            release = threading.Event()
 
-            def slow(*args: Any, **kwargs: Any) -> Any:
-                time.sleep(1.5)
+            def stuck(*args: Any, **kwargs: Any) -> Any:
+                release.wait(timeout=60)
                 return execute(*args, **kwargs)
 
-            monkeypatch.setattr(engine.engine.runner, "execute", slow)
+            monkeypatch.setattr(engine.engine.runner, "execute", stuck)
             params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
             request = asyncio.create_task(collect(engine, PROMPTS[0], params, "slow"))
-            await asyncio.sleep(1.0)
+            deadline = time.monotonic() + 30
+            while engine.stalled_for() <= 0.5 and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
             assert engine.stalled_for() > 0.5
+            release.set()
             assert isinstance(await request, RequestOutput)
             assert engine.stalled_for() == 0.0
         finally:
+            release.set()
             await engine.shutdown()
 
     asyncio.run(scenario())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from typing import Any
 
@@ -24,6 +25,7 @@ def test_health_turns_unhealthy_while_a_step_stalls(
         engine = AsyncEngine(config)
         server = TestServer(create_app(engine, ServerConfig(engine_stall_seconds=0.5)))
         await server.start_server()
+        release = threading.Event()
         try:
             async with aiohttp.ClientSession() as http:
                 health = str(server.make_url("/health"))
@@ -32,7 +34,7 @@ def test_health_turns_unhealthy_while_a_step_stalls(
                 execute = engine.engine.runner.execute
 
                 def stuck(*args: Any, **kwargs: Any) -> Any:
-                    time.sleep(2.0)
+                    release.wait(timeout=60)
                     return execute(*args, **kwargs)
 
                 monkeypatch.setattr(engine.engine.runner, "execute", stuck)
@@ -40,15 +42,20 @@ def test_health_turns_unhealthy_while_a_step_stalls(
                 request = asyncio.create_task(
                     http.post(str(server.make_url("/v1/completions")), json=body)
                 )
-                await asyncio.sleep(1.2)
-                async with http.get(health) as response:
-                    assert response.status == 503
-                    assert (await response.json())["status"] == "engine_stalled"
+                deadline = time.monotonic() + 30
+                status = 200
+                while status == 200 and time.monotonic() < deadline:
+                    await asyncio.sleep(0.1)
+                    async with http.get(health) as response:
+                        status, state = response.status, await response.json()
+                assert status == 503 and state["status"] == "engine_stalled", state
+                release.set()
                 reply = await request
                 assert reply.status == 200, await reply.text()
                 async with http.get(health) as response:
                     assert response.status == 200
         finally:
+            release.set()
             await server.close()
 
     asyncio.run(scenario())
