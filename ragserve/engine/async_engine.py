@@ -296,11 +296,13 @@ class AsyncEngine:
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
-            sink = self._sinks.get(output.request_id)
+            # A finished request leaves the sinks before its caller can see its last output.
+            if output.finished:
+                sink = self._sinks.pop(output.request_id, None)
+            else:
+                sink = self._sinks.get(output.request_id)
             if sink is not None:
                 sink.put(_as_error(output) if output.error else output)
-            if output.finished:
-                self._sinks.pop(output.request_id, None)
 
     def _fail_all(self, exc: BaseException) -> None:
         """Fail every request with a sink. NOTE: sinks are popped one by one, never cleared
