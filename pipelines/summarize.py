@@ -32,6 +32,7 @@ from pipelines.chunking import (
     validate_chunking,
 )
 from pipelines.documents import Document, ErrorHandler, load_documents, log_error
+from pipelines.plain_text import plain_text_tokenizer
 from pipelines.progress import BatchProgress, RequestPump
 from ragserve.sampling_params import SamplingParams
 
@@ -142,7 +143,7 @@ class DocumentJob:
         self.generated_tokens += generated_tokens
         self.finish_reason = finish_reason
         self._texts[call.index] = text
-        self._outputs[call.index] = encode(self.summarizer.tokenizer, text)
+        self._outputs[call.index] = encode(self.summarizer.text_tokenizer, text)
         self._waiting -= 1
         if self._waiting:
             return []
@@ -207,7 +208,7 @@ class DocumentJob:
             "source": self.document.source,
             "summary": self.summary,
             "document_tokens": len(self.tokenized),
-            "summary_tokens": len(encode(self.summarizer.tokenizer, self.summary)),
+            "summary_tokens": len(encode(self.summarizer.text_tokenizer, self.summary)),
             "prompt_tokens": self.prompt_tokens,
             "generated_tokens": self.generated_tokens,
             "num_chunks": len(self.chunks),
@@ -241,12 +242,24 @@ def pack_summaries(
 class Summarizer:
     """Resolved options and tokenized prompt frames; starts one :class:`DocumentJob` per document."""
 
-    def __init__(self, tokenizer: Any, max_model_len: int, options: SummarizeOptions) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        max_model_len: int,
+        options: SummarizeOptions,
+        text_tokenizer: Any | None = None,
+    ) -> None:
+        """``text_tokenizer`` encodes document and summary text (special-token strings as
+        plain text); made from ``tokenizer`` when not given. The prompt frames use
+        ``tokenizer``, whose chat template writes real control tokens."""
         if tokenizer is None:
             raise ValueError("summarization needs a model with a tokenizer")
         if options.max_summary_tokens < 1:
             raise ValueError(f"max_summary_tokens must be >= 1, got {options.max_summary_tokens}")
         self.tokenizer = tokenizer
+        self.text_tokenizer = (
+            text_tokenizer if text_tokenizer is not None else plain_text_tokenizer(tokenizer)
+        )
         self.options = options
         self.max_summary_tokens = options.max_summary_tokens
         self.map_frame = self._frame(options.map_template)
@@ -281,7 +294,7 @@ class Summarizer:
         return encode(self.tokenizer, head), encode(self.tokenizer, tail)
 
     def start(self, document: Document, priority: int = 0) -> DocumentJob:
-        tokenized = tokenize_with_offsets(self.tokenizer, document.text)
+        tokenized = tokenize_with_offsets(self.text_tokenizer, document.text)
         chunks = chunk_text(tokenized, self.chunk_tokens, self.overlap_tokens)
         return DocumentJob(self, document, tokenized, chunks, priority)
 

@@ -129,7 +129,7 @@ class ServerConfig:
     max_text_bytes: int = option(
         4 * 2**20,
         help="largest text of one prompt (a chat's messages together, one completion prompt, "
-        "a document), in UTF-8 bytes; text that cannot fit the model's context is refused "
+        "a document, each text to summarize), in UTF-8 bytes; text that cannot fit the model's context is refused "
         "before tokenizing anyway",
     )
 

@@ -31,6 +31,7 @@ from ragserve.server.state import (
 )
 from ragserve.server.summarize_jobs import ENDPOINT, SummarizeJobs
 from ragserve.server.tenant_limits import JobLimits
+from ragserve.server.text_limits import TextLimit
 
 SUMMARIZE_JOBS: web.AppKey[SummarizeJobs] = web.AppKey("summarize_jobs")
 MAX_INPUTS = 64
@@ -115,6 +116,10 @@ async def _documents(
     if body.documents is None:
         texts = [body.text] if body.text is not None else body.texts or []
         param = "text" if body.text is not None else "texts"
+        # Each text is a document: the same byte bound, checked before any tokenizing.
+        limit = TextLimit(app[CONFIG].max_text_bytes)
+        for i, text in enumerate(texts):
+            limit.check([text], param if body.text is not None else f"{param}[{i}]")
         documents = [Document(str(i), text, f"{param}[{i}]") for i, text in enumerate(texts)]
     else:
         prompts = app[PROMPTS]

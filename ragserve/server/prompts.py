@@ -15,10 +15,9 @@ documents). For completions, the prompt follows the documents directly, so one i
 serves both APIs.
 
 Text from users (document text, completion prompts, chat content) never becomes control
-tokens: it is encoded by a private copy of the tokenizer set to treat special-token
-strings as plain text, and chat messages go through :mod:`ragserve.server.control_tokens`.
-NOTE: a copy, because toggling that setting per call would mutate the tokenizer the engine
-thread is decoding with at the same time. Token ids given by the client are taken as they
+tokens: it is encoded by a copy of the tokenizer set to treat special-token strings as
+plain text (:mod:`pipelines.plain_text`), and chat messages go through
+:mod:`ragserve.server.control_tokens`. Token ids given by the client are taken as they
 are: that is how a client sends control tokens on purpose.
 
 Tokenizer calls run off the event loop on :class:`TokenizerLanes` (large inputs on their
@@ -28,11 +27,11 @@ tokenizing (:mod:`ragserve.server.text_limits`).
 
 from __future__ import annotations
 
-import copy
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from pipelines.plain_text import plain_text_tokenizer
 from ragserve.server.control_tokens import ControlTokenGuard
 from ragserve.server.errors import bad_request
 from ragserve.server.text_limits import TextLimit
@@ -61,13 +60,8 @@ class PromptBuilder:
         if tokenizer is None:
             raise ValueError("the server needs a model with a tokenizer")
         self.tokenizer = tokenizer
-        self._plain_tokenizer = copy.deepcopy(tokenizer)
-        self._plain_tokenizer.split_special_tokens = True
-        backend = getattr(self._plain_tokenizer, "backend_tokenizer", None)
-        if backend is not None:
-            # NOTE: set on the backend now: the first call would set it, racing other threads.
-            backend.encode_special_tokens = True
-        self._guard = ControlTokenGuard(tokenizer, self._plain_tokenizer)
+        self.plain_tokenizer = plain_text_tokenizer(tokenizer)
+        self._guard = ControlTokenGuard(tokenizer, self.plain_tokenizer)
         self._lanes = TokenizerLanes()
         self.text_limit = (
             TextLimit(max_text_bytes)
@@ -86,7 +80,7 @@ class PromptBuilder:
 
     # -- called on a tokenizer thread --------------------------------------------------------
     def _encode(self, text: str, special_tokens_as_text: bool = False) -> list[int]:
-        tokenizer = self._plain_tokenizer if special_tokens_as_text else self.tokenizer
+        tokenizer = self.plain_tokenizer if special_tokens_as_text else self.tokenizer
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def _render_chat_head(self) -> str | None:
@@ -117,7 +111,7 @@ class PromptBuilder:
         if not documents:
             if isinstance(prompt, list):
                 return list(prompt)
-            return list(self._plain_tokenizer.encode(prompt))  # BOS as the tokenizer adds it
+            return list(self.plain_tokenizer.encode(prompt))  # BOS as the tokenizer adds it
         if isinstance(prompt, list):
             return self._join(documents, list(prompt))
         return self._join(documents, self._encode(prompt, special_tokens_as_text=True))

@@ -212,7 +212,10 @@ class SummarizeJobs:
         cache_tokens = self.engine.info.kv_cache_tokens
         context = min(max_model_len, cache_tokens)
         try:
-            return await self.prompts.run(Summarizer, self.prompts.tokenizer, context, options)
+            prompts = self.prompts
+            return await prompts.run(
+                Summarizer, prompts.tokenizer, context, options, prompts.plain_tokenizer
+            )
         except ValueError as exc:
             message = str(exc)
             param = next((name for name in _OPTION_NAMES if message.startswith(name)), None)
