@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import dataclasses
-import gc
 import logging
-import os
 import threading
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, NamedTuple
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -19,35 +15,23 @@ from kvstore.block_pool import BlockPool
 from kvstore.device_cache import KVCacheSpec
 from kvstore.hashing import hash_full_blocks, make_salt
 from kvstore.kv_cache_manager import KVAllocation, KVCacheManager
-from kvstore.record_cipher import RecordCipher
-from kvstore.tier import TierMetrics
-from kvstore.tier_stack import TierStack, TierTraffic
 from ragserve.config import EngineConfig
 from ragserve.engine.detokenizer import IncrementalDetokenizer
-from ragserve.engine.engine_info import EngineInfo, EngineSnapshot, KVBlockUsage
+from ragserve.engine.engine_face import make_info, take_snapshot
+from ragserve.engine.engine_info import EngineSnapshot
+from ragserve.engine.engine_request import EngineRequest
+from ragserve.engine.engine_setup import kv_budget_bytes, open_tiers
+from ragserve.engine.guarded_sampling import GuardedSampler, LaunchedStep
 from ragserve.engine.model_runner import ModelRunner
-from ragserve.engine.sampler import (
-    DeviceSamples,
-    SampleRequest,
-    read_samples,
-    sample_on_device,
-    to_device_async,
-)
+from ragserve.engine.prefix_pins import PrefixPins
+from ragserve.engine.sampler import SampleRequest, read_samples, to_device_async
 from ragserve.engine.scheduler import Scheduler
 from ragserve.engine.sequence import Sequence
 from ragserve.models.loader import LoadedModel, load_model_from_config
-from ragserve.outputs import CompletionOutput, RequestOutput
+from ragserve.outputs import RequestOutput
 from ragserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-# Pinned documents may hold at most this share of the device KV blocks.
-MAX_PINNED_FRACTION = 0.5
-FAIL_SAMPLING_ENV = "RAGSERVE_TEST_FAIL_SAMPLING_MARKER"
-
-
-class InjectedFault(RuntimeError):
-    """Raised by the test-only sampling fault hook (``FAIL_SAMPLING_ENV``)."""
 
 
 @dataclass
@@ -64,53 +48,6 @@ class EngineStats:
     def kv_utilisation(self) -> float:
         """Time-averaged share of allocated KV slots that hold a token."""
         return self.kv_tokens_stored / self.kv_slots_allocated if self.kv_slots_allocated else 0.0
-
-
-@dataclass
-class _Request:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seqs: list[Sequence]
-    arrival_time: float
-    first_token_time: float | None = None
-    metrics: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def finished(self) -> bool:
-        return all(seq.is_finished for seq in self.seqs)
-
-
-@dataclass
-class _LaunchedStep:
-    """A step queued on the device whose sampled tokens the host has not read yet.
-
-    ``seqs`` are the sequences that sample a token, in row order; ``rows[i]`` is the row
-    of ``seqs[i]`` in ``samples`` (None: row ``i``).
-    """
-
-    seqs: list[Sequence]
-    samples: DeviceSamples | None
-    rows: list[int] | None = None
-
-    def row(self, index: int) -> int:
-        return index if self.rows is None else self.rows[index]
-
-
-class _Pin(NamedTuple):
-    """A pinned prefix and the namespace whose share of the pin budget it counts against."""
-
-    namespace: str
-    alloc: KVAllocation
-
-
-class _TierReading(NamedTuple):
-    """What the face reports of the tiers below the device (all copies)."""
-
-    metrics: dict[str, TierMetrics]
-    traffic: TierTraffic | None
-    disk_dir: Path | None
 
 
 class LLMEngine:
@@ -136,7 +73,9 @@ class LLMEngine:
             block_size=config.block_size,
             dtype=self.dtype,
         )
-        num_blocks = self.kv_spec.num_blocks_for(self._kv_budget_bytes())
+        num_blocks = self.kv_spec.num_blocks_for(
+            kv_budget_bytes(config, self.device, self.kv_spec.bytes_per_token, self.max_model_len)
+        )
         if num_blocks < 1:
             raise ValueError(
                 f"the KV budget holds no block of {self.kv_spec.bytes_per_block} bytes; "
@@ -144,7 +83,7 @@ class LLMEngine:
             )
         self.kv_cache = self.kv_spec.allocate(num_blocks, self.device)
         self.block_pool = BlockPool(num_blocks)
-        self.tiers = self._open_tiers()
+        self.tiers = open_tiers(config, self.kv_cache, self.block_pool)
         self.kv_manager = KVCacheManager(
             self.block_pool,
             config.block_size,
@@ -166,21 +105,19 @@ class LLMEngine:
         if prepare_this_thread:
             self.prepare_thread()
         self.stats = EngineStats()
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, EngineRequest] = {}
         self._salts: dict[str, bytes] = {}
-        self._pins: dict[str, _Pin] = {}
+        self.pins = PrefixPins(self.kv_manager, self.block_pool)
         self._next_seq_id = 0
         async_scheduling = config.async_scheduling
         self.async_scheduling = (
             self.device.type == "cuda" if async_scheduling is None else async_scheduling
         )
-        self._lookahead: _LaunchedStep | None = None
+        self._lookahead: LaunchedStep | None = None
         # Outputs of requests failed alone during a step, returned with that step's outputs.
         self._failed: list[RequestOutput] = []
-        # Test-only: requests whose id contains this marker fail while sampling (set from
-        # RAGSERVE_TEST_FAIL_SAMPLING_MARKER), to exercise the isolation of request faults.
-        self.fail_sampling_marker: str | None = os.environ.get(FAIL_SAMPLING_ENV) or None
-        self.info = self._make_info(backend.name)
+        self.sampler = GuardedSampler()
+        self.info = make_info(self, backend.name)
         logger.info(
             "engine ready in %.1fs: %s on %s (%s), %d KV blocks of %d tokens (%.2f GiB), "
             "attention %s, decode %s",
@@ -195,34 +132,6 @@ class LLMEngine:
             "eager" if self.runner.decode_graphs is None else "in CUDA graphs",
         )
 
-    def _open_tiers(self) -> TierStack | None:
-        config = self.config
-        disk_gib = config.disk_tier_gib
-        if not config.enable_prefix_caching or (config.kv_cpu_gib <= 0 and disk_gib <= 0):
-            return None
-        if config.kv_disk_gib is None and disk_gib > 0:
-            logger.info(
-                "disk KV tier on in %s with the default budget of %g GiB (--kv-disk-gib sets it)",
-                config.kv_disk_dir or "the default folder", disk_gib,
-            )  # fmt: skip
-        cipher = None
-        if config.kv_encryption_key_file:
-            try:
-                cipher = RecordCipher.from_file(config.kv_encryption_key_file)
-            except (OSError, ValueError) as exc:
-                raise ValueError(f"the KV encryption key cannot be used: {exc}") from exc
-        try:
-            return TierStack.from_budgets(
-                self.kv_cache,
-                self.block_pool,
-                cpu_gib=config.kv_cpu_gib,
-                disk_gib=disk_gib,
-                disk_dir=config.kv_disk_dir,
-                cipher=cipher,
-            )
-        except OSError as exc:
-            raise ValueError(f"the KV disk directory cannot be used: {exc}") from exc
-
     def background_work(self) -> None:
         """Cheap upkeep run before each step and while idle: queue pending disk writes."""
         if self.tiers is not None:
@@ -235,22 +144,6 @@ class LLMEngine:
         if self.tiers is not None:
             self.tiers.close()
             self.tiers = None
-
-    def _kv_budget_bytes(self) -> float:
-        if self.config.kv_cache_gib is not None:
-            return self.config.kv_cache_gib * 2**30
-        if self.device.type == "cuda":
-            # NOTE: an engine dropped without close() may still hold memory until the
-            # collector runs; count only what is really in use.
-            gc.collect()
-            torch.cuda.empty_cache()
-            free, total = torch.cuda.mem_get_info(self.device)
-            # Leave room for activations of the largest step and the allocator's slack.
-            reserve = 2**30 + self.config.max_num_batched_tokens * 64 * 1024
-            return max(0.0, free - (1 - self.config.gpu_memory_utilization) * total - reserve)
-        # On the CPU: enough for every sequence at full length, at most 4 GiB.
-        wanted = self.config.max_num_seqs * self.max_model_len * self.kv_spec.bytes_per_token
-        return float(min(wanted, 4 * 2**30))
 
     def prepare_thread(self) -> None:
         """Build what the calling thread keeps for itself, before it steps the engine.
@@ -274,60 +167,9 @@ class LLMEngine:
     def num_kv_blocks(self) -> int:
         return self.block_pool.num_blocks
 
-    # -- the read-only face ------------------------------------------------------------------
-    def _make_info(self, attention_backend: str) -> EngineInfo:
-        config = self.config
-        tiers = self._read_tiers()
-        cpu, disk = tiers.metrics.get("cpu"), tiers.metrics.get("disk")
-        return EngineInfo(
-            model_name=self.model_name,
-            model_fingerprint=self.loaded.fingerprint,
-            device=self.device,
-            dtype=self.dtype,
-            model_shape=self.loaded.model.shape,
-            weight_bytes=sum(p.numel() * p.element_size() for p in self.loaded.model.parameters()),
-            eos_token_ids=tuple(self.eos_token_ids),
-            max_model_len=self.max_model_len,
-            block_size=config.block_size,
-            num_kv_blocks=self.num_kv_blocks,
-            kv_bytes_per_block=self.kv_spec.bytes_per_block,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            enable_prefix_caching=config.enable_prefix_caching,
-            attention_backend=attention_backend,
-            cpu_tier_bytes=cpu.capacity_bytes if cpu is not None else None,
-            disk_tier_dir=tiers.disk_dir,
-            disk_tier_key_file=config.kv_encryption_key_file if tiers.disk_dir else None,
-            disk_tier_bytes=disk.capacity_bytes if disk is not None else None,
-        )
-
     def snapshot(self) -> EngineSnapshot:
         """The engine's counters, copied; call it on the thread that steps the engine."""
-        counters = self.kv_manager.counters
-        tiers = self._read_tiers()
-        return EngineSnapshot(
-            running=len(self.scheduler.running),
-            waiting=len(self.scheduler.waiting),
-            requests_in_flight=self.num_requests,
-            kv_blocks=KVBlockUsage(**self.kv_usage()),
-            queried_tokens=counters.queried_tokens,
-            hit_tokens=counters.hit_tokens,
-            prompt_tokens_computed=self.stats.prompt_tokens_computed,
-            generated_tokens=self.stats.generated_tokens,
-            steps=self.stats.steps,
-            steps_ahead=self.stats.steps_ahead,
-            preemptions=self.scheduler.num_preemptions,
-            kv_utilisation=self.stats.kv_utilisation,
-            tier_metrics=tiers.metrics,
-            tier_traffic=tiers.traffic,
-        )
-
-    def _read_tiers(self) -> _TierReading:
-        """The one place the face reads the tier stack."""
-        if self.tiers is None:
-            return _TierReading({}, None, None)
-        disk_dir = next((Path(t.location) for t in self.tiers.describe() if t.location), None)
-        return _TierReading(self.tiers.metrics(), dataclasses.replace(self.tiers.traffic), disk_dir)
+        return take_snapshot(self)
 
     # -- requests ----------------------------------------------------------------------------
     def salt_for(self, namespace: str) -> bytes:
@@ -389,7 +231,7 @@ class LLMEngine:
             self._next_seq_id += 1
             self.kv_manager.update_hashes(seq.kv, seq.token_ids)
             seqs.append(seq)
-        self._requests[request_id] = _Request(request_id, text, token_ids, params, seqs, now)
+        self._requests[request_id] = EngineRequest(request_id, text, token_ids, params, seqs, now)
         for seq in seqs:
             self.scheduler.add(seq)
 
@@ -456,56 +298,13 @@ class LLMEngine:
     def pin_prefix(
         self, pin_id: str, token_ids: list[int], namespace: str = "", namespace_share: float = 1.0
     ) -> int:
-        """Hold references on the cached full blocks of ``token_ids`` so they are never evicted.
-
-        Returns how many leading tokens are pinned (the cached full blocks found now): 0
-        when pinning them would take all pins past ``MAX_PINNED_FRACTION`` of the KV blocks
-        (the pin budget), or the pins of ``namespace`` past ``namespace_share`` of that budget.
-        """
-        if not 0.0 <= namespace_share <= 1.0:
-            raise ValueError(f"namespace_share must be in [0, 1], got {namespace_share}")
-        self.unpin_prefix(pin_id)
+        """Keep the cached full blocks of ``token_ids`` from eviction; returns the tokens
+        pinned, 0 past the pin budget (see :mod:`ragserve.engine.prefix_pins`)."""
         alloc = KVAllocation(salt=self.salt_for(namespace))
-        self.kv_manager.update_hashes(alloc, token_ids)
-        self.kv_manager.begin_step()  # between steps: a step's worth of tier loads
-        pinned = self.kv_manager.match_prefix(alloc, token_ids, 0, leave_one=False)
-        blocks = set(alloc.block_table)
-        limit = int(self.block_pool.num_blocks * MAX_PINNED_FRACTION)
-        own_limit = int(limit * namespace_share)
-        held = {block for pin in self._pins.values() for block in pin.alloc.block_table}
-        own = {
-            b
-            for pin in self._pins.values()
-            if pin.namespace == namespace
-            for b in pin.alloc.block_table
-        }
-        if len(held | blocks) > limit or len(own | blocks) > own_limit:
-            # NOTE: pins may never starve requests (or one tenant's pins another's) of
-            # blocks; the document stays cached (and on disk with a disk tier), just evictable.
-            self.kv_manager.free(alloc)
-            logger.warning(
-                "not pinning %s: pins would hold more than %d of %d KV blocks, or this "
-                "namespace's more than %d",
-                pin_id,
-                limit,
-                self.block_pool.num_blocks,
-                own_limit,
-            )
-            return 0
-        self._pins[pin_id] = _Pin(namespace, alloc)
-        if self.tiers is not None:  # pinned documents persist, whoever computed their blocks
-            for block in alloc.block_table:
-                identity = self.block_pool.identities[block]
-                if identity is not None and not self.tiers.contains(identity):
-                    self.tiers.persist(block, identity)
-        return pinned
+        return self.pins.pin(pin_id, alloc, token_ids, namespace, namespace_share, self.tiers)
 
     def unpin_prefix(self, pin_id: str) -> bool:
-        pin = self._pins.pop(pin_id, None)
-        if pin is None:
-            return False
-        self.kv_manager.free(pin.alloc)
-        return True
+        return self.pins.unpin(pin_id)
 
     def purge_prefix(
         self, token_ids: list[int], namespace: str = "", keep: list[list[int]] | None = None
@@ -532,7 +331,7 @@ class LLMEngine:
     def kv_usage(self) -> dict[str, int]:
         """Device blocks: total, in use by requests, pinned, cached (indexed), free."""
         pool = self.block_pool
-        pinned = len({b for pin in self._pins.values() for b in pin.alloc.block_table})
+        pinned = len(self.pins.blocks())
         return {
             "total": pool.num_blocks,
             "used": pool.num_used - pinned,
@@ -577,21 +376,14 @@ class LLMEngine:
         if request is None:
             return
         logger.warning("request %s failed alone: %s", request_id, message)
-        output = self._safe_output(request)
+        output = request.safe_output(self.config.block_size)
         output.finished = True
         output.error = message
         output.error_code = "request_failed"
         self.abort_request(request_id)
         self._failed.append(output)
 
-    def _safe_output(self, request: _Request) -> RequestOutput:
-        """The request's output, or a bare one when building it is what failed."""
-        try:
-            return self._make_output(request)
-        except Exception:
-            return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, [])
-
-    def _launch_scheduled(self) -> _LaunchedStep | None:
+    def _launch_scheduled(self) -> LaunchedStep | None:
         batch = self.scheduler.schedule()
         if not batch:
             return None
@@ -605,47 +397,13 @@ class LLMEngine:
         ]
         return self._sample(logits, sampling)
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], ahead: int = 0) -> _LaunchedStep:
-        """Draw a token for each row of ``logits`` (row ``i`` is ``seqs[i]``).
-
-        A draw that raises is retried row by row to find the requests at fault; they fail
-        alone, and the others draw exactly what they would have drawn without them (each
-        row is sampled on its own, and generator states are restored for the retry).
-        """
-        if not seqs:
-            return _LaunchedStep([], None)
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], ahead: int = 0) -> LaunchedStep:
+        """Draw a token for each row of ``logits`` (row ``i`` is ``seqs[i]``); a request
+        whose draw raises fails alone."""
         requests = [self._sample_request(seq, ahead) for seq in seqs]
-        states = [r.generator.get_state() if r.generator is not None else None for r in requests]
-        try:
-            return _LaunchedStep(seqs, self._draw(logits, requests))
-        except Exception:
-            logger.warning("sampling a batch of %d rows failed; retrying row by row", len(seqs))
-        failed: set[str] = set()
-        for row, request in enumerate(requests):
-            _restore(requests, states)
-            try:
-                self._draw(logits[row : row + 1], [request])
-            except Exception as exc:
-                failed.add(seqs[row].request_id)
-                self._fail_request(
-                    seqs[row].request_id, f"sampling failed: {type(exc).__name__}: {exc}"
-                )
-        _restore(requests, states)
-        keep = [row for row, seq in enumerate(seqs) if seq.request_id not in failed]
-        if not keep:
-            return _LaunchedStep([], None)
-        rows = to_device_async(keep, torch.int64, logits.device)
-        kept = [requests[row] for row in keep]
-        return _LaunchedStep([seqs[row] for row in keep], self._draw(logits[rows], kept))
+        return self.sampler.sample(logits, seqs, requests, self._fail_request)
 
-    def _draw(self, logits: torch.Tensor, requests: list[SampleRequest]) -> DeviceSamples:
-        if self.fail_sampling_marker is not None:
-            for request in requests:
-                if self.fail_sampling_marker in request.request_id:
-                    raise InjectedFault(f"injected sampling fault for {request.request_id}")
-        return sample_on_device(logits, requests)
-
-    def _take_lookahead(self) -> _LaunchedStep | None:
+    def _take_lookahead(self) -> LaunchedStep | None:
         """The step launched ahead, as this step, without the sequences that stopped since."""
         ahead, self._lookahead = self._lookahead, None
         if ahead is None:
@@ -662,9 +420,9 @@ class LLMEngine:
             assert sampled, "a step ahead computes each sequence's last known token"
         if len(keep) == len(ahead.seqs):
             return ahead
-        return _LaunchedStep(seqs, ahead.samples, [ahead.row(index) for index in keep])
+        return LaunchedStep(seqs, ahead.samples, [ahead.row(index) for index in keep])
 
-    def _may_look_ahead(self, launched: _LaunchedStep) -> bool:
+    def _may_look_ahead(self, launched: LaunchedStep) -> bool:
         """Steady decoding: every running sequence samples now and nobody waits to join."""
         return (
             self.async_scheduling
@@ -674,7 +432,7 @@ class LLMEngine:
             and all(seq.params.logprobs is None for seq in launched.seqs)
         )
 
-    def _launch_lookahead(self, launched: _LaunchedStep) -> _LaunchedStep | None:
+    def _launch_lookahead(self, launched: LaunchedStep) -> LaunchedStep | None:
         """Queue the next decode step of ``launched``'s sequences, fed its ids on the device."""
         assert launched.samples is not None
         indices = [
@@ -698,11 +456,11 @@ class LLMEngine:
         ahead = self._sample(logits, seqs, ahead=1)
         return ahead if ahead.samples is not None else None
 
-    def _finish(self, launched: _LaunchedStep) -> list[RequestOutput]:
+    def _finish(self, launched: LaunchedStep) -> list[RequestOutput]:
         """Read the step's tokens (the host sync) and advance its sequences and requests."""
         results = read_samples(launched.samples) if launched.samples is not None else []
         now = time.monotonic()
-        touched: dict[str, _Request] = {}
+        touched: dict[str, EngineRequest] = {}
         for index, seq in enumerate(launched.seqs):
             request = self._requests.get(seq.request_id)
             if request is None or seq.is_finished:
@@ -731,7 +489,7 @@ class LLMEngine:
             if request.request_id not in self._requests:
                 continue
             try:
-                output = self._make_output(request)
+                output = request.output(self.config.block_size)
             except Exception as exc:
                 self._fail_request(
                     request.request_id, f"building the output failed: {type(exc).__name__}: {exc}"
@@ -751,7 +509,7 @@ class LLMEngine:
         """
         request = self._requests[seq.request_id]
         usage = self.kv_usage()
-        output = self._make_output(request)
+        output = request.output(self.config.block_size)
         output.finished = True
         output.error = (
             f"no room in the KV cache: pinned documents hold {usage['pinned']} of "
@@ -806,53 +564,3 @@ class LLMEngine:
             seq.finish_reason, seq.stop_reason = "stop", stop_string
         elif seq.num_output_tokens >= self._max_new_tokens(seq.num_prompt_tokens, params):
             seq.finish_reason = "length"
-
-    def _make_output(self, request: _Request) -> RequestOutput:
-        completions = [
-            CompletionOutput(
-                index=seq.index,
-                text=seq.detokenizer.stream_text(seq.is_finished) if seq.detokenizer else "",
-                token_ids=list(seq.output_token_ids),
-                finish_reason=seq.finish_reason,
-                stop_reason=seq.stop_reason,
-                logprobs=list(seq.logprobs) if request.params.logprobs is not None else None,
-                cumulative_logprob=seq.cumulative_logprob
-                if request.params.logprobs is not None
-                else None,
-            )
-            for seq in request.seqs
-        ]
-        metrics = {"arrival_time": request.arrival_time}
-        cached = max(0, min(seq.num_cached_tokens for seq in request.seqs))
-        if request.first_token_time is not None:
-            metrics["first_token_time"] = request.first_token_time
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            outputs=completions,
-            finished=request.finished,
-            num_cached_tokens=cached,
-            cached_tokens_by_tier=_by_tier(
-                cached, request.seqs[0].kv.loaded_blocks, self.config.block_size
-            ),
-            metrics=metrics,
-        )
-
-
-def _by_tier(cached: int, loaded_blocks: dict[str, int], block_size: int) -> dict[str, int]:
-    """Split ``cached`` prompt tokens into those loaded from each tier and the rest, which
-    were on the device already. NOTE: a preempted sequence may load a block twice; the
-    split is capped so that it always sums to ``cached``."""
-    split: dict[str, int] = {}
-    left = cached
-    for name, blocks in sorted(loaded_blocks.items()):
-        split[name] = min(left, blocks * block_size)
-        left -= split[name]
-    return {"device": left, **split}
-
-
-def _restore(requests: list[SampleRequest], states: list[torch.Tensor | None]) -> None:
-    for request, state in zip(requests, states, strict=True):
-        if request.generator is not None and state is not None:
-            request.generator.set_state(state)

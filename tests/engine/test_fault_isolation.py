@@ -55,7 +55,7 @@ def victims() -> dict[str, tuple[list[int], SamplingParams]]:
 def test_a_failing_draw_fails_its_request_alone(model_dir: Path) -> None:
     clean = run_all(make_engine(model_dir), victims())
     engine = make_engine(model_dir)
-    engine.fail_sampling_marker = "boom"
+    engine.sampler.fail_marker = "boom"
     bad_params = SamplingParams(temperature=1.0, top_k=10, seed=1, max_tokens=12, ignore_eos=True)
     mixed = run_all(engine, {**victims(), "boom-1": ([8, 9, 10, 11], bad_params)})
     bad = mixed.pop("boom-1")

@@ -15,7 +15,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from ragserve.engine.llm_engine import FAIL_SAMPLING_ENV
+from ragserve.engine.guarded_sampling import FAIL_SAMPLING_ENV
 from tests.server.server_fixtures import BASE_ARGS, ServerProcess
 
 pytestmark = pytest.mark.e2e

@@ -1,0 +1,66 @@
+"""How big the engine's KV pool is and which tiers sit below it, from the config."""
+
+from __future__ import annotations
+
+import gc
+import logging
+
+import torch
+
+from kvstore.block_pool import BlockPool
+from kvstore.record_cipher import RecordCipher
+from kvstore.tier_stack import TierStack
+from ragserve.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+
+def kv_budget_bytes(
+    config: EngineConfig, device: torch.device, bytes_per_token: int, max_model_len: int
+) -> float:
+    """Bytes for the device KV pool: ``kv_cache_gib`` when given; otherwise what the GPU has
+    free (less ``gpu_memory_utilization``'s headroom), or on the CPU enough for every
+    sequence at full length, at most 4 GiB."""
+    if config.kv_cache_gib is not None:
+        return config.kv_cache_gib * 2**30
+    if device.type == "cuda":
+        # NOTE: an engine dropped without close() may still hold memory until the
+        # collector runs; count only what is really in use.
+        gc.collect()
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(device)
+        # Leave room for activations of the largest step and the allocator's slack.
+        reserve = 2**30 + config.max_num_batched_tokens * 64 * 1024
+        return max(0.0, free - (1 - config.gpu_memory_utilization) * total - reserve)
+    wanted = config.max_num_seqs * max_model_len * bytes_per_token
+    return float(min(wanted, 4 * 2**30))
+
+
+def open_tiers(config: EngineConfig, kv_cache: torch.Tensor, pool: BlockPool) -> TierStack | None:
+    """The tier stack below the device pool, or None when no tier is configured; a bad key
+    file or disk directory is a ValueError naming it."""
+    disk_gib = config.disk_tier_gib
+    if not config.enable_prefix_caching or (config.kv_cpu_gib <= 0 and disk_gib <= 0):
+        return None
+    if config.kv_disk_gib is None and disk_gib > 0:
+        logger.info(
+            "disk KV tier on in %s with the default budget of %g GiB (--kv-disk-gib sets it)",
+            config.kv_disk_dir or "the default folder", disk_gib,
+        )  # fmt: skip
+    cipher = None
+    if config.kv_encryption_key_file:
+        try:
+            cipher = RecordCipher.from_file(config.kv_encryption_key_file)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"the KV encryption key cannot be used: {exc}") from exc
+    try:
+        return TierStack.from_budgets(
+            kv_cache,
+            pool,
+            cpu_gib=config.kv_cpu_gib,
+            disk_gib=disk_gib,
+            disk_dir=config.kv_disk_dir,
+            cipher=cipher,
+        )
+    except OSError as exc:
+        raise ValueError(f"the KV disk directory cannot be used: {exc}") from exc
