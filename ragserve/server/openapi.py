@@ -106,6 +106,11 @@ OPERATIONS: dict[tuple[str, str], dict[str, Any]] = {
                                 "description": "a UTF-8 .txt or .md file",
                             },
                             "metadata": {"type": "string", "description": "a JSON object"},
+                            "ttl": {"type": "string", "description": "seconds from now"},
+                            "expire_time": {
+                                "type": "string",
+                                "description": "Unix seconds or an RFC 3339 time",
+                            },
                         },
                     }
                 },

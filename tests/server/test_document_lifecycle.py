@@ -4,6 +4,7 @@ metadata), expiry deletes like a DELETE; GET shows times, tokens, where the KV l
 from __future__ import annotations
 
 import time
+from datetime import datetime
 from typing import Any
 
 import pytest
@@ -123,3 +124,56 @@ def test_ttl_expires_and_patch_extends(server: ServerProcess) -> None:
         timeout=30,
     )
     assert_error(bad, 400)
+
+
+def upload_form(server: ServerProcess, topic: str, fields: dict[str, str]) -> requests.Response:
+    """A real multipart upload: the document as a .txt file plus ``fields`` as form fields."""
+    files: dict[str, Any] = {"file": (f"{topic}.txt", text(topic).encode(), "text/plain")}
+    files.update({name: (None, value) for name, value in fields.items()})
+    return requests.post(f"{server.url}/v1/documents", files=files, headers=AUTH, timeout=60)
+
+
+@pytest.mark.e2e
+def test_multipart_upload_takes_ttl_expire_time_and_metadata(server: ServerProcess) -> None:
+    before = time.time()
+    timed = upload_form(server, "harbour", {"ttl": "600", "metadata": '{"v": 1}'})
+    assert timed.status_code == 202, timed.text
+    body = timed.json()
+    assert body["metadata"] == {"filename": "harbour.txt", "v": 1}
+    assert before + 600 <= expires_at(body) <= time.time() + 600
+    when = rfc3339(before + 900)
+    dated = upload_form(server, "estuary", {"expire_time": str(when)})
+    assert dated.status_code == 202, dated.text
+    assert dated.json()["expire_time"] == when
+    unix = upload_form(server, "lagoon", {"expire_time": f"{before + 700:.3f}"})
+    assert unix.status_code == 202, unix.text
+    assert expires_at(unix.json()) == pytest.approx(before + 700, abs=0.01)
+    assert get(server, body["id"]).json()["expire_time"] == body["expire_time"]
+
+    # The same rules as a JSON upload, each error naming its field.
+    for fields, param in [
+        ({"ttl": "soon"}, "ttl"),
+        ({"ttl": "-5"}, "ttl"),
+        ({"ttl": "nan"}, "ttl"),
+        ({"ttl": ""}, "ttl"),
+        ({"ttl": "5", "expire_time": f"{before + 60}"}, "ttl"),
+        ({"expire_time": "tomorrow"}, "expire_time"),
+        ({"expire_time": "2030-01-01T00:00:00"}, "expire_time"),
+        ({"expire_time": f"{before - 60}"}, "expire_time"),
+        ({"metadata": "[1]"}, "metadata"),
+    ]:
+        error = assert_error(upload_form(server, "delta", fields), 400)
+        assert error["param"] == param, (fields, error)
+    listed = requests.get(f"{server.url}/v1/documents", headers=AUTH, timeout=30).json()["data"]
+    assert "delta.txt" not in {d["metadata"].get("filename") for d in listed}
+
+
+@pytest.mark.e2e
+def test_multipart_ttl_expires(server: ServerProcess) -> None:
+    brief = upload_form(server, "spring", {"ttl": "2"})
+    assert brief.status_code == 202, brief.text
+    assert wait_for(lambda: get(server, brief.json()["id"]).status_code == 404, 15)
+
+
+def expires_at(doc: dict[str, Any]) -> float:
+    return datetime.fromisoformat(doc["expire_time"].replace("Z", "+00:00")).timestamp()
