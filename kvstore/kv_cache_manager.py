@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from kvstore.block_pool import BlockIdentity, BlockPool
 from kvstore.hashing import ROOT_PARENT, BlockHash, hash_full_blocks
-from kvstore.purge import PurgeCounts, doomed_blocks
+from kvstore.purge import PurgeCounts, doomed_blocks, first_doomed
 from kvstore.tier import BlockMeta, salt_fingerprint
 from kvstore.tier_stack import TierStack
 
@@ -30,6 +30,9 @@ class KVAllocation:
     block_hashes: list[BlockHash] = field(default_factory=list)
     num_registered: int = 0  # leading blocks already indexed in the prefix cache
     persist: bool = False  # write computed blocks through to disk at once
+    # Blocks from this index on are never indexed (nor written to a tier): a purge doomed
+    # them while this sequence was live (see ``KVCacheManager.purge``). None: no limit.
+    register_limit: int | None = None
     # Blocks loaded into this allocation from each tier (by tier name), over its life.
     loaded_blocks: dict[str, int] = field(default_factory=dict)
 
@@ -213,7 +216,7 @@ class KVCacheManager:
         if self.enable_prefix_caching:
             # NOTE: a block counts as being computed from its first scheduled token on, so
             # a reader never duplicates a block another sequence is halfway through.
-            touched = min(self.blocks_needed(num_tokens), len(alloc.block_hashes))
+            touched = min(self.blocks_needed(num_tokens), _registrable(alloc))
             for index in range(alloc.num_registered, touched):
                 self._pending.setdefault(alloc.block_hashes[index], alloc)
         return True
@@ -222,7 +225,7 @@ class KVCacheManager:
         """Index the full blocks whose KV is now computed, so other sequences can hit them."""
         if not self.enable_prefix_caching:
             return
-        full = min(num_computed // self.block_size, len(alloc.block_hashes))
+        full = min(num_computed // self.block_size, _registrable(alloc))
         for index in range(alloc.num_registered, full):
             identity = self._identity(alloc, token_ids, index)
             if self._pending.get(identity.block_hash) is alloc:
@@ -246,14 +249,20 @@ class KVCacheManager:
         self.counters.hit_tokens += num_hit_tokens
 
     def purge(
-        self, salt: bytes, owned: Sequence[BlockHash], kept: Iterable[BlockHash]
+        self,
+        salt: bytes,
+        owned: Sequence[BlockHash],
+        kept: Iterable[BlockHash],
+        live: Iterable[KVAllocation] = (),
     ) -> PurgeCounts:
         """Remove the blocks of ``owned`` (a chain of hashes under ``salt``) that ``kept``
         does not hold, and their descendants, from the prefix cache and every tier (see
         :mod:`kvstore.purge`). Call between steps.
 
-        NOTE: a block a running sequence is computing right now is registered when it is
-        done; the caller stops such sequences first (a deleted document's ingestion is)."""
+        ``live``: the allocations of every sequence not finished (running, waiting or
+        preempted). One whose chain passes through a doomed block keeps computing and using
+        its blocks, but never indexes (so never demotes or persists) that block or any
+        later one: a request admitted before the purge cannot bring the KV back after it."""
         counts = PurgeCounts()
         if not self.enable_prefix_caching:
             return counts
@@ -262,10 +271,22 @@ class KVCacheManager:
         if self.tiers is not None:
             links += self.tiers.block_links(fingerprint)
         doomed = doomed_blocks(owned, kept, links)
+        for alloc in live:
+            self._stop_registering(alloc, doomed)
         counts.device = sum(self.pool.forget(block_hash) for block_hash in doomed)
         if self.tiers is not None:
             counts.tiers = self.tiers.purge(fingerprint, doomed)
         return counts
+
+    def _stop_registering(self, alloc: KVAllocation, doomed: set[BlockHash]) -> None:
+        limit = first_doomed(alloc.block_hashes, doomed)
+        if limit is None:
+            return
+        alloc.register_limit = min(limit, _registrable(alloc))
+        # NOTE: a reader waiting for one of these blocks would wait for nothing: it computes.
+        for block_hash in alloc.block_hashes[limit:]:
+            if self._pending.get(block_hash) is alloc:
+                del self._pending[block_hash]
 
     def locate(self, salt: bytes, hashes: Sequence[BlockHash]) -> dict[str, int]:
         """How many of the blocks ``hashes`` (under ``salt``) each place holds now:
@@ -279,3 +300,10 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> int:
         return self.pool.evict_all_free()
+
+
+def _registrable(alloc: KVAllocation) -> int:
+    """Leading blocks of ``alloc`` that may be indexed: all hashed ones, up to its limit."""
+    if alloc.register_limit is None:
+        return len(alloc.block_hashes)
+    return min(alloc.register_limit, len(alloc.block_hashes))

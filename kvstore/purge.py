@@ -11,7 +11,7 @@ or KV computed from it, so they belong to it too.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 
@@ -43,3 +43,9 @@ def doomed_blocks(
                 doomed.add(child)
                 frontier.append(child)
     return doomed
+
+
+def first_doomed(chain: Sequence[bytes], doomed: set[bytes]) -> int | None:
+    """Index of the first block of ``chain`` in ``doomed``; every later block descends from
+    it, so it is doomed too. None when the chain holds none."""
+    return next((index for index, block_hash in enumerate(chain) if block_hash in doomed), None)

@@ -314,12 +314,15 @@ class LLMEngine:
         chain; blocks that a sequence of ``keep`` (same namespace) also has stay.
 
         Returns blocks removed: ``device`` (prefix-cache entries) and one count per tier.
-        Unpin first: a pinned block stays with its pin, only unindexed."""
+        Unpin first: a pinned block stays with its pin, only unindexed. Requests added
+        before this call run on, but never index or persist the purged blocks (commands
+        run in order, so every request queued before the purge is among them)."""
         salt = self.salt_for(namespace)
         size = self.config.block_size
         owned = hash_full_blocks(salt, token_ids, size)
         kept = {h for other in keep or () for h in hash_full_blocks(salt, other, size)}
-        counts = self.kv_manager.purge(salt, owned, kept)
+        live = [seq.kv for r in self._requests.values() for seq in r.seqs if not seq.is_finished]
+        counts = self.kv_manager.purge(salt, owned, kept, live)
         return {"device": counts.device, **counts.tiers}
 
     def locate_prefix(self, token_ids: list[int], namespace: str = "") -> dict[str, int]:

@@ -73,3 +73,39 @@ def test_purge_removes_a_sequence_from_every_tier(tmp_path: Path) -> None:
         mode = stat.S_IMODE(path.stat().st_mode)
         assert mode == (0o700 if path.is_dir() else 0o600), (path, oct(mode))
     assert salt_fingerprint(SALT) in {p.name for p in tmp_path.iterdir()}
+
+
+def test_a_sequence_live_across_the_purge_never_brings_its_blocks_back(tmp_path: Path) -> None:
+    cache = TieredCache(num_blocks=32, cpu_slots=8, disk_dir=tmp_path)
+    cache.compute(OTHER, persist=True)
+    # A question on DOC, admitted before the purge: half its prompt computed and indexed,
+    # the rest still to come; a second one waits, not yet allocated.
+    running, waiting = cache.alloc(QUESTION), cache.alloc(QUESTION)
+    running.persist = waiting.persist = True
+    assert cache.manager.allocate(running, len(QUESTION))
+    half = 4 * BS
+    cache.manager.commit(running, QUESTION, half)
+    assert cache.pool.lookup(chain(QUESTION)[3]) is not None
+
+    owned, kept = [i.block_hash for i in chain(DOC)], [i.block_hash for i in chain(OTHER)]
+    cache.manager.purge(SALT, owned, kept, live=[running, waiting])
+    assert running.register_limit == waiting.register_limit == 2  # the first block DOC owns
+
+    # Both finish after the purge: their blocks are used, never indexed, demoted or written.
+    cache.manager.commit(running, QUESTION, len(QUESTION))
+    cache.manager.free(running)
+    assert cache.manager.allocate(waiting, len(QUESTION))
+    cache.manager.commit(waiting, QUESTION, len(QUESTION))
+    cache.manager.free(waiting)
+    cache.evict_to_tiers()
+    cpu, disk = cache.tier("cpu"), cache.tier("disk")
+    for identity in chain(QUESTION)[2:]:
+        assert cache.pool.lookup(identity) is None
+        assert not cpu.contains(identity) and not disk.contains(identity)
+    assert _files_holding(tmp_path, DOC[2 * BS : 3 * BS]) == []
+    assert _files_holding(tmp_path, QUESTION[-BS:]) == []
+    assert disk.contains(chain(OTHER)[-1])  # the tiers still take other blocks
+
+    # A request added after the purge is a new one: it caches its blocks as usual.
+    cache.compute(QUESTION)
+    assert cache.pool.lookup(chain(QUESTION)[-1]) is not None
