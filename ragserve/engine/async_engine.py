@@ -118,9 +118,12 @@ class AsyncEngine:
         params: SamplingParams,
         request_id: str | None = None,
         namespace: str = "",
+        queued: Callable[[], None] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream cumulative outputs; the last one has ``finished=True``.
 
+        ``queued`` is called once the request is in the engine's command queue (on the
+        first iteration): later calls (a purge) run after its admission.
         Raises ValueError (before any output) when the engine rejects the request.
         """
         if not self.is_alive:
@@ -145,6 +148,8 @@ class AsyncEngine:
                 sink.put(exc)
 
         self._commands.put(add)
+        if queued is not None:
+            queued()
         finished = False
         try:
             while True:

@@ -37,6 +37,7 @@ from ragserve.server.admission_checks import check_work
 from ragserve.server.config import ServerConfig
 from ragserve.server.document_expiry import ExpirySweeper
 from ragserve.server.document_lifecycle import DocumentPatch, expire_time_from, rfc3339
+from ragserve.server.document_readers import DocumentReaders
 from ragserve.server.document_store import DocumentStore
 from ragserve.server.errors import APIError, bad_request
 from ragserve.server.prompts import PromptBuilder
@@ -145,6 +146,7 @@ class DocumentService:
         self.block_size = engine.info.block_size
         self.default_ttl = default_ttl
         self.expiry = ExpirySweeper(self._expiring, self._expire)
+        self.readers = DocumentReaders()
         self._docs: dict[tuple[str, str], RegisteredDocument] = {}
         self._ids = itertools.count()
         # NOTE: one thread, so registry writes happen in the order they were asked for
@@ -174,8 +176,11 @@ class DocumentService:
         return counts
 
     def token_lists(self, namespace: str, doc_ids: list[str]) -> list[list[int]]:
-        """The documents' tokens, in order, for a prompt; 404 for any id the tenant lacks."""
-        return [self.get(namespace, doc_id, "documents").token_ids for doc_id in doc_ids]
+        """The documents' tokens, in order, for a prompt; 404 for any id the tenant lacks.
+        The calling task holds a reading of them until its engine requests are queued."""
+        tokens = [self.get(namespace, doc_id, "documents").token_ids for doc_id in doc_ids]
+        self.readers.open(namespace, doc_ids)
+        return tokens
 
     def cached_prefix_tokens(self, namespace: str, doc_ids: list[str]) -> int:
         """Leading prompt tokens a request on ``doc_ids`` can count on finding cached: its
@@ -351,6 +356,9 @@ class DocumentService:
             # pin that a just-cancelled ingestion had already queued.
             await self.engine.unpin_prefix(doc.pin_id)
         await self._store_call("deleted", self._delete_row, doc.namespace, doc.id)
+        # NOTE: requests that read the document before it was removed above reach the
+        # engine before the purge, which then keeps them from caching it again.
+        await self.readers.settled(doc.namespace, doc.id)
         await self._purge(doc)
         return doc
 

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +37,8 @@ class GenerationJob:
     namespace: str
     # Per prompt: (prompt tokens to compute, answer tokens), for the server's WorkAdmission.
     work: tuple[list[int], list[int]] | None = None
+    # Called as each prompt's engine request is queued (see ``DocumentReaders``).
+    on_queued: Callable[[], None] | None = None
 
 
 def make_sampling_params(**kwargs: Any) -> SamplingParams:
@@ -95,7 +97,9 @@ async def run_job(
         ticket = admission.admit(sum(job.work[0]), sum(job.work[1]), sequences, job.namespace)
     counted = Progress()
     streams = [
-        engine.generate(prompt, job.params, f"{job.request_id}-{index}", job.namespace)
+        engine.generate(
+            prompt, job.params, f"{job.request_id}-{index}", job.namespace, job.on_queued
+        )
         for index, prompt in enumerate(job.prompts)
     ]
     try:

@@ -173,7 +173,12 @@ def _job(
     )
     # NOTE: a client may reuse an X-Request-Id; engine ids must still be unique.
     engine_id = f"{prefix}-{request_id(request)}-{uuid.uuid4().hex[:8]}"
-    return GenerationJob(engine_id, prompts, params, tenant(request), (prompt_work, answer_work))
+    job = GenerationJob(engine_id, prompts, params, tenant(request), (prompt_work, answer_work))
+    reading = app[DOCUMENTS].readers.current()
+    if reading is not None:  # a DELETE of its documents waits until the engine has it
+        reading.expect(len(prompts))
+        job.on_queued = reading.note_queued
+    return job
 
 
 # -- /v1/chat/completions ------------------------------------------------------------------
