@@ -48,6 +48,7 @@ from ragserve.server.state import (
     STARTED_AT,
 )
 from ragserve.server.tenant_limits import DocumentLimits, RequestsInFlight
+from ragserve.server.tokenizer_identity import tokenizer_fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +96,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> web.A
         engine,
         prompts,
         admission,
-        document_store(engine.info),
+        document_store(engine.info, tokenizer_fingerprint(engine.tokenizer)),
         config.document_ttl,
         DocumentLimits.from_config(config),
     )
@@ -121,15 +122,17 @@ async def _start_draining(app: web.Application) -> None:
     )
 
 
-def document_store(info: EngineInfo) -> DocumentStore | None:
-    """The registry file's home: the disk KV tier's directory, when the engine has one."""
+def document_store(info: EngineInfo, tokenizer: str | None = None) -> DocumentStore | None:
+    """The registry file's home: the disk KV tier's directory, when the engine has one.
+    ``tokenizer``: the model's tokenizer digest (documents of models sharing it are taken
+    over after a model change)."""
     if info.disk_tier_dir is None:
         return None
     cipher = None
     if info.disk_tier_key_file is not None:
         # NOTE: the engine already read this file at start-up; it is readable and long enough.
         cipher = RegistryCipher.from_file(info.disk_tier_key_file)
-    return DocumentStore(info.disk_tier_dir, info.model_fingerprint, cipher)
+    return DocumentStore(info.disk_tier_dir, info.model_fingerprint, cipher, tokenizer)
 
 
 async def _engine_lifecycle(app: web.Application) -> AsyncIterator[None]:

@@ -12,7 +12,10 @@ from, and why a named document was not fully cached.
 ``documents`` lists only the named documents that were not fully cached. Reasons:
 ``first_use`` (its ingestion has not finished or failed: its blocks are being computed),
 ``evicted`` (it was ingested, but its blocks were dropped from every tier: it could not
-be pinned, or a restart found them gone), ``expired`` (it expired while the request ran).
+be pinned, or a restart found them gone), ``expired`` (it expired while the request ran),
+``different_model`` (it was ingested under another model, whose KV this one cannot use: a
+restart with other weights, dtype or shape took it over, and its blocks are computed again
+at first use).
 Only the first named document can be a cached prefix: the later ones follow it in the
 prompt, so they are reported only when the first was fully cached.
 """
@@ -41,6 +44,8 @@ def document_notes(
         return []
     if doc.expired(time.time()):
         reason = "expired"
+    elif doc.previous_model is not None:
+        reason = "different_model"
     elif doc.status != "ready":
         reason = "first_use"
     else:

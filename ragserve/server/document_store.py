@@ -32,6 +32,7 @@ from typing import Any
 
 from ragserve.server.legacy_registry import legacy_path, read_legacy
 from ragserve.server.registry_cipher import RegistryCipher
+from ragserve.server.registry_models import foreign_rows, record_model
 from ragserve.server.registry_repair import check
 from ragserve.server.registry_rows import (
     SCHEMA,
@@ -63,10 +64,12 @@ class DocumentStore:
         directory: str | os.PathLike[str],
         model_fingerprint: str,
         cipher: RegistryCipher | None = None,
+        tokenizer: str | None = None,
     ) -> None:
         self.directory = Path(directory)
         self.model = model_fingerprint
         self.cipher = cipher
+        self.tokenizer = tokenizer  # its digest: rows of models sharing it can be adopted
         self.path = self.directory / FILENAME
         self._lock = threading.Lock()
         self._db: sqlite3.Connection | None = None
@@ -91,6 +94,7 @@ class DocumentStore:
                 self._db = self._connect()
             problems += found
         problems += self._migrate_legacy()
+        problems += self._record_model()
         for problem in problems:
             logger.warning("document registry %s: %s", self.path, problem)
         return problems
@@ -180,6 +184,18 @@ class DocumentStore:
         logger.info("document registry: %d documents migrated from %s", len(docs), path.name)
         return problems
 
+    def _record_model(self) -> list[str]:
+        if self.tokenizer is None:
+            return []
+        try:
+            with self._lock:
+                db = self._require()
+                with _transaction(db):
+                    record_model(db, self.model, self.tokenizer)
+        except sqlite3.Error as exc:
+            return [f"this model's tokenizer could not be recorded ({exc})"]
+        return []
+
     # -- rows ----------------------------------------------------------------------------
     def load(self) -> list[StoredDocument]:
         """This model's documents, oldest first. Damaged rows are reported and deleted."""
@@ -206,6 +222,32 @@ class DocumentStore:
                     db.executemany("DELETE FROM documents WHERE row = ?", damaged)
             return docs
 
+    def adopt(self, namespaces: set[str]) -> list[tuple[StoredDocument, str]]:
+        """Move to this model the rows of ``namespaces`` that another model with this
+        tokenizer holds and this one lacks (see :mod:`ragserve.server.registry_models`);
+        returns (document, its former model). Rows that do not decode stay where they are.
+        Raises sqlite3.Error."""
+        if self.tokenizer is None:
+            return []
+        adopted: list[tuple[StoredDocument, str]] = []
+        taken: set[tuple[str, str]] = set()
+        with self._lock:
+            db = self._require()
+            with _transaction(db):
+                for row in foreign_rows(db, self.model, self.tokenizer):
+                    key = (row[2], row[3])
+                    if key[0] not in namespaces or key in taken:
+                        continue
+                    try:
+                        doc = decode_row(row, self.cipher)
+                    except RowError:
+                        continue  # NOTE: damaged or sealed: its own model's server reports it
+                    db.execute(_INSERT, encode_row(self.model, doc, self.cipher))
+                    db.execute("DELETE FROM documents WHERE row = ?", (row[0],))
+                    adopted.append((doc, row[1]))
+                    taken.add(key)
+        return adopted
+
     def put(self, doc: StoredDocument) -> None:
         """Insert or replace one document's row. Raises sqlite3.Error / OSError."""
         with self._lock:
@@ -214,13 +256,13 @@ class DocumentStore:
                 db.execute(_UPSERT, encode_row(self.model, doc, self.cipher))
 
     def delete(self, namespace: str, doc_id: str) -> bool:
-        """Delete one document's row; whether there was one. Raises sqlite3.Error."""
+        """Delete one document's rows, under every model (its id names its text, whichever
+        model served it); whether there was one. Raises sqlite3.Error."""
         with self._lock:
             db = self._require()
             with _transaction(db):
                 cursor = db.execute(
-                    "DELETE FROM documents WHERE model = ? AND namespace = ? AND id = ?",
-                    (self.model, namespace, doc_id),
+                    "DELETE FROM documents WHERE namespace = ? AND id = ?", (namespace, doc_id)
                 )
             # NOTE: the WAL still holds the pages as they were before the delete; moving
             # them into the database and truncating the log leaves no copy of the row.

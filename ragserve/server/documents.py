@@ -84,6 +84,9 @@ class RegisteredDocument:
     error: str | None = None
     pinned_tokens: int = 0
     expire_time: float | None = None  # Unix seconds; None: never expires
+    # The model fingerprint it was ingested under, while its KV for this model is not
+    # computed yet (see ``DocumentService.restore``); None otherwise.
+    previous_model: str | None = None
     task: asyncio.Task[None] | None = field(default=None, repr=False)
 
     @property
@@ -178,9 +181,13 @@ class DocumentService:
     def token_lists(self, namespace: str, doc_ids: list[str]) -> list[list[int]]:
         """The documents' tokens, in order, for a prompt; 404 for any id the tenant lacks.
         The calling task holds a reading of them until its engine requests are queued."""
-        tokens = [self.get(namespace, doc_id, "documents").token_ids for doc_id in doc_ids]
+        docs = [self.get(namespace, doc_id, "documents") for doc_id in doc_ids]
         self.readers.open(namespace, doc_ids)
-        return tokens
+        reading = self.readers.current()
+        for doc in docs:
+            if doc.previous_model is not None and doc.task is None:
+                self._recompute(doc, reading.queued if reading is not None else None)
+        return [doc.token_ids for doc in docs]
 
     def cached_prefix_tokens(self, namespace: str, doc_ids: list[str]) -> int:
         """Leading prompt tokens a request on ``doc_ids`` can count on finding cached: its
@@ -257,6 +264,20 @@ class DocumentService:
         self._docs[(doc.namespace, doc.id)] = doc
         doc.task = asyncio.create_task(self._ingest(doc), name=f"ingest-{doc.id}")
 
+    def _recompute(self, doc: RegisteredDocument, after: asyncio.Event | None) -> None:
+        """Ingest a document taken over from another model, once ``after`` is set.
+
+        NOTE: ``after`` is its first question's reading: that question reaches the engine
+        first and computes the blocks; ingestion then finds them and pins them."""
+
+        async def ingest() -> None:
+            if after is not None:
+                await after.wait()
+            doc.status = "ingesting"
+            await self._ingest(doc)
+
+        doc.task = asyncio.create_task(ingest(), name=f"recompute-{doc.id}")
+
     def _check_fits(self, num_tokens: int, num_prefix_tokens: int) -> None:
         max_len = self.engine.max_model_len
         if num_prefix_tokens >= max_len:
@@ -310,7 +331,7 @@ class DocumentService:
         finally:
             if admission is not None and ticket is not None:
                 admission.release(ticket)
-        doc.status, doc.pinned_tokens = "ready", pinned
+        doc.status, doc.pinned_tokens, doc.previous_model = "ready", pinned, None
         logger.info(
             "document %s: ready in %.2fs, %d tokens pinned",
             doc.id,
@@ -393,36 +414,68 @@ class DocumentService:
         await loop.run_in_executor(self._store_thread, self.store.open)
         stored = await loop.run_in_executor(self._store_thread, self.store.load)
         restored = 0
-        now = time.time()
         for entry in stored:
             if entry.namespace not in tenants or (entry.namespace, entry.id) in self._docs:
                 continue
-            prefix_ids = self.prompts.document_prefix(entry.token_ids)
-            if entry.expire_time is not None and entry.expire_time <= now:
-                await self._drop_expired(entry, prefix_ids)
-                continue
-            try:
-                self._check_fits(len(entry.token_ids), len(prefix_ids))
-            except APIError as exc:
-                logger.warning("stored document %s not restored: %s", entry.id, exc.message)
-                continue
-            doc = RegisteredDocument(
-                entry.id,
-                entry.namespace,
-                entry.token_ids,
-                prefix_ids,
-                entry.metadata,
-                entry.created,
-            )
-            doc.expire_time = entry.expire_time
-            self._register(doc)
-            restored += 1
+            doc = await self._from_row(entry)
+            if doc is not None:
+                self._register(doc)
+                restored += 1
         if stored:
             logger.info(
                 "document registry %s: %d documents restored, %d kept for other tenants",
                 self.store.path, restored, len(stored) - restored,
             )  # fmt: skip
-        return restored
+        return restored + await self._adopt(tenants)
+
+    async def _adopt(self, tenants: set[str]) -> int:
+        """Take over the documents another model with this tokenizer ingested (see
+        :mod:`ragserve.server.registry_models`). They are listed and answer at once; their
+        KV is computed for this model at first use, not now: the old model's documents may
+        be many and rarely used. Until then a response names ``different_model`` as why
+        the document was not cached."""
+        assert self.store is not None
+        loop = asyncio.get_running_loop()
+        try:
+            adopted = await loop.run_in_executor(self._store_thread, self.store.adopt, tenants)
+        except sqlite3.Error as exc:
+            logger.warning(
+                "document registry %s: other models' documents: %s", self.store.path, exc
+            )
+            return 0
+        count = 0
+        for entry, model in adopted:
+            doc = await self._from_row(entry)
+            if doc is None or (doc.namespace, doc.id) in self._docs:
+                continue
+            doc.status, doc.previous_model = "ready", model
+            self._docs[(doc.namespace, doc.id)] = doc
+            count += 1
+        if adopted:
+            logger.info(
+                "document registry %s: %d documents of other models with this tokenizer taken "
+                "over; their KV is computed again at first use",
+                self.store.path, count,
+            )  # fmt: skip
+        return count
+
+    async def _from_row(self, entry: StoredDocument) -> RegisteredDocument | None:
+        """The document a stored row describes; None when it expired while no server ran
+        (its row and KV go now) or does not fit this model (its row stays)."""
+        prefix_ids = self.prompts.document_prefix(entry.token_ids)
+        if entry.expire_time is not None and entry.expire_time <= time.time():
+            await self._drop_expired(entry, prefix_ids)
+            return None
+        try:
+            self._check_fits(len(entry.token_ids), len(prefix_ids))
+        except APIError as exc:
+            logger.warning("stored document %s not restored: %s", entry.id, exc.message)
+            return None
+        doc = RegisteredDocument(
+            entry.id, entry.namespace, entry.token_ids, prefix_ids, entry.metadata, entry.created
+        )
+        doc.expire_time = entry.expire_time
+        return doc
 
     async def _drop_expired(self, entry: StoredDocument, prefix_ids: list[int]) -> None:
         """A stored document that expired while no server ran: row and KV go now."""

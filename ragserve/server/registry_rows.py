@@ -1,4 +1,7 @@
-"""The registry's table and how one document becomes one row and back.
+"""The registry's tables and how one document becomes one row and back.
+
+``documents`` holds the rows; ``models`` the tokenizer digest of each model fingerprint
+that has served from this directory (see :mod:`ragserve.server.registry_models`).
 
 A row's ``checksum`` (xxh3-64) covers every other field, so a row whose bytes were
 damaged on disk is caught when read even where SQLite's own structure still looks fine.
@@ -33,6 +36,12 @@ SCHEMA = (
         expire_time REAL,
         checksum TEXT NOT NULL,
         UNIQUE (model, namespace, id)
+    )""",
+    # NOTE: added without a version change: older servers never read it, and a rebuild
+    # that drops it loses nothing a starting server does not write again.
+    """CREATE TABLE IF NOT EXISTS models (
+        fingerprint TEXT PRIMARY KEY,
+        tokenizer TEXT NOT NULL
     )""",
 )
 _ID = re.compile(r"[0-9a-f]{32}")

@@ -55,3 +55,16 @@ def test_reasons_for_a_document_not_fully_cached() -> None:
     doc.expire_time = time.time() - 1
     assert notes(doc, 0)[0]["reason"] == "expired"
     assert document_notes(Docs(doc), "other", [DOC_ID], [output(0, {})]) == []  # type: ignore[arg-type]
+
+
+def test_a_document_of_another_model_reports_different_model() -> None:
+    doc = RegisteredDocument(DOC_ID, "t", list(range(90)), list(range(100)), {}, 0)
+    doc.status, doc.previous_model = "ready", "f" * 64  # taken over, not computed yet
+    assert notes(doc, 0) == [
+        {"id": DOC_ID, "prefix_tokens": 96, "cached_tokens": 0, "reason": "different_model"}
+    ]
+    doc.status = "ingesting"  # its recomputation is under way
+    assert notes(doc, 16)[0]["reason"] == "different_model"
+    doc.status, doc.previous_model = "ready", None  # computed and pinned for this model
+    assert notes(doc, 96) == []
+    assert notes(doc, 0)[0]["reason"] == "evicted"
