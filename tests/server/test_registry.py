@@ -63,6 +63,27 @@ def test_round_trip_and_one_row_per_document(tmp_path: Path) -> None:
         assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
 
 
+def test_rows_of_a_model_with_the_same_tokenizer_are_taken_over(tmp_path: Path) -> None:
+    old = DocumentStore(tmp_path, FP, tokenizer="tok-1")
+    old.open()
+    mine, theirs, kept = stored("1" * 32, "a"), stored("2" * 32, "b"), stored("3" * 32, "a")
+    for doc in (mine, theirs, kept):
+        old.put(doc)
+    other_tokenizer = DocumentStore(tmp_path, "cd" * 32, tokenizer="tok-2")
+    other_tokenizer.open()
+    assert other_tokenizer.adopt({"a", "b"}) == []  # its token ids would mean other text
+    new = DocumentStore(tmp_path, "ef" * 32, tokenizer="tok-1")
+    new.open()
+    new.put(kept)  # already its own: stays with the old model too
+    assert new.adopt({"a"}) == [(mine, FP)]  # tenant b is not served here
+    assert new.load() == [kept, mine]
+    assert old.load() == [theirs, kept]
+    assert new.adopt({"a"}) == []  # moved, not copied
+    # A DELETE removes the document's row under every model.
+    assert new.delete("a", kept.id)
+    assert old.load() == [theirs] and new.load() == [mine]
+
+
 def test_two_stores_on_one_directory_share_it(tmp_path: Path) -> None:
     first, second = opened(tmp_path), opened(tmp_path)
     for number in range(20):
