@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from ragserve.config import EngineConfig
-from ragserve.engine.engine_info import EngineInfo, EngineSnapshot
+from ragserve.engine.engine_info import EngineInfo, EngineSnapshot, KVModel
 from ragserve.engine.llm_engine import LLMEngine
 from ragserve.outputs import RequestOutput
 from ragserve.sampling_params import SamplingParams
@@ -233,10 +233,11 @@ class AsyncEngine:
         namespace: str = "",
         keep: list[list[int]] | None = None,
         timeout: float | None = CALL_TIMEOUT_S,
+        model: KVModel | None = None,
     ) -> dict[str, int]:
         """``LLMEngine.purge_prefix`` on the engine thread; EngineDeadError as for ``call``."""
         return await self.call(
-            lambda engine: engine.purge_prefix(token_ids, namespace, keep), timeout
+            lambda engine: engine.purge_prefix(token_ids, namespace, keep, model), timeout
         )
 
     async def locate_prefix(

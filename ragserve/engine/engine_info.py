@@ -26,10 +26,26 @@ __all__ = [
     "EngineInfo",
     "EngineSnapshot",
     "KVBlockUsage",
+    "KVModel",
     "ModelShape",
     "TierMetrics",
     "TierTraffic",
 ]
+
+
+@dataclass(frozen=True)
+class KVModel:
+    """What a KV block's hash depends on besides its tokens and tenant: equal values mean
+    equal KV for equal tokens. Kept by the document registry, so a later server with
+    another model can still find (and purge) the blocks this one wrote."""
+
+    fingerprint: str
+    block_size: int
+    kv_dtype: str  # e.g. "float32"
+
+
+def kv_dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 @dataclass(frozen=True)
@@ -61,6 +77,10 @@ class EngineInfo:
     disk_tier_bytes: int | None
     # The key file disk records are encrypted under (None: stored in the clear).
     disk_tier_key_file: str | None = None
+
+    @property
+    def kv_model(self) -> KVModel:
+        return KVModel(self.model_fingerprint, self.block_size, kv_dtype_name(self.dtype))
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -18,7 +18,7 @@ from kvstore.kv_cache_manager import KVAllocation, KVCacheManager
 from ragserve.config import EngineConfig
 from ragserve.engine.detokenizer import IncrementalDetokenizer
 from ragserve.engine.engine_face import make_info, take_snapshot
-from ragserve.engine.engine_info import EngineSnapshot
+from ragserve.engine.engine_info import EngineSnapshot, KVModel, kv_dtype_name
 from ragserve.engine.engine_request import EngineRequest
 from ragserve.engine.engine_setup import kv_budget_bytes, open_tiers
 from ragserve.engine.guarded_sampling import GuardedSampler, LaunchedStep
@@ -175,7 +175,7 @@ class LLMEngine:
     def salt_for(self, namespace: str) -> bytes:
         salt = self._salts.get(namespace)
         if salt is None:
-            kv_dtype = str(self.dtype).removeprefix("torch.")
+            kv_dtype = kv_dtype_name(self.dtype)
             salt = make_salt(self.loaded.fingerprint, self.config.block_size, kv_dtype, namespace)
             self._salts[namespace] = salt
         return salt
@@ -307,7 +307,11 @@ class LLMEngine:
         return self.pins.unpin(pin_id)
 
     def purge_prefix(
-        self, token_ids: list[int], namespace: str = "", keep: list[list[int]] | None = None
+        self,
+        token_ids: list[int],
+        namespace: str = "",
+        keep: list[list[int]] | None = None,
+        model: KVModel | None = None,
     ) -> dict[str, int]:
         """Remove the cached full blocks of ``token_ids`` for good: from the prefix cache
         (without demoting them) and every tier, with every block that follows them in a
@@ -316,12 +320,18 @@ class LLMEngine:
         Returns blocks removed: ``device`` (prefix-cache entries) and one count per tier.
         Unpin first: a pinned block stays with its pin, only unindexed. Requests added
         before this call run on, but never index or persist the purged blocks (commands
-        run in order, so every request queued before the purge is among them)."""
-        salt = self.salt_for(namespace)
-        size = self.config.block_size
+        run in order, so every request queued before the purge is among them).
+
+        ``model``: purge the blocks another model wrote (in the tiers it shares with this
+        one, e.g. the disk directory) instead of this model's."""
+        if model is None:
+            salt, size = self.salt_for(namespace), self.config.block_size
+            live = [s.kv for r in self._requests.values() for s in r.seqs if not s.is_finished]
+        else:
+            salt = make_salt(model.fingerprint, model.block_size, model.kv_dtype, namespace)
+            size, live = model.block_size, []
         owned = hash_full_blocks(salt, token_ids, size)
         kept = {h for other in keep or () for h in hash_full_blocks(salt, other, size)}
-        live = [seq.kv for r in self._requests.values() for seq in r.seqs if not seq.is_finished]
         counts = self.kv_manager.purge(salt, owned, kept, live)
         return {"device": counts.device, **counts.tiers}
 

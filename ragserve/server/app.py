@@ -34,6 +34,7 @@ from ragserve.server.errors import error_middleware
 from ragserve.server.metrics import ServerMetrics, make_metrics_middleware
 from ragserve.server.prompts import PromptBuilder
 from ragserve.server.registry_cipher import RegistryCipher
+from ragserve.server.registry_models import ModelRecord
 from ragserve.server.request_context import REQUEST_ID
 from ragserve.server.state import (
     ADMISSION,
@@ -132,7 +133,8 @@ def document_store(info: EngineInfo, tokenizer: str | None = None) -> DocumentSt
     if info.disk_tier_key_file is not None:
         # NOTE: the engine already read this file at start-up; it is readable and long enough.
         cipher = RegistryCipher.from_file(info.disk_tier_key_file)
-    return DocumentStore(info.disk_tier_dir, info.model_fingerprint, cipher, tokenizer)
+    record = ModelRecord(info.kv_model, tokenizer) if tokenizer is not None else None
+    return DocumentStore(info.disk_tier_dir, info.model_fingerprint, cipher, record)
 
 
 async def _engine_lifecycle(app: web.Application) -> AsyncIterator[None]:

@@ -30,9 +30,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from ragserve.engine.engine_info import KVModel
 from ragserve.server.legacy_registry import legacy_path, read_legacy
 from ragserve.server.registry_cipher import RegistryCipher
-from ragserve.server.registry_models import foreign_rows, record_model
+from ragserve.server.registry_models import ModelRecord, foreign_rows, record_model
 from ragserve.server.registry_repair import check
 from ragserve.server.registry_rows import (
     SCHEMA,
@@ -64,12 +65,14 @@ class DocumentStore:
         directory: str | os.PathLike[str],
         model_fingerprint: str,
         cipher: RegistryCipher | None = None,
-        tokenizer: str | None = None,
+        record: ModelRecord | None = None,
     ) -> None:
         self.directory = Path(directory)
         self.model = model_fingerprint
         self.cipher = cipher
-        self.tokenizer = tokenizer  # its digest: rows of models sharing it can be adopted
+        # This model's KV layout and tokenizer: rows of models with its tokenizer are
+        # adopted (None: none are, and this model is not recorded).
+        self.record = record
         self.path = self.directory / FILENAME
         self._lock = threading.Lock()
         self._db: sqlite3.Connection | None = None
@@ -185,13 +188,13 @@ class DocumentStore:
         return problems
 
     def _record_model(self) -> list[str]:
-        if self.tokenizer is None:
+        if self.record is None:
             return []
         try:
             with self._lock:
                 db = self._require()
                 with _transaction(db):
-                    record_model(db, self.model, self.tokenizer)
+                    record_model(db, self.record)
         except sqlite3.Error as exc:
             return [f"this model's tokenizer could not be recorded ({exc})"]
         return []
@@ -222,19 +225,19 @@ class DocumentStore:
                     db.executemany("DELETE FROM documents WHERE row = ?", damaged)
             return docs
 
-    def adopt(self, namespaces: set[str]) -> list[tuple[StoredDocument, str]]:
+    def adopt(self, namespaces: set[str]) -> list[tuple[StoredDocument, KVModel]]:
         """Move to this model the rows of ``namespaces`` that another model with this
         tokenizer holds and this one lacks (see :mod:`ragserve.server.registry_models`);
         returns (document, its former model). Rows that do not decode stay where they are.
         Raises sqlite3.Error."""
-        if self.tokenizer is None:
+        if self.record is None:
             return []
-        adopted: list[tuple[StoredDocument, str]] = []
+        adopted: list[tuple[StoredDocument, KVModel]] = []
         taken: set[tuple[str, str]] = set()
         with self._lock:
             db = self._require()
             with _transaction(db):
-                for row in foreign_rows(db, self.model, self.tokenizer):
+                for row, model in foreign_rows(db, self.record):
                     key = (row[2], row[3])
                     if key[0] not in namespaces or key in taken:
                         continue
@@ -244,7 +247,7 @@ class DocumentStore:
                         continue  # NOTE: damaged or sealed: its own model's server reports it
                     db.execute(_INSERT, encode_row(self.model, doc, self.cipher))
                     db.execute("DELETE FROM documents WHERE row = ?", (row[0],))
-                    adopted.append((doc, row[1]))
+                    adopted.append((doc, model))
                     taken.add(key)
         return adopted
 

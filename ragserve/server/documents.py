@@ -31,6 +31,7 @@ from typing import Any, Literal
 import xxhash
 
 from ragserve.engine.async_engine import AsyncEngine
+from ragserve.engine.engine_info import KVModel
 from ragserve.sampling_params import SamplingParams
 from ragserve.server.admission import WorkAdmission
 from ragserve.server.admission_checks import check_work
@@ -86,7 +87,7 @@ class RegisteredDocument:
     expire_time: float | None = None  # Unix seconds; None: never expires
     # The model fingerprint it was ingested under, while its KV for this model is not
     # computed yet (see ``DocumentService.restore``); None otherwise.
-    previous_model: str | None = None
+    previous_model: KVModel | None = None
     task: asyncio.Task[None] | None = field(default=None, repr=False)
 
     @property
@@ -155,6 +156,7 @@ class DocumentService:
         # NOTE: one thread, so registry writes happen in the order they were asked for
         # (an upload's row is written before a later delete removes it).
         self._store_thread = ThreadPoolExecutor(1, thread_name_prefix="registry")
+        self._old_kv: asyncio.Task[None] | None = None
 
     def get(self, namespace: str, doc_id: str, param: str = "id") -> RegisteredDocument:
         doc = self._docs.get((namespace, check_document_id(doc_id, param)))
@@ -386,14 +388,17 @@ class DocumentService:
     async def _expire(self, namespace: str, doc_id: str) -> None:
         await self.remove(namespace, doc_id, even_expired=True)
 
-    async def _purge(self, doc: RegisteredDocument) -> None:
+    async def _purge(self, doc: RegisteredDocument, model: KVModel | None = None) -> None:
         """Remove the document's own KV from every tier; blocks another live document of
-        its tenant shares stay. Errors are logged: the document is gone either way."""
+        its tenant shares stay. ``model``: the blocks that model wrote, not this one's.
+        Errors are logged: the document is gone either way."""
         if not self.engine.is_alive:
             return
-        keep = [other.prefix_ids for other in self.list_for(doc.namespace)]
+        keep = [other.prefix_ids for other in self.list_for(doc.namespace) if other is not doc]
         try:
-            removed = await self.engine.purge_prefix(doc.prefix_ids, doc.namespace, keep)
+            removed = await self.engine.purge_prefix(
+                doc.prefix_ids, doc.namespace, keep, model=model
+            )
         except Exception as exc:  # NOTE: a failed purge must not fail the DELETE
             logger.warning("document %s: KV purge failed: %s", doc.id, exc)
             return
@@ -443,14 +448,19 @@ class DocumentService:
                 "document registry %s: other models' documents: %s", self.store.path, exc
             )
             return 0
-        count = 0
+        taken = []
         for entry, model in adopted:
-            doc = await self._from_row(entry)
+            doc = await self._from_row(entry, model)
             if doc is None or (doc.namespace, doc.id) in self._docs:
                 continue
             doc.status, doc.previous_model = "ready", model
             self._docs[(doc.namespace, doc.id)] = doc
-            count += 1
+            taken.append((doc, model))
+        count = len(taken)
+        if taken:
+            # NOTE: in the background: each purge reads every record header of the old
+            # model's tenant, too slow to hold up the start with many documents.
+            self._old_kv = asyncio.create_task(self._purge_old_kv(taken), name="old-model-kv")
         if adopted:
             logger.info(
                 "document registry %s: %d documents of other models with this tokenizer taken "
@@ -459,12 +469,22 @@ class DocumentService:
             )  # fmt: skip
         return count
 
-    async def _from_row(self, entry: StoredDocument) -> RegisteredDocument | None:
+    async def _purge_old_kv(self, taken: list[tuple[RegisteredDocument, KVModel]]) -> None:
+        """Purge what the old models wrote of the documents taken over: no longer any
+        model's KV, it would outlive a later DELETE."""
+        for doc, model in taken:
+            await self._purge(doc, model)
+        logger.info("the KV of %d documents of other models was purged", len(taken))
+
+    async def _from_row(
+        self, entry: StoredDocument, model: KVModel | None = None
+    ) -> RegisteredDocument | None:
         """The document a stored row describes; None when it expired while no server ran
-        (its row and KV go now) or does not fit this model (its row stays)."""
+        (its row and KV go now; ``model``: the model that wrote that KV) or does not fit
+        this model (its row stays)."""
         prefix_ids = self.prompts.document_prefix(entry.token_ids)
         if entry.expire_time is not None and entry.expire_time <= time.time():
-            await self._drop_expired(entry, prefix_ids)
+            await self._drop_expired(entry, prefix_ids, model)
             return None
         try:
             self._check_fits(len(entry.token_ids), len(prefix_ids))
@@ -477,13 +497,15 @@ class DocumentService:
         doc.expire_time = entry.expire_time
         return doc
 
-    async def _drop_expired(self, entry: StoredDocument, prefix_ids: list[int]) -> None:
+    async def _drop_expired(
+        self, entry: StoredDocument, prefix_ids: list[int], model: KVModel | None = None
+    ) -> None:
         """A stored document that expired while no server ran: row and KV go now."""
         await self._store_call("deleted", self._delete_row, entry.namespace, entry.id)
         doc = RegisteredDocument(
             entry.id, entry.namespace, entry.token_ids, prefix_ids, entry.metadata, entry.created
         )
-        await self._purge(doc)
+        await self._purge(doc, model)
         logger.info("document %s expired while the server was down; deleted", entry.id)
 
     def _put_row(self, doc: StoredDocument) -> None:
@@ -509,6 +531,8 @@ class DocumentService:
     async def close(self) -> None:
         await self.expiry.stop()
         tasks = [doc.task for doc in self._docs.values() if doc.task is not None]
+        if self._old_kv is not None:
+            tasks.append(self._old_kv)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

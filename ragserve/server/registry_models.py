@@ -5,35 +5,53 @@ model (other weights, dtype or shape) those rows are still the tenant's document
 their token ids stay valid when both models share a tokenizer (equal digests in the
 ``models`` table, see :mod:`ragserve.server.tokenizer_identity`). Such a row is moved to
 the current model in one transaction: one document keeps exactly one row, which a later
-DELETE removes. Its KV must be computed again, since KV depends on the model.
+DELETE removes. Its KV must be computed again, since KV depends on the model, and the
+blocks the old model wrote can be found (to purge them) from its ``models`` row.
 """
 
 from __future__ import annotations
 
 import sqlite3
+from dataclasses import dataclass
 
+from ragserve.engine.engine_info import KVModel
 from ragserve.server.registry_rows import Row
 
-_COLUMNS = "model, namespace, id, token_ids, metadata, created, expire_time, checksum"
+_COLUMNS = (
+    "d.row, d.model, d.namespace, d.id, d.token_ids, d.metadata, d.created, d.expire_time,"
+    " d.checksum"
+)
 
 
-def record_model(db: sqlite3.Connection, model: str, tokenizer: str) -> None:
-    """Note the tokenizer ``model`` uses (inside the caller's transaction)."""
+@dataclass(frozen=True)
+class ModelRecord:
+    """One ``models`` row: a model that served from this directory, and its tokenizer."""
+
+    kv: KVModel
+    tokenizer: str
+
+
+def record_model(db: sqlite3.Connection, record: ModelRecord) -> None:
+    """Insert or refresh ``record`` (inside the caller's transaction)."""
+    kv = record.kv
     db.execute(
-        "INSERT INTO models (fingerprint, tokenizer) VALUES (?, ?)"
-        " ON CONFLICT (fingerprint) DO UPDATE SET tokenizer = excluded.tokenizer",
-        (model, tokenizer),
+        "INSERT OR REPLACE INTO models (fingerprint, tokenizer, block_size, kv_dtype)"
+        " VALUES (?, ?, ?, ?)",
+        (kv.fingerprint, record.tokenizer, kv.block_size, kv.kv_dtype),
     )
 
 
-def foreign_rows(db: sqlite3.Connection, model: str, tokenizer: str) -> list[Row]:
-    """Rows of other models with the same tokenizer whose document ``model`` lacks, newest
-    first (``row`` column first, as ``decode_row`` takes them)."""
-    return db.execute(
-        f"SELECT row, {_COLUMNS} FROM documents AS d WHERE model != ?"
-        " AND model IN (SELECT fingerprint FROM models WHERE tokenizer = ?)"
+def foreign_rows(db: sqlite3.Connection, record: ModelRecord) -> list[tuple[Row, KVModel]]:
+    """Rows of other models with ``record``'s tokenizer whose document ``record``'s model
+    lacks, newest first (``row`` column first, as ``decode_row`` takes them), each with
+    the model it belongs to."""
+    found = db.execute(
+        f"SELECT {_COLUMNS}, m.block_size, m.kv_dtype FROM documents AS d"
+        " JOIN models AS m ON m.fingerprint = d.model"
+        " WHERE d.model != ? AND m.tokenizer = ?"
         " AND NOT EXISTS (SELECT 1 FROM documents AS own"
         "   WHERE own.model = ? AND own.namespace = d.namespace AND own.id = d.id)"
-        " ORDER BY row DESC",
-        (model, tokenizer, model),
+        " ORDER BY d.row DESC",
+        (record.kv.fingerprint, record.tokenizer, record.kv.fingerprint),
     ).fetchall()
+    return [(tuple(row[:9]), KVModel(row[1], int(row[9]), str(row[10]))) for row in found]

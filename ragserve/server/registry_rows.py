@@ -41,7 +41,9 @@ SCHEMA = (
     # that drops it loses nothing a starting server does not write again.
     """CREATE TABLE IF NOT EXISTS models (
         fingerprint TEXT PRIMARY KEY,
-        tokenizer TEXT NOT NULL
+        tokenizer TEXT NOT NULL,
+        block_size INTEGER NOT NULL,
+        kv_dtype TEXT NOT NULL
     )""",
 )
 _ID = re.compile(r"[0-9a-f]{32}")

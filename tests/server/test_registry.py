@@ -18,8 +18,10 @@ from typing import Any
 import pytest
 import requests
 
+from ragserve.engine.engine_info import KVModel
 from ragserve.server.document_store import FILENAME, DocumentStore
 from ragserve.server.legacy_registry import FORMAT, VERSION, checksum, legacy_path
+from ragserve.server.registry_models import ModelRecord
 from ragserve.server.stored_document import StoredDocument
 from tests.server.server_fixtures import BLOCK_SIZE, running_server, wait_ready
 
@@ -64,18 +66,21 @@ def test_round_trip_and_one_row_per_document(tmp_path: Path) -> None:
 
 
 def test_rows_of_a_model_with_the_same_tokenizer_are_taken_over(tmp_path: Path) -> None:
-    old = DocumentStore(tmp_path, FP, tokenizer="tok-1")
+    old_kv = KVModel(FP, 16, "float32")
+    old = DocumentStore(tmp_path, FP, record=ModelRecord(old_kv, "tok-1"))
     old.open()
     mine, theirs, kept = stored("1" * 32, "a"), stored("2" * 32, "b"), stored("3" * 32, "a")
     for doc in (mine, theirs, kept):
         old.put(doc)
-    other_tokenizer = DocumentStore(tmp_path, "cd" * 32, tokenizer="tok-2")
+    other_kv = KVModel("cd" * 32, 16, "float32")
+    other_tokenizer = DocumentStore(tmp_path, "cd" * 32, record=ModelRecord(other_kv, "tok-2"))
     other_tokenizer.open()
     assert other_tokenizer.adopt({"a", "b"}) == []  # its token ids would mean other text
-    new = DocumentStore(tmp_path, "ef" * 32, tokenizer="tok-1")
+    new_kv = KVModel("ef" * 32, 32, "bfloat16")
+    new = DocumentStore(tmp_path, "ef" * 32, record=ModelRecord(new_kv, "tok-1"))
     new.open()
     new.put(kept)  # already its own: stays with the old model too
-    assert new.adopt({"a"}) == [(mine, FP)]  # tenant b is not served here
+    assert new.adopt({"a"}) == [(mine, old_kv)]  # tenant b is not served here
     assert new.load() == [kept, mine]
     assert old.load() == [theirs, kept]
     assert new.adopt({"a"}) == []  # moved, not copied
