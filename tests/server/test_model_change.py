@@ -2,7 +2,8 @@
 another fingerprint, the same tokenizer). The documents of the first model are still
 listed and answer; the first question computes the KV again and says why in
 ``usage.ragserve_cache``; later ones hit the cache. Rows move to the new model (one row per
-document), and a DELETE there removes the document's row for every model.
+document), the KV records the old model wrote are purged (their files no longer hold the
+document's token ids), and a DELETE removes the document's row for every model.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import requests
 
 from ragserve.server.document_store import FILENAME
 from tests.server.server_fixtures import BLOCK_SIZE, running_server, wait_for, wait_ready
+from tests.server.test_document_purge import files_holding, grams, needles, stored_tokens
 
 pytestmark = pytest.mark.e2e
 
@@ -63,6 +65,9 @@ def test_documents_follow_a_model_change(tmp_path: Path) -> None:
         doc = wait_ready(first.url, upload.json()["id"], AUTH)
         assert doc["status"] == "ready"
     (first_model,) = rows_by_model(kv)
+    own = needles(grams(stored_tokens(kv)[doc["id"]]))
+    old_records = [path for path in kv.iterdir() if path.is_dir()]
+    assert any(files_holding(path, own) for path in old_records)  # the scan finds them
 
     # Random weights of the same shape: another fingerprint, the same (embedded) tokenizer.
     with running_server(
@@ -94,6 +99,8 @@ def test_documents_follow_a_model_change(tmp_path: Path) -> None:
         assert again["prompt_tokens_details"]["cached_tokens"] >= full
         assert again["ragserve_cache"]["documents"] == []
         assert "taken over" in second.log()
+        assert wait_for(lambda: "documents of other models was purged" in second.log(), 60)
+        assert [hit for path in old_records for hit in files_holding(path, own)] == []
 
         deleted = requests.delete(
             f"{second.url}/v1/documents/{doc['id']}", headers=AUTH, timeout=30
