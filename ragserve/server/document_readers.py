@@ -51,8 +51,9 @@ class Reading:
 class DocumentReaders:
     """The open readings, by document; event-loop only.
 
-    A reading belongs to the task that opened it (the request's handler): it ends when
-    its engine requests are queued or when that task finishes, whichever comes first."""
+    A reading belongs to the task that opened it (the request's handler: aiohttp runs each
+    request in a task of its own): it ends when its engine requests are queued or when
+    that task finishes, whichever comes first."""
 
     def __init__(self) -> None:
         self._open: dict[Key, set[Reading]] = defaultdict(set)
