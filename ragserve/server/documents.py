@@ -85,8 +85,8 @@ class RegisteredDocument:
     error: str | None = None
     pinned_tokens: int = 0
     expire_time: float | None = None  # Unix seconds; None: never expires
-    # The model fingerprint it was ingested under, while its KV for this model is not
-    # computed yet (see ``DocumentService.restore``); None otherwise.
+    # The model it was ingested under, while its KV for this model is not computed yet
+    # (see ``DocumentService._adopt``); None otherwise.
     previous_model: KVModel | None = None
     task: asyncio.Task[None] | None = field(default=None, repr=False)
 
