@@ -46,7 +46,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the model as an HF directory for vLLM (default: the GGUF exported once, cached)",
     )
     parser.add_argument(
-        "--vllm-kv-gib", type=float, default=None, help="VLLM_CPU_KVCACHE_SPACE (default: vLLM's)"
+        "--vllm-kv-gib",
+        type=float,
+        default=None,
+        help="vLLM's KV cache in GiB (default: the size of ragserve's KV pool in the same run)",
     )
     parser.add_argument(
         "--tcmalloc",
@@ -105,7 +108,6 @@ def _spec(
     workload: Workload,
     vocab: int,
     vllm_dir: str | None,
-    vllm_kv_gib: float | None,
 ) -> dict[str, Any]:
     max_len = max(config.max_model_len or 0, workload.max_len)
     ours = dataclasses.replace(config, device="cpu", dtype=dtype, max_model_len=max_len)
@@ -121,8 +123,16 @@ def _spec(
         "ragserve_config": dataclasses.asdict(ours),
         "vllm_model_dir": vllm_dir,
         "vllm_settings": vllm_settings,
-        "vllm_kv_gib": vllm_kv_gib,
+        "vllm_kv_bytes": None,  # set before vLLM's runs: see _vllm_kv_bytes
     }
+
+
+def _vllm_kv_bytes(gib: float | None, runs: dict[str, list[dict[str, Any]]]) -> int:
+    """vLLM's KV budget: as given, else ragserve's pool (same room for prefix caching)."""
+    if gib is not None:
+        return int(gib * 2**30)
+    pools = [r["kv_pool_bytes"] for r in runs.get("ragserve", []) if r.get("kv_pool_bytes")]
+    return int(pools[0]) if pools else 4 * 2**30
 
 
 def _agreement(runs: dict[str, list[dict[str, Any]]], variant: str) -> float | None:
@@ -180,7 +190,7 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
     with tqdm(total=total, unit="step", desc="bench cpu", dynamic_ncols=True) as bar:
         for dtype in dtypes:
             spec_path = work / f"spec-{dtype}.json"
-            spec = _spec(config, dtype, workload, shape.vocab_size, vllm_dir, args.vllm_kv_gib)
+            spec = _spec(config, dtype, workload, shape.vocab_size, vllm_dir)
             spec_path.write_text(json.dumps(spec))
             floor = floors(shape, workload, dtype, ceilings)
             runs: dict[str, list[dict[str, Any]]] = {v.name: [] for v in variants}
@@ -199,6 +209,10 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
                     def progress(steps: int, base: int = done_before) -> None:
                         bar.update(base + min(steps, steps_per_run) - bar.n)
 
+                    if variant.engine == "vllm" and spec["vllm_kv_bytes"] is None:
+                        spec["vllm_kv_bytes"] = _vllm_kv_bytes(args.vllm_kv_gib, runs)
+                        result["vllm_kv_bytes"] = spec["vllm_kv_bytes"]
+                        spec_path.write_text(json.dumps(spec))
                     log_path = work / f"{dtype}-{variant.name}-{round_index}.log"
                     outcome = run_variant(variant, spec_path, log_path, progress)
                     progress(steps_per_run)

@@ -50,15 +50,22 @@ def ragserve_engine(spec: dict[str, Any], results: dict[str, Any]) -> Generate:
 
 
 def vllm_engine(spec: dict[str, Any], results: dict[str, Any]) -> Generate:
-    if spec.get("vllm_kv_gib"):
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{spec['vllm_kv_gib']:g}"
     import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     settings = spec["vllm_settings"]
-    llm = LLM(model=spec["vllm_model_dir"], enable_prefix_caching=True, seed=0, **settings)
+    # NOTE: an explicit KV budget; without one vLLM's CPU worker reserves 92% of the node's
+    # memory and refuses to start when other processes hold more than the rest.
+    llm = LLM(
+        model=spec["vllm_model_dir"],
+        enable_prefix_caching=True,
+        seed=0,
+        kv_cache_memory_bytes=spec["vllm_kv_bytes"],
+        **settings,
+    )
     results["vllm_version"] = vllm.__version__
+    results["kv_pool_bytes"] = spec["vllm_kv_bytes"]
 
     def generate(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
