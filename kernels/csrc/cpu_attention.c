@@ -63,14 +63,15 @@ typedef struct {
 } Operands;
 
 typedef struct {
-    int32_t seq, kv_head, t0, t1; /* query tokens [t0, t1) of the sequence */
+    int32_t seq, t0, t1;          /* query tokens [t0, t1) of the sequence */
+    int32_t kv_head, kv_heads;    /* kv heads [kv_head, kv_head + kv_heads) */
     int32_t k0, k1;               /* keys [k0, k1) */
     int64_t scratch;              /* floats into the partials buffer; -1: write output */
     float cost;
 } Item;
 
 typedef struct {
-    int32_t first, parts; /* items of one (sequence, kv head, tile) */
+    int32_t first, parts; /* items of one (sequence, kv heads, tile) */
 } Group;
 
 typedef struct { /* per-thread buffers */
@@ -159,9 +160,12 @@ static inline void softmax_update(vf *mx, vf *m, vf *l, vf *alpha_out) {
 
 /* ---- tile mode -------------------------------------------------------------------------- */
 
-static void qk_tile(const float *const *krow, const float *qt, float *st, int npad, int rpad, int D) {
+/* S^T[j][r] = K[j] . Q^T[:, r] for keys j < keys[r / (NV * VL)] of each row block (the rest of
+ * the chunk is masked for every row of the block; the softmax pass overwrites it). */
+static void qk_tile(const float *const *krow, const float *qt, float *st, const int *keys, int rpad, int D) {
     /* Rows outer: a tile's Q^T slice [D][NV * VL] stays in L1 while the chunk's keys pass. */
     for (int r0 = 0; r0 < rpad; r0 += NV * VL) {
+        const int npad = keys[r0 / (NV * VL)];
         for (int j0 = 0; j0 < npad; j0 += RBK) {
             vf acc[RBK][NV];
             const float *k[RBK];
@@ -206,6 +210,21 @@ static void qk_tile(const float *const *krow, const float *qt, float *st, int np
 PV_BLOCK(RBR)
 PV_BLOCK(1)
 
+/* Where row r of an item lives: rows come kv head by kv head, each head's `tokens * group`
+ * rows token-major (row t * group + g is query head kv_head * group + g of token t0 + t). */
+static inline void row_place(const AttnParams *p, const Item *it, int r, int64_t *token, int *head) {
+    const int group = p->num_heads / p->num_kv_heads, per_head = (it->t1 - it->t0) * group;
+    const int within = r % per_head;
+    *token = p->query_start[it->seq] + it->t0 + within / group;
+    *head = (it->kv_head + r / per_head) * group + within % group;
+}
+
+/* Keys of the chunk [kc, kc + n) that row r may see (its probabilities past them are 0). */
+static inline int visible(const Work *w, int64_t kc, int n, int r) {
+    int64_t keys = w->lim[r] - kc + 1;
+    return keys < 0 ? 0 : (keys > n ? n : (int)keys);
+}
+
 static void run_tile(const AttnParams *p, const Operands *ops, const Item *it, Work *w, int rows,
                      int rpad) {
     const int D = p->head_dim, group = p->num_heads / p->num_kv_heads;
@@ -215,13 +234,24 @@ static void run_tile(const AttnParams *p, const Operands *ops, const Item *it, W
     const int32_t *table = p->block_tables + (int64_t)it->seq * p->table_stride;
     const float qscale = p->scale * 1.4426950408889634f;
 
-    for (int d = 0; d < D; d++)
-        for (int r = 0; r < rpad; r++)
-            w->qt[(int64_t)d * rpad + r] =
-                r < rows ? qscale * query_value(p, ops, q_first + it->t0 + r / group,
-                                                it->kv_head * group + r % group, d)
-                         : 0.0f;
-    for (int r = 0; r < rpad; r++) w->lim[r] = r < rows ? (int32_t)(context + it->t0 + r / group) : INT32_MAX;
+    for (int r = 0; r < rpad; r++) {
+        float *column = w->qt + r;
+        if (r >= rows) {
+            for (int d = 0; d < D; d++) column[(int64_t)d * rpad] = 0.0f;
+            w->lim[r] = INT32_MAX;
+            continue;
+        }
+        const int64_t at = (q_first + it->t0 + r / group) * ops->q_token_stride +
+                           (int64_t)(it->kv_head * group + r % group) * D;
+        if (p->is_bf16) {
+            const uint16_t *src = (const uint16_t *)ops->q + at;
+            for (int d = 0; d < D; d++) column[(int64_t)d * rpad] = qscale * bf16_to_f32(src[d]);
+        } else {
+            const float *src = (const float *)ops->q + at;
+            for (int d = 0; d < D; d++) column[(int64_t)d * rpad] = qscale * src[d];
+        }
+        w->lim[r] = (int32_t)(context + it->t0 + r / group);
+    }
     for (int r = 0; r < rpad; r += VL) {
         storeu(w->m + r, splat(-INFINITY));
         storeu(w->l + r, splat(0.0f));
@@ -234,7 +264,15 @@ static void run_tile(const AttnParams *p, const Operands *ops, const Item *it, W
         int64_t next_end = kc + n + KC < it->k1 ? kc + n + KC : it->k1;
         chunk_rows(p, ops, table, it->kv_head, kc, n, next_end, w);
         for (int j = n; j < npad; j++) w->krow[j] = ZERO_ROW;
-        qk_tile(w->krow, w->qt, w->st, npad, rpad, D);
+        /* Causal skip: keys past a row block's last position need no product. */
+        int block_keys[TILE_ROWS / (NV * VL) + 2];
+        for (int r0 = 0; r0 < rpad; r0 += NV * VL) {
+            int last = r0 + NV * VL - 1 < rows ? r0 + NV * VL - 1 : rows - 1;
+            int64_t needed = w->lim[last] - kc + 1;
+            needed = needed < 0 ? 0 : (needed > n ? n : needed);
+            block_keys[r0 / (NV * VL)] = (int)((needed + RBK - 1) / RBK * RBK);
+        }
+        qk_tile(w->krow, w->qt, w->st, block_keys, rpad, D);
         int masked = kc + n - 1 > context + it->t0;
         for (int r = 0; r < rpad; r += VL) {
             vf mx = splat(-INFINITY);
@@ -265,8 +303,8 @@ static void run_tile(const AttnParams *p, const Operands *ops, const Item *it, W
                 for (int d = 0; d < D; d += VL) storeu(w->o + (int64_t)r * D + d, loadu(w->o + (int64_t)r * D + d) * a);
         }
         int r0 = 0;
-        for (; r0 + RBR <= rows; r0 += RBR) pv_rows_RBR(w->vrow, w->st, w->o, n, rpad, r0, D);
-        for (; r0 < rows; r0++) pv_rows_1(w->vrow, w->st, w->o, n, rpad, r0, D);
+        for (; r0 + RBR <= rows; r0 += RBR) pv_rows_RBR(w->vrow, w->st, w->o, visible(w, kc, n, r0 + RBR - 1), rpad, r0, D);
+        for (; r0 < rows; r0++) pv_rows_1(w->vrow, w->st, w->o, visible(w, kc, n, r0), rpad, r0, D);
     }
 }
 
@@ -337,17 +375,18 @@ static inline void row_values(const float *p, const float *const *vrow, int n, i
 
 static void run_small(const AttnParams *p, const Operands *ops, const Item *it, Work *w, int rows) {
     const int D = p->head_dim, group = p->num_heads / p->num_kv_heads;
-    const int32_t q_first = p->query_start[it->seq];
-    const int32_t query_len = p->query_start[it->seq + 1] - q_first;
+    const int per_head = (it->t1 - it->t0) * group;
+    const int32_t query_len = p->query_start[it->seq + 1] - p->query_start[it->seq];
     const int64_t context = p->seq_lens[it->seq] - query_len;
     const int32_t *table = p->block_tables + (int64_t)it->seq * p->table_stride;
     const float qscale = p->scale * 1.4426950408889634f;
 
     for (int r = 0; r < rows; r++) {
-        for (int d = 0; d < D; d++)
-            w->qt[(int64_t)r * D + d] =
-                qscale * query_value(p, ops, q_first + it->t0 + r / group, it->kv_head * group + r % group, d);
-        w->lim[r] = (int32_t)(context + it->t0 + r / group);
+        int64_t token;
+        int head;
+        row_place(p, it, r, &token, &head);
+        for (int d = 0; d < D; d++) w->qt[(int64_t)r * D + d] = qscale * query_value(p, ops, token, head, d);
+        w->lim[r] = (int32_t)(context + it->t0 + (r % per_head) / group);
         w->m[r] = -INFINITY;
         w->l[r] = 0.0f;
     }
@@ -357,30 +396,35 @@ static void run_small(const AttnParams *p, const Operands *ops, const Item *it, 
         int n = (int)(it->k1 - kc < KC ? it->k1 - kc : KC);
         int npad = (n + VL - 1) / VL * VL;
         int64_t next_end = kc + n + KC < it->k1 ? kc + n + KC : it->k1;
-        chunk_rows(p, ops, table, it->kv_head, kc, n, next_end, w);
-        for (int r = 0; r < rows; r++) {
-            float *s = w->st + r * KC;
-            row_scores(w->qt + (int64_t)r * D, w->krow, n, D, s);
-            int64_t allowed = w->lim[r] - kc + 1; /* keys past the row's position are masked */
-            for (int j = allowed < 0 ? 0 : (allowed < n ? (int)allowed : n); j < npad; j++) s[j] = -INFINITY;
-            vf mx = splat(-INFINITY);
-            for (int j = 0; j < npad; j += VL) mx = vmax(mx, loadu(s + j));
-            vf m = splat(w->m[r]), l = splat(w->l[r]), alpha;
-            mx = splat(hmax(mx));
-            softmax_update(&mx, &m, &l, &alpha);
-            vf sum = splat(0.0f);
-            for (int j = 0; j < npad; j += VL) {
-                vf e = vexp2(loadu(s + j) - mx);
-                storeu(s + j, e);
-                sum += e;
+        /* NOTE: all kv heads of a decode in one item: a chunk's blocks are read whole (each
+         * token's K row of every head is one contiguous span) instead of a third at a time
+         * by three items far apart in time. */
+        for (int h = 0; h < it->kv_heads; h++) {
+            chunk_rows(p, ops, table, it->kv_head + h, kc, n, next_end, w);
+            for (int r = h * per_head; r < (h + 1) * per_head; r++) {
+                float *s = w->st + (int64_t)r * KC;
+                row_scores(w->qt + (int64_t)r * D, w->krow, n, D, s);
+                int64_t allowed = w->lim[r] - kc + 1; /* keys past the row's position are masked */
+                for (int j = allowed < 0 ? 0 : (allowed < n ? (int)allowed : n); j < npad; j++) s[j] = -INFINITY;
+                vf mx = splat(-INFINITY);
+                for (int j = 0; j < npad; j += VL) mx = vmax(mx, loadu(s + j));
+                vf m = splat(w->m[r]), l = splat(w->l[r]), alpha;
+                mx = splat(hmax(mx));
+                softmax_update(&mx, &m, &l, &alpha);
+                vf sum = splat(0.0f);
+                for (int j = 0; j < npad; j += VL) {
+                    vf e = vexp2(loadu(s + j) - mx);
+                    storeu(s + j, e);
+                    sum += e;
+                }
+                w->m[r] = m[0];
+                w->l[r] = l[0] + hsum(sum);
+                float a = alpha[0];
+                float *o = w->o + (int64_t)r * D;
+                if (a != 1.0f)
+                    for (int d = 0; d < D; d += VL) storeu(o + d, loadu(o + d) * a);
+                row_values(s, w->vrow, n, D, o);
             }
-            w->m[r] = m[0];
-            w->l[r] = l[0] + hsum(sum);
-            float a = alpha[0];
-            float *o = w->o + (int64_t)r * D;
-            if (a != 1.0f)
-                for (int d = 0; d < D; d += VL) storeu(o + d, loadu(o + d) * a);
-            row_values(s, w->vrow, n, D, o);
         }
     }
 }
@@ -401,7 +445,7 @@ static void write_row(const AttnParams *p, const Operands *ops, int64_t token, i
 }
 
 static inline int item_rows(const AttnParams *p, const Item *it) {
-    return (it->t1 - it->t0) * (p->num_heads / p->num_kv_heads);
+    return (it->t1 - it->t0) * (p->num_heads / p->num_kv_heads) * it->kv_heads;
 }
 
 static inline int pad_rows(int rows) { return (rows + NV * VL - 1) / (NV * VL) * (NV * VL); }
@@ -457,94 +501,82 @@ static inline int tile_step(int query_len, int group, int tile_tokens) {
     return query_len * group < VL ? query_len : tile_tokens;
 }
 
+/* Small-mode sequences (fewer rows per kv head than a vector) are one group for all their
+ * kv heads; others one per tile and kv head. */
+static inline int heads_per_group(const AttnParams *p, int query_len) {
+    const int rows = query_len * (p->num_heads / p->num_kv_heads);
+    return rows < VL && rows * p->num_kv_heads <= TILE_ROWS ? p->num_kv_heads : 1;
+}
+
 static int64_t count_groups(const AttnParams *p, int tile_tokens) {
     const int group = p->num_heads / p->num_kv_heads;
     int64_t count = 0;
     for (int s = 0; s < p->num_seqs; s++) {
         int32_t ql = p->query_start[s + 1] - p->query_start[s];
-        if (ql > 0) count += (ql + tile_step(ql, group, tile_tokens) - 1) / tile_step(ql, group, tile_tokens);
+        if (ql == 0) continue;
+        int step = tile_step(ql, group, tile_tokens);
+        count += (ql + step - 1) / step * (p->num_kv_heads / heads_per_group(p, ql));
     }
     return count;
 }
 
-/* 0 on success; -1: head_dim unsupported (callers check first); -2: out of memory. */
-int ragserve_paged_attention(const AttnParams *p, const void *q, int64_t q_token_stride,
-                             const void *key, int64_t key_stride, const void *value,
-                             int64_t value_stride, const int64_t *slots, void *kv, void *out) {
-    const int D = p->head_dim, group = p->num_heads / p->num_kv_heads;
-    if (D % (NV * VL) != 0 || D > 512 || group > TILE_ROWS) return -1;
-    Operands ops = {q, q_token_stride, (const char *)kv, out};
-    int64_t tokens = p->query_start[p->num_seqs];
-    if (key != NULL) store_kv(p, &ops, key, key_stride, value, value_stride, slots, tokens);
+typedef struct {
+    Item *items;
+    Group *groups;
+    int64_t num_items, num_groups, scratch; /* scratch: floats of split items' partial results */
+} Plan;
 
-    /* Tiles of up to TILE_ROWS rows, halved while there are too few to keep every thread
-     * busy; small-mode sequences (fewer rows than a vector) keep all their tokens in one. */
-    const int threads = p->num_threads > 0 ? p->num_threads : 1;
-    int tile_tokens = TILE_ROWS / group > 0 ? TILE_ROWS / group : 1;
-    int64_t num_groups;
-    for (;;) {
-        num_groups = count_groups(p, tile_tokens) * p->num_kv_heads;
-        if (num_groups >= 4 * threads || tile_tokens == 1 || tile_tokens * group <= MIN_TILE_ROWS) break;
-        tile_tokens = (tile_tokens + 1) / 2;
-    }
-    if (num_groups == 0) return 0;
-
-    Group *groups = malloc(sizeof(Group) * (size_t)num_groups);
-    if (!groups) return -2;
-    /* First pass: group costs, to decide how finely to split keys. */
+/* The items of one call for tiles of `tile_tokens` tokens: a group per (sequence, tile, kv
+ * heads), its keys split into parts of equal length (at least MIN_PART_KEYS each) when there
+ * are fewer groups than 4 per thread. 0, or -2 when out of memory. */
+static int plan_items(const AttnParams *p, int tile_tokens, int threads, Plan *plan) {
+    const int group = p->num_heads / p->num_kv_heads, D = p->head_dim;
+    int64_t num_groups = count_groups(p, tile_tokens);
     double total = 0.0;
-    int64_t gi = 0;
     for (int s = 0; s < p->num_seqs; s++) {
         int32_t ql = p->query_start[s + 1] - p->query_start[s];
-        if (ql == 0) continue;
         int64_t context = p->seq_lens[s] - ql;
-        int step = tile_step(ql, group, tile_tokens);
+        int step = ql > 0 ? tile_step(ql, group, tile_tokens) : 1;
         for (int t0 = 0; t0 < ql; t0 += step) {
             int t1 = t0 + step < ql ? t0 + step : ql;
             total += (double)(t1 - t0) * group * (double)(context + (t0 + t1) / 2 + 1) * p->num_kv_heads;
         }
     }
-    /* Second pass: items, keys split into parts of equal length when tiles are few. */
-    int64_t cap = num_groups * 8 + 64, num_items = 0, scratch = 0;
-    Item *items = malloc(sizeof(Item) * (size_t)cap);
-    if (!items) {
-        free(groups);
-        return -2;
-    }
     const double target = total / (4.0 * threads); /* cost per item to aim for */
+    int64_t cap = num_groups * 4 + 16, num_items = 0, scratch = 0, gi = 0;
+    Item *items = malloc(sizeof(Item) * (size_t)cap);
+    Group *groups = malloc(sizeof(Group) * (size_t)(num_groups > 0 ? num_groups : 1));
+    if (!items || !groups) goto oom;
     for (int s = 0; s < p->num_seqs; s++) {
         int32_t ql = p->query_start[s + 1] - p->query_start[s];
         if (ql == 0) continue;
         int64_t context = p->seq_lens[s] - ql;
-        int step = tile_step(ql, group, tile_tokens);
+        const int step = tile_step(ql, group, tile_tokens), heads = heads_per_group(p, ql);
         for (int t0 = 0; t0 < ql; t0 += step) {
             int t1 = t0 + step < ql ? t0 + step : ql;
             int64_t keys = context + t1;
-            double cost = (double)(t1 - t0) * group * (double)(context + (t0 + t1) / 2 + 1);
-            int64_t parts = num_groups >= 4 * threads ? 1 : (int64_t)(cost / target);
+            double cost = (double)(t1 - t0) * group * heads * (double)(context + (t0 + t1) / 2 + 1);
+            int64_t parts = num_groups >= 4 * threads ? 1 : (int64_t)ceil(cost / target);
             if (parts > keys / MIN_PART_KEYS) parts = keys / MIN_PART_KEYS;
             if (parts < 1) parts = 1;
             int64_t part_len = ((keys + parts - 1) / parts + KC - 1) / KC * KC;
             parts = (keys + part_len - 1) / part_len;
-            for (int h = 0; h < p->num_kv_heads; h++) {
+            const int rows = (t1 - t0) * group * heads;
+            for (int h = 0; h < p->num_kv_heads; h += heads) {
                 if (num_items + parts > cap) {
                     cap = (num_items + parts) * 2;
                     Item *grown = realloc(items, sizeof(Item) * (size_t)cap);
-                    if (!grown) {
-                        free(items);
-                        free(groups);
-                        return -2;
-                    }
+                    if (!grown) goto oom;
                     items = grown;
                 }
                 groups[gi].first = (int32_t)num_items;
                 groups[gi].parts = (int32_t)parts;
                 gi++;
-                int rows = (t1 - t0) * group;
                 for (int64_t part = 0; part < parts; part++) {
                     Item *it = &items[num_items++];
                     it->seq = s;
                     it->kv_head = h;
+                    it->kv_heads = heads;
                     it->t0 = t0;
                     it->t1 = t1;
                     it->k0 = (int32_t)(part * part_len);
@@ -559,6 +591,45 @@ int ragserve_paged_attention(const AttnParams *p, const void *q, int64_t q_token
             }
         }
     }
+    *plan = (Plan){items, groups, num_items, num_groups, scratch};
+    return 0;
+oom:
+    free(items);
+    free(groups);
+    return -2;
+}
+
+/* 0 on success; -1: head_dim unsupported (callers check first); -2: out of memory. */
+int ragserve_paged_attention(const AttnParams *p, const void *q, int64_t q_token_stride,
+                             const void *key, int64_t key_stride, const void *value,
+                             int64_t value_stride, const int64_t *slots, void *kv, void *out) {
+    const int D = p->head_dim, group = p->num_heads / p->num_kv_heads;
+    if (D % (NV * VL) != 0 || D > 512 || group > TILE_ROWS) return -1;
+    Operands ops = {q, q_token_stride, (const char *)kv, out};
+    int64_t tokens = p->query_start[p->num_seqs];
+    if (key != NULL) store_kv(p, &ops, key, key_stride, value, value_stride, slots, tokens);
+
+    /* Tiles of up to TILE_ROWS rows; when they are too few to keep every thread busy their
+     * keys are split into parts first (cheap: a merge), and tiles are halved only when even
+     * that leaves threads idle (each halving reads the keys once more). */
+    const int threads = p->num_threads > 0 ? p->num_threads : 1;
+    int tile_tokens = TILE_ROWS / group > 0 ? TILE_ROWS / group : 1;
+    Plan plan;
+    for (;;) {
+        if (plan_items(p, tile_tokens, threads, &plan) != 0) return -2;
+        if (plan.num_items >= 2 * threads || tile_tokens == 1 || tile_tokens * group <= MIN_TILE_ROWS) break;
+        free(plan.items);
+        free(plan.groups);
+        tile_tokens = (tile_tokens + 1) / 2;
+    }
+    if (plan.num_groups == 0) {
+        free(plan.items);
+        free(plan.groups);
+        return 0;
+    }
+    Item *items = plan.items;
+    Group *groups = plan.groups;
+    const int64_t num_items = plan.num_items, num_groups = plan.num_groups, scratch = plan.scratch;
     float *partials = scratch ? malloc(sizeof(float) * (size_t)scratch) : NULL;
     Item *order = malloc(sizeof(Item) * (size_t)num_items);
     if ((scratch && !partials) || !order) {
@@ -586,13 +657,15 @@ int ragserve_paged_attention(const AttnParams *p, const void *q, int64_t q_token
             if (!ok) continue;
             const Item *it = &order[i];
             int rows = item_rows(p, it);
-            if (rows < VL) run_small(p, &ops, it, &w, rows);
+            if (it->kv_heads > 1 || rows < VL) run_small(p, &ops, it, &w, rows);
             else run_tile(p, &ops, it, &w, rows, pad_rows(rows));
-            int64_t token0 = p->query_start[it->seq] + it->t0;
             if (it->scratch < 0) {
-                for (int r = 0; r < rows; r++)
-                    write_row(p, &ops, token0 + r / group, it->kv_head * group + r % group,
-                              w.o + (int64_t)r * D, 1.0f / w.l[r]);
+                for (int r = 0; r < rows; r++) {
+                    int64_t token;
+                    int head;
+                    row_place(p, it, r, &token, &head);
+                    write_row(p, &ops, token, head, w.o + (int64_t)r * D, 1.0f / w.l[r]);
+                }
             } else {
                 float *dst = partials + it->scratch;
                 memcpy(dst, w.o, sizeof(float) * (size_t)rows * D);
@@ -606,7 +679,6 @@ int ragserve_paged_attention(const AttnParams *p, const void *q, int64_t q_token
             if (groups[g].parts == 1 || failed) continue;
             const Item *first = &items[groups[g].first];
             int rows = item_rows(p, first);
-            int64_t token0 = p->query_start[first->seq] + first->t0;
             float acc[512];
             for (int r = 0; r < rows; r++) {
                 float m_max = -INFINITY;
@@ -625,8 +697,10 @@ int ragserve_paged_attention(const AttnParams *p, const void *q, int64_t q_token
                     l_sum += weight * src[(int64_t)rows * (D + 1) + r];
                     for (int d = 0; d < D; d++) acc[d] += weight * src[(int64_t)r * D + d];
                 }
-                write_row(p, &ops, token0 + r / group, first->kv_head * group + r % group, acc,
-                          1.0f / l_sum);
+                int64_t token;
+                int head;
+                row_place(p, first, r, &token, &head);
+                write_row(p, &ops, token, head, acc, 1.0f / l_sum);
             }
         }
         if (ok) free_work(&w);

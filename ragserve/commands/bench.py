@@ -18,6 +18,7 @@ BENCHMARKS = {
     "serve": "ragserve.bench.serve",
     "ttft": "ragserve.bench.ttft",
     "ceiling": "ragserve.bench.ceiling",
+    "cpu": "ragserve.bench.cpu",
 }
 
 

@@ -1,0 +1,132 @@
+"""The figures of ``ragserve bench cpu`` from its runs: medians per variant, each against
+this CPU's floor and, where vLLM ran, as a ratio to vLLM's, next to issue #20's targets."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+from ragserve.table import print_table
+
+RunFigure = Callable[[dict[str, Any]], float | None]
+
+
+def _get(run: dict[str, Any], *keys: str) -> float | None:
+    value: Any = run
+    for key in keys:
+        value = value.get(key) if isinstance(value, dict) else None
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def _rate(run: dict[str, Any]) -> float | None:
+    seconds = _get(run, "phases", "throughput", "seconds")
+    tokens = _get(run, "phases", "throughput", "output_tokens")
+    return tokens / seconds if seconds and tokens else None
+
+
+def _rss_gb(run: dict[str, Any]) -> float | None:
+    rss = _get(run, "peak_rss_bytes")
+    return rss / 1e9 if rss else None
+
+
+def _kv_pool_gb(run: dict[str, Any]) -> float | None:
+    kv = _get(run, "kv_pool_bytes")
+    return kv / 1e9 if kv is not None else None
+
+
+# name, label, how to read it from a run, higher is better, issue #20's target for ragserve
+Figure = tuple[str, str, RunFigure, bool, str]
+
+
+def figure_list(ttft_lengths: tuple[int, ...]) -> list[Figure]:
+    def at(*keys: str) -> RunFigure:
+        return lambda run: _get(run, "phases", *keys)
+
+    figures: list[Figure] = [
+        ("throughput_tok_s", "throughput, output tok/s", _rate, True, ">= 1.3x vLLM")
+    ]
+    figures += [
+        (f"ttft_{n}_s", f"cold TTFT {n}, s", at("ttft", str(n)), False, "<= 0.8x vLLM")
+        for n in ttft_lengths
+    ]
+    figures += [
+        (
+            "questions_total_s",
+            "questions, total s",
+            at("questions", "total_s"),
+            False,
+            "<= 0.7x vLLM",
+        ),
+        ("question_cold_s", "  first (cold), s", at("questions", "cold_s"), False, ""),
+        (
+            "question_cached_s",
+            "  cached (median), s",
+            at("questions", "cached_median_s"),
+            False,
+            "",
+        ),
+        ("startup_s", "start-up, s", lambda run: _get(run, "startup_s"), False, "<= 5 s"),
+        ("peak_rss_gb", "peak RSS (process tree), GB", _rss_gb, False, "<= 1.5 GB + KV pool"),
+        ("kv_pool_gb", "  KV pool (allocated), GB", _kv_pool_gb, False, ""),
+    ]
+    return figures
+
+
+def _floor(name: str, floor: dict[str, Any]) -> float | None:
+    if name.startswith("ttft_"):
+        return floor.get("ttft_s", {}).get(name.removeprefix("ttft_").removesuffix("_s"))
+    value = floor.get(name)
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def summarize(
+    runs: dict[str, list[dict[str, Any]]], floor: dict[str, Any], ttft_lengths: tuple[int, ...]
+) -> dict[str, Any]:
+    """Per figure: the median of each variant's successful runs, the floor, how many times
+    the floor each median is (time over least time; for a rate, ceiling over rate) and each
+    ragserve variant's ratio to vLLM."""
+    summary: dict[str, Any] = {}
+    for name, _label, read, higher_better, target in figure_list(ttft_lengths):
+        medians: dict[str, float | None] = {}
+        for variant, variant_runs in runs.items():
+            values = [
+                v
+                for v in (read(r) for r in variant_runs if r.get("returncode") == 0)
+                if v is not None
+            ]
+            medians[variant] = statistics.median(values) if values else None
+        row: dict[str, Any] = {"median": medians, "floor": _floor(name, floor), "target": target}
+        if row["floor"]:
+            row["x_floor"] = {
+                v: (row["floor"] / m if higher_better else m / row["floor"]) if m else None
+                for v, m in medians.items()
+            }
+        theirs = medians.get("vllm")
+        if theirs:
+            row["vs_vllm"] = {
+                v: m / theirs if m is not None else None for v, m in medians.items() if v != "vllm"
+            }
+        summary[name] = row
+    return summary
+
+
+def print_summary(
+    title: str, summary: dict[str, Any], variants: list[str], ttft_lengths: tuple[int, ...]
+) -> None:
+    ours = [v for v in variants if v != "vllm"]
+    with_vllm = "vllm" in variants
+    header = ["figure (median)", *variants, "floor", *(f"{v} x floor" for v in variants)]
+    if with_vllm:
+        header += [f"{v} / vllm" for v in ours]
+    header.append("target")
+    rows: list[list[Any]] = []
+    for name, label, _read, _higher, _target in figure_list(ttft_lengths):
+        row = summary[name]
+        x_floor = row.get("x_floor", {})
+        cells: list[Any] = [label, *(row["median"].get(v) for v in variants), row["floor"]]
+        cells += [x_floor.get(v) for v in variants]
+        if with_vllm:
+            cells += [row.get("vs_vllm", {}).get(v) for v in ours]
+        rows.append([*cells, row["target"] or None])
+    print_table(title, header, rows)

@@ -1,0 +1,115 @@
+"""``ragserve bench cpu`` end to end on the tiny-llama shape (vLLM left out), and the pieces
+that the full run relies on but a tiny run cannot show: each variant's environment and the
+process-tree RSS."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ragserve.bench.cpu_engines import make_variants, tree_rss_bytes
+from ragserve.cli import main
+
+TIME_FIGURES = (
+    "ttft_64_s",
+    "ttft_160_s",
+    "questions_total_s",
+    "question_cold_s",
+    "question_cached_s",
+)
+
+
+@pytest.mark.e2e
+def test_bench_cpu_tiny_model_without_vllm(tmp_path: Path) -> None:
+    out = tmp_path / "cpu.json"
+    code = main(
+        [
+            "bench", "cpu", "--model-shape", "tiny-llama", "--dtype", "float32", "--quick",
+            "--num-prompts", "3", "--input-len", "16", "--output-len", "4",
+            "--ttft-lengths", "160,64", "--doc-tokens", "96", "--num-questions", "3",
+            "--question-tokens", "8", "--answer-tokens", "3", "--tcmalloc", "none",
+            "--vllm-python", str(tmp_path / "missing" / "python"), "--out", str(out),
+        ]
+    )  # fmt: skip
+    assert code == 0
+    result = json.loads(out.read_text())
+    assert list(result["variants"]) == ["ragserve"]
+    assert any("vLLM skipped" in note and "does not exist" in note for note in result["notes"])
+    ceilings = result["ceilings"]
+    assert set(ceilings) == {"matmul_gflops_float32", "matmul_gflops_bfloat16", "read_gbps"}
+    assert all(value > 0 for value in ceilings.values())
+    assert list(result["results"]) == ["float32"]
+
+    measured = result["results"]["float32"]
+    (run,) = measured["runs"]["ragserve"]
+    assert run["returncode"] == 0 and run["attention_backend"] == "cpu"
+    assert run["phases"]["throughput"]["output_tokens"] == 3 * 4
+    assert "outputs" not in run["phases"]["throughput"]  # dropped once compared
+    assert run["phases"]["questions"]["total_s"] == pytest.approx(
+        sum(run["phases"]["questions"]["per_question_s"])
+    )
+    summary = measured["summary"]
+    rate = summary["throughput_tok_s"]
+    assert rate["median"]["ragserve"] == pytest.approx(12 / run["phases"]["throughput"]["seconds"])
+    # The floor is a ceiling on the rate: measured x floor is the ceiling over the rate.
+    assert rate["floor"] == pytest.approx(measured["floors"]["throughput_tok_s"])
+    assert rate["x_floor"]["ragserve"] == pytest.approx(rate["floor"] / rate["median"]["ragserve"])
+    assert rate["x_floor"]["ragserve"] > 1
+    for name in TIME_FIGURES:
+        row = summary[name]
+        assert row["median"]["ragserve"] > 0 and row["floor"] > 0
+        assert row["x_floor"]["ragserve"] == pytest.approx(row["median"]["ragserve"] / row["floor"])
+        assert row["x_floor"]["ragserve"] > 1
+        assert "vs_vllm" not in row
+    # A longer prompt has a higher floor; a cached question a lower one than the cold one.
+    assert summary["ttft_160_s"]["floor"] > summary["ttft_64_s"]["floor"]
+    assert summary["question_cached_s"]["floor"] < summary["question_cold_s"]["floor"]
+    assert 0 < summary["startup_s"]["median"]["ragserve"] < 120
+    rss = summary["peak_rss_gb"]["median"]["ragserve"]
+    assert 0.05 < rss < 8
+    assert summary["kv_pool_gb"]["median"]["ragserve"] == pytest.approx(run["kv_pool_bytes"] / 1e9)
+
+
+def test_variants_preload_tcmalloc_where_asked(tmp_path: Path) -> None:
+    library = tmp_path / "libtcmalloc_minimal.so.4"
+    library.touch()
+    variants, notes = make_variants(
+        sys.executable, str(library), {"OMP_NUM_THREADS": "2"}, tmp_path
+    )
+    by_name = {v.name: v for v in variants}
+    assert list(by_name) == ["ragserve", "ragserve+tcmalloc", "vllm"] and notes == []
+    assert "LD_PRELOAD" not in by_name["ragserve"].env
+    assert by_name["ragserve+tcmalloc"].env["LD_PRELOAD"] == str(library)
+    vllm = by_name["vllm"]
+    assert vllm.env["LD_PRELOAD"] == str(library)
+    assert vllm.env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+    assert "PYTHONPATH" not in vllm.env  # vLLM's own venv, nothing of ours on its path
+    assert all(v.env["OMP_NUM_THREADS"] == "2" for v in variants)
+    assert Path(vllm.command[1]).read_text().startswith('"""Runs the ``ragserve bench cpu``')
+
+    alone, notes = make_variants(None, None, {}, tmp_path)
+    assert [v.name for v in alone] == ["ragserve"] and len(notes) == 2
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="reads /proc")
+def test_tree_rss_counts_the_children() -> None:
+    # A parent that holds little and a child that holds 200 MB: the tree holds both.
+    child = "import time; b = bytearray(200 * 2**20); print(flush=True); time.sleep(30)"
+    parent = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {child!r}])"
+    proc = subprocess.Popen([sys.executable, "-c", parent], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 20
+        while tree_rss_bytes(proc.pid) < 200 * 2**20 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert tree_rss_bytes(proc.pid) >= 200 * 2**20
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the child too
+        proc.wait()
