@@ -23,8 +23,11 @@ def test_loaded_blocks_are_counted_per_tier(tmp_path: Path) -> None:
 
 
 def test_the_split_always_sums_to_the_cached_tokens() -> None:
-    from ragserve.engine.llm_engine import _by_tier
+    from ragserve.engine.engine_request import split_by_tier
 
-    assert _by_tier(64, {}, 16) == {"device": 64}
-    assert _by_tier(64, {"disk": 1, "cpu": 2}, 16) == {"device": 16, "cpu": 32, "disk": 16}
-    assert _by_tier(32, {"disk": 5}, 16) == {"device": 0, "disk": 32}  # loaded twice (preempted)
+    assert split_by_tier(64, {}, 16) == {"device": 64}
+    assert split_by_tier(64, {"disk": 1, "cpu": 2}, 16) == {"device": 16, "cpu": 32, "disk": 16}
+    assert split_by_tier(32, {"disk": 5}, 16) == {
+        "device": 0,
+        "disk": 32,
+    }  # loaded twice (preempted)
