@@ -1,6 +1,6 @@
 """Shared fixtures (the embedded model, its transformers twin, greedy references) and the
 test markers: ``gpu`` (skipped without CUDA), ``e2e`` (starts a server or a subprocess),
-``slow`` (a minute or more). ``pytest -m "not e2e and not slow"`` is the fast lane."""
+``slow`` (10 s or more on two cores). ``pytest -m "not e2e and not slow"`` is the fast lane."""
 
 from __future__ import annotations
 

@@ -16,6 +16,8 @@ from ragserve import LLM, SamplingParams
 from ragserve.engine.llm_engine import LLMEngine
 from tests.model_factory import make_tiny_model
 
+pytestmark = pytest.mark.slow  # every test drives two SmolLM2 engines
+
 
 @pytest.fixture(scope="module")
 def engines(smollm_path: str) -> tuple[LLM, LLM]:

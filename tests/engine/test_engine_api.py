@@ -34,6 +34,7 @@ def test_chat_answers_with_the_template(llm: LLM) -> None:
     assert_no_leak(llm)
 
 
+@pytest.mark.slow
 def test_seeded_sampling_is_reproducible_and_seed_dependent(llm: LLM) -> None:
     prompt = "Write a short poem about the sea."
 
@@ -55,6 +56,7 @@ def test_seeded_sampling_is_reproducible_and_seed_dependent(llm: LLM) -> None:
     assert_no_leak(llm)
 
 
+@pytest.mark.slow
 def test_stop_strings_are_cut_from_the_text(llm: LLM) -> None:
     greedy = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     full = llm.generate("Count: 1, 2, 3,", greedy, use_tqdm=False)[0].outputs[0].text
@@ -69,6 +71,7 @@ def test_stop_strings_are_cut_from_the_text(llm: LLM) -> None:
     assert stopped.finish_reason == "stop" and stopped.stop_reason == " 5"
 
 
+@pytest.mark.slow
 def test_stop_token_ids_min_tokens_and_max_tokens(llm: LLM) -> None:
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     tokens = llm.generate("The alphabet: a b c", greedy, use_tqdm=False)[0].outputs[0].token_ids
@@ -102,6 +105,7 @@ def test_stop_token_ids_min_tokens_and_max_tokens(llm: LLM) -> None:
     )
 
 
+@pytest.mark.slow
 def test_logprobs_and_n_samples_share_the_prompt(llm: LLM) -> None:
     params = SamplingParams(temperature=0.8, seed=3, n=3, max_tokens=8, logprobs=2)
     doc = "A document that all three samples read. " * 10

@@ -58,9 +58,15 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     [
         pytest.param({}, id="one-continuous-batch"),
         pytest.param({"max_num_batched_tokens": 24}, id="chunked-prefill"),
-        pytest.param({"enable_prefix_caching": False, "max_num_seqs": 3}, id="no-cache-few-seqs"),
+        pytest.param(
+            {"enable_prefix_caching": False, "max_num_seqs": 3},
+            id="no-cache-few-seqs",
+            marks=pytest.mark.slow,
+        ),
         # 8 blocks of 16 tokens: room for the longest request alone, not for all of them
-        pytest.param({"kv_cache_gib": 8 * 16 * 46080 / 2**30}, id="preemption"),
+        pytest.param(
+            {"kv_cache_gib": 8 * 16 * 46080 / 2**30}, id="preemption", marks=pytest.mark.slow
+        ),
     ],
 )
 def test_greedy_matches_transformers(

@@ -18,6 +18,7 @@ BLOCK_BYTES = 16 * 46080  # SmolLM2-135M, float32: 30 layers x K,V x 3 heads x 6
 GIB = 2**30
 
 
+@pytest.mark.slow
 def test_info_and_snapshot_of_the_offline_engine(
     smollm_path: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -57,6 +57,7 @@ def small_engine(smollm_path: str, **tiers: Any) -> LLM:
     return LLM(smollm_path, kv_cache_gib=DEVICE_BLOCKS * BLOCK_BYTES / 2**30, **tiers)
 
 
+@pytest.mark.slow
 def test_prefix_from_device_cpu_and_disk_gives_identical_outputs(
     smollm_path: str, doc: list[int], reference: list[int], tmp_path: Path
 ) -> None:
@@ -89,6 +90,7 @@ def test_prefix_from_device_cpu_and_disk_gives_identical_outputs(
         llm.close()
 
 
+@pytest.mark.slow
 def test_a_written_through_document_is_demoted_to_the_cpu_tier_too(
     smollm_path: str, doc: list[int], reference: list[int], tmp_path: Path
 ) -> None:
@@ -111,6 +113,7 @@ def test_a_written_through_document_is_demoted_to_the_cpu_tier_too(
     llm.close()
 
 
+@pytest.mark.slow
 def test_restart_serves_a_persisted_document_from_disk(
     smollm_path: str, doc: list[int], reference: list[int], tmp_path: Path
 ) -> None:
@@ -126,6 +129,7 @@ def test_restart_serves_a_persisted_document_from_disk(
         assert second.engine.tiers.traffic.loaded_from_disk == len(doc) // BLOCK
 
 
+@pytest.mark.slow
 def test_corrupt_records_after_restart_are_recomputed_not_served(
     smollm_path: str, doc: list[int], reference: list[int], tmp_path: Path
 ) -> None:
@@ -153,6 +157,7 @@ def test_unusable_disk_directory_is_a_clear_error(smollm_path: str, tmp_path: Pa
         LLM(smollm_path, kv_disk_gib=0.01, kv_disk_dir=str(blocker / "kv"))
 
 
+@pytest.mark.slow
 def test_a_document_larger_than_the_write_queue_is_persisted_whole(
     smollm_path: str, doc: list[int], tmp_path: Path
 ) -> None:

@@ -102,6 +102,7 @@ def test_concurrent_readers_share_one_copy_computed_once(
     assert engine.block_pool.num_used == 0
 
 
+@pytest.mark.slow
 def test_namespaces_never_hit_each_other(engine: LLMEngine, doc: list[int]) -> None:
     def run(request_id: str, namespace: str) -> tuple[list[int], int]:
         engine.add_request(request_id, doc + [700], GREEDY, namespace=namespace)
@@ -121,6 +122,7 @@ def test_namespaces_never_hit_each_other(engine: LLMEngine, doc: list[int]) -> N
     assert a_tokens == b_tokens == a_again
 
 
+@pytest.mark.slow
 def test_forced_hash_collision_is_detected(
     smollm_path: str, doc: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -105,6 +105,7 @@ def test_each_document_is_computed_once_for_all_its_questions(llm: LLM, answers:
     assert usage.used == usage.pinned == 0  # every pin released
 
 
+@pytest.mark.slow
 def test_answers_equal_one_by_one_generation_without_cache(
     smollm_path: str, llm: LLM, answers: Any
 ) -> None:

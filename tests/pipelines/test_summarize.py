@@ -36,6 +36,7 @@ def count_tokens(llm: LLM, text: str) -> int:
     return len(llm.get_tokenizer()(text, add_special_tokens=False)["input_ids"])
 
 
+@pytest.mark.slow
 def test_short_document_takes_one_call_and_long_one_a_reduce_tree(llm: LLM) -> None:
     engine = llm.engine
     short = Document(
