@@ -406,7 +406,9 @@ class DocumentService:
             if other is not doc and other.id != doc.id
         }
         preceding = self.orders.preceding(doc.namespace, doc.id)
-        plan = purge_plan(doc.token_ids, others, preceding, self.prompts.document_prefix)
+        plan = purge_plan(
+            doc.token_ids, others, preceding, self.prompts.document_prefix, model is None
+        )
         try:
             removed = await self.engine.purge_prefixes(
                 plan.purge, doc.namespace, plan.keep, model=model
