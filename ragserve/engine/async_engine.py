@@ -240,6 +240,19 @@ class AsyncEngine:
             lambda engine: engine.purge_prefix(token_ids, namespace, keep, model), timeout
         )
 
+    async def purge_prefixes(
+        self,
+        sequences: list[list[int]],
+        namespace: str = "",
+        keep: list[list[int]] | None = None,
+        timeout: float | None = CALL_TIMEOUT_S,
+        model: KVModel | None = None,
+    ) -> dict[str, int]:
+        """``LLMEngine.purge_prefixes`` on the engine thread; EngineDeadError as for ``call``."""
+        return await self.call(
+            lambda engine: engine.purge_prefixes(sequences, namespace, keep, model), timeout
+        )
+
     async def locate_prefix(
         self, token_ids: list[int], namespace: str = "", timeout: float | None = CALL_TIMEOUT_S
     ) -> dict[str, int]:

@@ -324,13 +324,24 @@ class LLMEngine:
 
         ``model``: purge the blocks another model wrote (in the tiers it shares with this
         one, e.g. the disk directory) instead of this model's."""
+        return self.purge_prefixes([token_ids], namespace, keep, model)
+
+    def purge_prefixes(
+        self,
+        sequences: list[list[int]],
+        namespace: str = "",
+        keep: list[list[int]] | None = None,
+        model: KVModel | None = None,
+    ) -> dict[str, int]:
+        """``purge_prefix`` for several sequences in one pass: the kept blocks are hashed
+        and the cached links read once, however many sequences go."""
         if model is None:
             salt, size = self.salt_for(namespace), self.config.block_size
             live = [s.kv for r in self._requests.values() for s in r.seqs if not s.is_finished]
         else:
             salt = make_salt(model.fingerprint, model.block_size, model.kv_dtype, namespace)
             size, live = model.block_size, []
-        owned = hash_full_blocks(salt, token_ids, size)
+        owned = [h for seq in sequences for h in hash_full_blocks(salt, seq, size)]
         kept = {h for other in keep or () for h in hash_full_blocks(salt, other, size)}
         counts = self.kv_manager.purge(salt, owned, kept, live)
         return {"device": counts.device, **counts.tiers}

@@ -38,10 +38,12 @@ from ragserve.server.admission_checks import check_work
 from ragserve.server.config import ServerConfig
 from ragserve.server.document_expiry import ExpirySweeper
 from ragserve.server.document_lifecycle import DocumentPatch, expire_time_from, rfc3339
+from ragserve.server.document_orders import DocumentOrders
 from ragserve.server.document_readers import DocumentReaders
 from ragserve.server.document_store import DocumentStore
 from ragserve.server.errors import APIError, bad_request
 from ragserve.server.prompts import PromptBuilder
+from ragserve.server.purge_plan import purge_plan
 from ragserve.server.stored_document import StoredDocument
 from ragserve.server.tenant_limits import DocumentLimits, check_documents, check_metadata
 
@@ -151,6 +153,7 @@ class DocumentService:
         self.default_ttl = default_ttl
         self.expiry = ExpirySweeper(self._expiring, self._expire)
         self.readers = DocumentReaders()
+        self.orders = DocumentOrders()
         self._docs: dict[tuple[str, str], RegisteredDocument] = {}
         self._ids = itertools.count()
         # NOTE: one thread, so registry writes happen in the order they were asked for
@@ -185,6 +188,7 @@ class DocumentService:
         The calling task holds a reading of them until its engine requests are queued."""
         docs = [self.get(namespace, doc_id, "documents") for doc_id in doc_ids]
         self.readers.open(namespace, doc_ids)
+        self.orders.note(namespace, doc_ids)
         reading = self.readers.current()
         for doc in docs:
             if doc.previous_model is not None and doc.task is None:
@@ -383,21 +387,31 @@ class DocumentService:
         # engine before the purge, which then keeps them from caching it again.
         await self.readers.settled(doc.namespace, doc.id)
         await self._purge(doc)
+        self.orders.forget(doc.namespace, doc.id)
         return doc
 
     async def _expire(self, namespace: str, doc_id: str) -> None:
         await self.remove(namespace, doc_id, even_expired=True)
 
     async def _purge(self, doc: RegisteredDocument, model: KVModel | None = None) -> None:
-        """Remove the document's own KV from every tier; blocks another live document of
-        its tenant shares stay. ``model``: the blocks that model wrote, not this one's.
-        Errors are logged: the document is gone either way."""
+        """Remove the document's KV from every tier, in prompts that named it after other
+        documents too (see :mod:`ragserve.server.purge_plan`); blocks of another live
+        document of its tenant stay. ``model``: the blocks that model wrote, not this
+        one's. Errors are logged: the document is gone either way."""
         if not self.engine.is_alive:
             return
-        keep = [other.prefix_ids for other in self.list_for(doc.namespace) if other is not doc]
+        others = {
+            other.id: other.token_ids
+            for other in self.list_for(doc.namespace)
+            if other is not doc and other.id != doc.id
+        }
+        preceding = self.orders.preceding(doc.namespace, doc.id)
+        plan = purge_plan(
+            doc.token_ids, others, preceding, self.prompts.document_prefix, model is None
+        )
         try:
-            removed = await self.engine.purge_prefix(
-                doc.prefix_ids, doc.namespace, keep, model=model
+            removed = await self.engine.purge_prefixes(
+                plan.purge, doc.namespace, plan.keep, model=model
             )
         except Exception as exc:  # NOTE: a failed purge must not fail the DELETE
             logger.warning("document %s: KV purge failed: %s", doc.id, exc)
@@ -419,6 +433,10 @@ class DocumentService:
         await loop.run_in_executor(self._store_thread, self.store.open)
         stored = await loop.run_in_executor(self._store_thread, self.store.load)
         restored = 0
+        # NOTE: expired rows last, so their purge pairs them with every live document
+        # (see :mod:`ragserve.server.purge_plan`).
+        now = time.time()
+        stored.sort(key=lambda entry: entry.expire_time is not None and entry.expire_time <= now)
         for entry in stored:
             if entry.namespace not in tenants or (entry.namespace, entry.id) in self._docs:
                 continue
