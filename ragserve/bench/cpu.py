@@ -31,7 +31,7 @@ from ragserve.bench.cpu_workload import (
     workload_from_args,
 )
 from ragserve.config import EngineConfig
-from ragserve.models.llama import ModelShape, shape_from_config
+from ragserve.models.hf_export import hf_dir_for, model_shape
 from ragserve.table import print_table
 
 
@@ -60,6 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--env",
         action="append",
+        type=_env_item,
         default=[],
         metavar="KEY=VALUE",
         help="set in every engine's environment (repeatable)",
@@ -67,23 +68,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="bench-results/cpu.json")
 
 
+def _env_item(item: str) -> tuple[str, str]:
+    key, found, value = item.partition("=")
+    if not found or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {item!r}")
+    return key, value
+
+
 def required_model_len(args: argparse.Namespace) -> int:
     """For --model-shape: the longest sequence of the workload."""
     return workload_from_args(args).max_len
-
-
-def _model_shape(config: EngineConfig) -> ModelShape:
-    """The model's shape from its config alone (no weights loaded)."""
-    from ragserve.models.default_model import default_model_path
-
-    path = Path(config.model) if config.model else default_model_path()
-    if path.suffix == ".gguf":
-        from ragserve.models.gguf_loader import open_gguf
-
-        return shape_from_config(open_gguf(path).config)
-    from transformers import AutoConfig
-
-    return shape_from_config(AutoConfig.from_pretrained(path))
 
 
 def _vllm_model_dir(args: argparse.Namespace, config: EngineConfig) -> str | None:
@@ -92,14 +86,7 @@ def _vllm_model_dir(args: argparse.Namespace, config: EngineConfig) -> str | Non
         return str(args.vllm_model_dir)
     if config.load_format == "dummy":
         return None
-    from ragserve.bench.hf_export import export_hf_dir
-    from ragserve.models.default_model import default_model_path
-    from ragserve.models.tokenizer import cache_root
-
-    path = Path(config.model) if config.model else default_model_path()
-    if path.is_dir():
-        return str(path)
-    return str(export_hf_dir(path, cache_root() / "hf" / path.stem))
+    return str(hf_dir_for(config.model))
 
 
 def _spec(
@@ -150,10 +137,10 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
     dtypes = list(DTYPES) if config.dtype == "auto" else [config.dtype]
     if not set(dtypes) <= set(DTYPES):
         raise ValueError(f"--dtype {config.dtype}: bench cpu runs float32 and bfloat16")
-    shape = _model_shape(config)
-    extra_env = dict(item.split("=", 1) for item in args.env)
+    shape = model_shape(config.model)
+    extra_env = dict(args.env)
     work = Path(tempfile.mkdtemp(prefix="bench-cpu-"))
-    variants, notes = make_variants(args.vllm_python, find_tcmalloc(args.tcmalloc), extra_env, work)
+    variants, notes = make_variants(args.vllm_python, find_tcmalloc(args.tcmalloc), extra_env)
     vllm_dir = None
     if any(v.engine == "vllm" for v in variants):
         vllm_dir = _vllm_model_dir(args, config)

@@ -35,11 +35,10 @@ def ragserve_engine(spec: dict[str, Any], results: dict[str, Any]) -> Generate:
     from ragserve.config import EngineConfig
 
     llm = LLM.from_config(EngineConfig(**spec["ragserve_config"]))
-    engine = llm.engine
-    results["kv_pool_bytes"] = engine.kv_cache.nbytes
-    results["attention_backend"] = engine.runner.backend.name
-    results["native_kernels"] = bool(getattr(engine.runner.backend, "is_native", False))
-    results["dtype"] = str(engine.info.dtype)
+    info = llm.info
+    results["kv_pool_bytes"] = info.num_kv_blocks * info.kv_bytes_per_block
+    results["attention_backend"] = info.attention_backend
+    results["dtype"] = str(info.dtype)
 
     def generate(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)

@@ -3,10 +3,11 @@ of ``cpu_driver.py`` in a fresh process, watched for start-up, peak RSS and prog
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
-import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -47,7 +48,7 @@ def find_tcmalloc(choice: str) -> str | None:
 
 
 def make_variants(
-    vllm_python: str | None, tcmalloc: str | None, extra_env: dict[str, str], work: Path
+    vllm_python: str | None, tcmalloc: str | None, extra_env: dict[str, str]
 ) -> tuple[list[Variant], list[str]]:
     """ragserve as users get it, with tcmalloc where found, and vLLM where given; and notes
     on what was left out and why."""
@@ -77,11 +78,7 @@ def make_variants(
             theirs["LD_PRELOAD"] = tcmalloc
         else:
             notes.append("vLLM runs without tcmalloc (its recommended set-up preloads it)")
-        # NOTE: a copy under a neutral name, so that vLLM's processes (its workers keep the
-        # command line) are not taken for ragserve's by anything matching process names.
-        driver = work / "engine_driver.py"
-        shutil.copyfile(DRIVER, driver)
-        variants.append(Variant("vllm", "vllm", [vllm_python, str(driver), "vllm"], theirs))
+        variants.append(Variant("vllm", "vllm", [vllm_python, str(DRIVER), "vllm"], theirs))
     return variants, notes
 
 
@@ -116,6 +113,7 @@ def run_variant(
     spec_path: Path,
     log_path: Path,
     on_progress: Callable[[int], None],
+    timeout_s: float = 3600.0,
     poll_s: float = 0.25,
 ) -> dict[str, Any]:
     """One engine run, alone: the driver's results plus start-up (spawn to ready, measured
@@ -129,28 +127,41 @@ def run_variant(
     seen_mtime = 0.0
     peak = 0
     spawned = time.time()
+    timed_out = False
     with open(log_path, "w") as log:
+        # Its own process group, so that the engine's workers go with it on every exit.
         proc = subprocess.Popen(
             [*variant.command, str(spec_path), str(out_path)],
             env=variant.env,
             stdout=log,
             stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
-        while proc.poll() is None:
-            peak = max(peak, tree_rss_bytes(proc.pid))
-            if out_path.is_file() and out_path.stat().st_mtime != seen_mtime:
-                seen_mtime = out_path.stat().st_mtime
-                results = _read(out_path) or results
-                on_progress(1 + len(results.get("phases", {})))
-            time.sleep(poll_s)
+        try:
+            while proc.poll() is None:
+                if time.time() - spawned > timeout_s:
+                    timed_out = True
+                    break
+                peak = max(peak, tree_rss_bytes(proc.pid))
+                if out_path.is_file() and out_path.stat().st_mtime != seen_mtime:
+                    seen_mtime = out_path.stat().st_mtime
+                    results = _read(out_path) or results
+                    on_progress(1 + len(results.get("phases", {})))
+                time.sleep(poll_s)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
     results = _read(out_path) or results
     on_progress(1 + len(results.get("phases", {})))
     out_path.unlink(missing_ok=True)
     results["returncode"] = proc.returncode
+    if timed_out:
+        results["error"] = f"stopped after {timeout_s:.0f} s"
     results["peak_rss_bytes"] = peak
     if "ready_unix" in results:
         results["startup_s"] = results.pop("ready_unix") - spawned
-    if proc.returncode != 0:
+    if proc.returncode != 0 or timed_out:
         results["log_tail"] = log_path.read_text()[-3000:]
     return results
 

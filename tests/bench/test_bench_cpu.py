@@ -80,9 +80,7 @@ def test_bench_cpu_tiny_model_without_vllm(tmp_path: Path) -> None:
 def test_variants_preload_tcmalloc_where_asked(tmp_path: Path) -> None:
     library = tmp_path / "libtcmalloc_minimal.so.4"
     library.touch()
-    variants, notes = make_variants(
-        sys.executable, str(library), {"OMP_NUM_THREADS": "2"}, tmp_path
-    )
+    variants, notes = make_variants(sys.executable, str(library), {"OMP_NUM_THREADS": "2"})
     by_name = {v.name: v for v in variants}
     assert list(by_name) == ["ragserve", "ragserve+tcmalloc", "vllm"] and notes == []
     assert "LD_PRELOAD" not in by_name["ragserve"].env
@@ -94,7 +92,7 @@ def test_variants_preload_tcmalloc_where_asked(tmp_path: Path) -> None:
     assert all(v.env["OMP_NUM_THREADS"] == "2" for v in variants)
     assert Path(vllm.command[1]).read_text().startswith('"""Runs the ``ragserve bench cpu``')
 
-    alone, notes = make_variants(None, None, {}, tmp_path)
+    alone, notes = make_variants(None, None, {})
     assert [v.name for v in alone] == ["ragserve"] and len(notes) == 2
 
 

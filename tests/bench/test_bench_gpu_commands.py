@@ -29,6 +29,7 @@ def _bench(tmp_path: Path, name: str, *extra: str) -> tuple[int, dict[str, Any]]
     return code, json.loads(out.read_text())
 
 
+@pytest.mark.slow
 def test_ttft_chunked_prefill_then_decode_against_transformers(tmp_path: Path) -> None:
     code, result = _bench(
         tmp_path,
@@ -80,6 +81,7 @@ def test_ttft_longest_prompt_may_exceed_the_shape_limit(tmp_path: Path) -> None:
     assert "transformers_s" not in result["rows"]["8192"]
 
 
+@pytest.mark.slow
 def test_throughput_variable_with_a_transformers_subset(tmp_path: Path) -> None:
     code, result = _bench(
         tmp_path,

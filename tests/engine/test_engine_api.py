@@ -22,6 +22,7 @@ def assert_no_leak(llm: LLM) -> None:
     assert llm.engine.block_pool.num_used == 0
 
 
+@pytest.mark.slow
 def test_chat_answers_with_the_template(llm: LLM) -> None:
     out = llm.chat(
         [{"role": "user", "content": "What is the capital of France?"}],
@@ -123,6 +124,7 @@ def test_logprobs_and_n_samples_share_the_prompt(llm: LLM) -> None:
     assert_no_leak(llm)
 
 
+@pytest.mark.slow
 def test_token_id_prompts_and_vllm_prompt_dicts(llm: LLM) -> None:
     ids = llm.get_tokenizer().encode("Hello there")
     greedy = SamplingParams(temperature=0.0, max_tokens=5)
@@ -166,6 +168,7 @@ def test_bad_prompts_are_clear_errors_and_leave_nothing_behind(llm: LLM) -> None
     assert_no_leak(llm)
 
 
+@pytest.mark.slow
 def test_a_request_that_can_never_fit_is_refused(smollm_path: str) -> None:
     small = LLM(smollm_path, kv_cache_gib=4 * 16 * 46080 / 2**30)  # 4 blocks = 64 tokens
     with pytest.raises(ValueError, match=r"needs 5 KV blocks \(80 tokens\) but the cache holds 4"):

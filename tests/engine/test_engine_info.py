@@ -83,6 +83,7 @@ def test_info_and_snapshot_of_the_offline_engine(
     assert llm.snapshot().tier_metrics == {} and llm.snapshot().tier_traffic is None
 
 
+@pytest.mark.slow
 def test_info_without_tiers_has_none_for_them(smollm_path: str) -> None:
     llm = LLM(
         smollm_path,
@@ -98,6 +99,7 @@ def test_info_without_tiers_has_none_for_them(smollm_path: str) -> None:
     llm.close()
 
 
+@pytest.mark.slow
 def test_the_async_face_answers_and_fails_cleanly(smollm_path: str) -> None:
     async def run() -> None:
         engine = AsyncEngine(

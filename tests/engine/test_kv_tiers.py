@@ -150,6 +150,7 @@ def test_corrupt_records_after_restart_are_recomputed_not_served(
     assert sum(1 for p in tmp_path.rglob("*") if p.is_file()) < len(records) + 1
 
 
+@pytest.mark.slow
 def test_unusable_disk_directory_is_a_clear_error(smollm_path: str, tmp_path: Path) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")

@@ -22,6 +22,7 @@ def fresh_loader(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     cpu_native._loaded.update(saved)
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("fresh_loader")
 def test_build_goes_to_the_cache_and_is_reused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch

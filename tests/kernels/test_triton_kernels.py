@@ -162,6 +162,7 @@ def test_backend_matches_reference_fp32(case: int) -> None:
     assert torch.equal(batch.cache, ref_cache), "KV write differs from the reference"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_splits", [2, 3, 7])
 def test_split_k_matches_reference(num_splits: int) -> None:
     seqs = (

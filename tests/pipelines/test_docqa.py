@@ -133,6 +133,7 @@ def test_answers_equal_one_by_one_generation_without_cache(
             assert result["answer_tokens"] == len(expected.outputs[0].token_ids)
 
 
+@pytest.mark.slow
 def test_cli_answers_streams_to_jsonl_skips_bad_questions_and_resumes(
     tmp_path: Path, answers: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -1,4 +1,5 @@
-"""A GGUF model as a plain HF directory (config, float32 safetensors, tokenizer).
+"""A model as other tools see it, without loading it: its shape, and a GGUF model as a plain
+HF directory (config, float32 safetensors, tokenizer).
 
 For engines that read only HF directories (vLLM in ``ragserve bench cpu``): the weights are
 those ragserve itself loads from the GGUF (dequantized, rotary rows unpermuted), so both
@@ -9,8 +10,35 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ragserve.models.default_model import default_model_path
 from ragserve.models.gguf_loader import iter_gguf_weights, open_gguf, rope_frequency_factors
-from ragserve.models.tokenizer import load_gguf_tokenizer
+from ragserve.models.llama import ModelShape, shape_from_config
+from ragserve.models.tokenizer import cache_root, load_gguf_tokenizer
+
+
+def model_path(model: str | None) -> Path:
+    """The model a config names (None: the embedded default)."""
+    return Path(model) if model else default_model_path()
+
+
+def model_shape(model: str | None) -> ModelShape:
+    """The model's shape from its config alone (no weights loaded)."""
+    path = model_path(model)
+    if path.suffix == ".gguf":
+        return shape_from_config(open_gguf(path).config)
+    from transformers import AutoConfig
+
+    return shape_from_config(AutoConfig.from_pretrained(path))
+
+
+def hf_dir_for(model: str | None) -> Path:
+    """An HF directory as is; a GGUF file exported once into the cache, keyed by its header
+    digest (another file of the same name is another model)."""
+    path = model_path(model)
+    if path.is_dir():
+        return path
+    digest = open_gguf(path).header_digest
+    return export_hf_dir(path, cache_root() / "hf" / f"{path.stem}-{digest[:16]}")
 
 
 def export_hf_dir(gguf_path: Path, target: Path) -> Path:
