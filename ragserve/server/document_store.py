@@ -269,6 +269,27 @@ class DocumentStore:
         with self._lock:
             return sharing_models(self._require(), self.record)
 
+    @property
+    def is_open(self) -> bool:
+        return self._db is not None
+
+    def keys(self) -> set[tuple[str, str]]:
+        """(namespace, id) of this model's rows. Raises sqlite3.Error."""
+        with self._lock:
+            rows = self._require().execute(
+                "SELECT namespace, id FROM documents WHERE model = ?", (self.model,)
+            )
+            return {(str(ns), str(doc_id)) for ns, doc_id in rows.fetchall()}
+
+    def has(self, namespace: str, doc_id: str) -> bool:
+        """Whether this model has the document's row. Raises sqlite3.Error."""
+        with self._lock:
+            found = self._require().execute(
+                "SELECT 1 FROM documents WHERE model = ? AND namespace = ? AND id = ?",
+                (self.model, namespace, doc_id),
+            )
+            return found.fetchone() is not None
+
     def put(self, doc: StoredDocument) -> None:
         """Insert or replace one document's row. Raises sqlite3.Error / OSError."""
         with self._lock:

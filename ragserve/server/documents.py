@@ -43,6 +43,7 @@ from ragserve.server.document_locks import DocumentLocks
 from ragserve.server.document_orders import DocumentOrders
 from ragserve.server.document_readers import DocumentReaders
 from ragserve.server.document_store import DocumentStore
+from ragserve.server.document_watch import RegistryWatch
 from ragserve.server.errors import APIError, bad_request
 from ragserve.server.prompts import PromptBuilder
 from ragserve.server.purge_plan import purge_plan
@@ -94,6 +95,9 @@ class RegisteredDocument:
     # (see ``DocumentService._adopt``; a failed computation is tried again at the next
     # question); None otherwise.
     previous_model: KVModel | None = None
+    # Whether its row was written (or read): one missing later was deleted by another
+    # server on the directory (see ``DocumentService.sync``).
+    saved: bool = False
     task: asyncio.Task[None] | None = field(default=None, repr=False)
 
     @property
@@ -156,6 +160,7 @@ class DocumentService:
         self.block_size = engine.info.block_size
         self.default_ttl = default_ttl
         self.expiry = ExpirySweeper(self._expiring, self._expire)
+        self.watch = RegistryWatch(self.sync)
         self.readers = DocumentReaders()
         self.orders = DocumentOrders()
         self.locks = DocumentLocks()
@@ -270,7 +275,7 @@ class DocumentService:
             doc.expire_time = expires
             self._register(doc)
             logger.info("document %s: %d tokens, ingesting", doc_id, len(token_ids))
-            await self._store_call("saved", self._put_row, doc.stored())
+            doc.saved = bool(await self._store_call("saved", self._put_row, doc.stored()))
             return doc, True
 
     def _holding(self, namespace: str, replacing: str) -> tuple[int, int]:
@@ -373,7 +378,8 @@ class DocumentService:
                 doc.expire_time = expire_time_from(patch.ttl, patch.expire_time, time.time())
         if patch.metadata is not None:
             doc.metadata = patch.metadata
-        await self._store_call("saved", self._put_row, doc.stored())
+        if await self._store_call("saved", self._put_row, doc.stored()):
+            doc.saved = True
         return doc
 
     def _expiring(self) -> list[tuple[str, str, float]]:
@@ -396,10 +402,40 @@ class DocumentService:
         async with self.locks.hold(namespace, doc_id):
             doc = self._docs.get((namespace, doc_id))
             if doc is not None and doc.expired(time.time()):  # NOTE: a PATCH may have won
-                await self._remove(doc, expiring=True)
+                await self._remove(doc, rows="expired")
 
-    async def _remove(self, doc: RegisteredDocument, expiring: bool = False) -> RegisteredDocument:
-        """Unregister ``doc``, its rows and its KV. The document's lock is held."""
+    async def sync(self) -> int:
+        """Forget the documents whose row another server on the directory deleted (see
+        :mod:`ragserve.server.document_watch`): unpinned, this model's KV purged here.
+        Returns how many."""
+        if self.store is None or not self.store.is_open:
+            return 0
+        keys = await self._store_call("read", self.store.keys)
+        if keys is None:
+            return 0
+        missing = [doc for key, doc in self._docs.items() if doc.saved and key not in keys]
+        forgotten = 0
+        for doc in missing:
+            async with self.locks.hold(doc.namespace, doc.id):
+                # NOTE: checked again under the lock: an upload of this text may have
+                # replaced it, or written its row, since the keys were read.
+                if self._docs.get((doc.namespace, doc.id)) is not doc:
+                    continue
+                if (
+                    await self._store_call("read", self.store.has, doc.namespace, doc.id)
+                    is not False
+                ):
+                    continue
+                await self._remove(doc, rows="none")
+                logger.info("document %s was deleted by another server; forgotten", doc.id)
+                forgotten += 1
+        return forgotten
+
+    async def _remove(
+        self, doc: RegisteredDocument, rows: Literal["all", "expired", "none"] = "all"
+    ) -> RegisteredDocument:
+        """Unregister ``doc``, its ``rows`` and its KV (``none``: another server deleted
+        the rows and the KV on disk). The document's lock is held."""
         del self._docs[(doc.namespace, doc.id)]
         if doc.task is not None and not doc.task.done():
             doc.task.cancel()
@@ -408,11 +444,12 @@ class DocumentService:
             # NOTE: calls run in order on the engine thread, so this unpin also undoes a
             # pin that a just-cancelled ingestion had already queued.
             await self.engine.unpin_prefix(doc.pin_id)
-        if expiring:
+        others: list[KVModel] | None = None
+        if rows == "expired":
             others = await self._store_call(
                 "deleted", self._delete_expired_rows, doc.namespace, doc.id, time.time()
             )
-        else:
+        elif rows == "all":
             others = await self._store_call("deleted", self._delete_rows, doc.namespace, doc.id)
         # NOTE: requests that read the document before it was removed above reach the
         # engine before the purge, which then keeps them from caching it again.
@@ -459,6 +496,7 @@ class DocumentService:
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._store_thread, self.store.open)
         stored = await loop.run_in_executor(self._store_thread, self.store.load)
+        self.watch.start()
         restored = 0
         # NOTE: expired rows last, so their purge pairs them with every live document
         # (see :mod:`ragserve.server.purge_plan`).
@@ -469,6 +507,7 @@ class DocumentService:
                 continue
             doc = await self._from_row(entry)
             if doc is not None:
+                doc.saved = True
                 self._register(doc)
                 restored += 1
         if stored:
@@ -501,7 +540,7 @@ class DocumentService:
             doc = await self._from_row(entry)
             if doc is None or (doc.namespace, doc.id) in self._docs:
                 continue
-            doc.status, doc.previous_model = "ready", model
+            doc.status, doc.previous_model, doc.saved = "ready", model, True
             self._docs[(doc.namespace, doc.id)] = doc
             count += 1
         if adopted:
@@ -557,9 +596,10 @@ class DocumentService:
         await self._purge(doc, [*mine, *(others or [])])
         logger.info("document %s expired while the server was down; deleted", entry.id)
 
-    def _put_row(self, doc: StoredDocument) -> None:
+    def _put_row(self, doc: StoredDocument) -> bool:
         assert self.store is not None
         self.store.put(doc)
+        return True
 
     def _delete_rows(self, namespace: str, doc_id: str) -> list[KVModel]:
         """Every model's row; returns the other models with this tokenizer (their KV of
@@ -588,6 +628,7 @@ class DocumentService:
 
     async def close(self) -> None:
         await self.expiry.stop()
+        await self.watch.stop()
         tasks = [doc.task for doc in self._docs.values() if doc.task is not None]
         for task in tasks:
             task.cancel()

@@ -3,8 +3,8 @@ shape: other fingerprints, one tokenizer) running at once on one KV directory.
 
 The second one's start copies the first one's documents: both list them and answer, the
 first keeps its rows and its KV records. A DELETE on the second removes the document's
-rows for both models and both models' KV records (no file holds its token ids); the other
-document stays with both.
+rows for both models and both models' KV records (no file holds its token ids), and the
+first server forgets it too; the other document stays with both.
 """
 
 from __future__ import annotations
@@ -84,5 +84,7 @@ def test_two_models_share_one_directory(tmp_path: Path) -> None:
             }
             assert files_holding(kv, own) == []  # neither model's KV records hold it
             assert listed(second.url) == {kept["id"]}
+            assert wait_for(lambda: listed(first.url) == {kept["id"]}, 30)
+            assert files_holding(kv, own) == []
             assert cached(first.url, kept["id"]) >= full  # other documents keep their blocks
             cached(second.url, kept["id"])  # and still answers on the second

@@ -89,6 +89,7 @@ def test_rows_of_a_model_with_the_same_tokenizer_are_copied(tmp_path: Path) -> N
     # Copied, not moved: a server of the old model on this directory keeps its documents.
     assert old.load() == [mine, theirs, kept]
     assert new.adopt({"a"}, fits_all) == []
+    assert new.keys() == {("a", kept.id), ("a", mine.id)} and new.has("a", mine.id)
     assert new.sharing_models() == [old_kv] and old.sharing_models() == [new_kv]
     # A DELETE removes the document's row under every model.
     assert new.delete("a", kept.id)
