@@ -267,8 +267,11 @@ class DocumentService:
             if self.admission is not None:
                 check_work(self.admission, len(prefix_ids), 1, tenant=namespace)
             stale = self._docs.get((namespace, doc_id))
-            if stale is not None:  # expired (not swept yet) or failed: it goes first, like a DELETE
-                await self._remove(stale)
+            if stale is not None:  # expired (not swept yet) or failed: it goes first
+                # NOTE: its row is replaced below; other models' rows of this text stay
+                # unless their own expiry passed (their servers may be serving them).
+                expired = stale.expired(time.time())
+                await self._remove(stale, rows="expired" if expired else "none")
             doc = RegisteredDocument(
                 doc_id, namespace, token_ids, prefix_ids, metadata, int(time.time())
             )
@@ -434,8 +437,9 @@ class DocumentService:
     async def _remove(
         self, doc: RegisteredDocument, rows: Literal["all", "expired", "none"] = "all"
     ) -> RegisteredDocument:
-        """Unregister ``doc``, its ``rows`` and its KV (``none``: another server deleted
-        the rows and the KV on disk). The document's lock is held."""
+        """Unregister ``doc``, its ``rows`` and its KV (``none``: no row goes: another
+        server deleted them, or an upload replaces this model's). The document's lock is
+        held."""
         del self._docs[(doc.namespace, doc.id)]
         if doc.task is not None and not doc.task.done():
             doc.task.cancel()
