@@ -55,7 +55,8 @@ def test_two_models_share_one_directory(tmp_path: Path) -> None:
     with running_server(*tier, log_path=tmp_path / "first.log") as first:
         kept, gone = (upload(first.url, text(topic, 16)) for topic in ("garnet", "quartz"))
         ids = {kept["id"], gone["id"]}
-        own = needles(grams(stored_tokens(kv)[gone["id"]]))
+        tokens = stored_tokens(kv)
+        own = needles(grams(tokens[gone["id"]]) - grams(tokens[kept["id"]]))
         assert wait_for(lambda: files_holding(kv, own), 60)  # the first model's KV records
         with running_server(
             *tier, "--load-format", "dummy", log_path=tmp_path / "second.log"
