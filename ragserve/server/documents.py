@@ -13,6 +13,12 @@ is sent, and :meth:`DocumentService.restore` brings them back at start-up: each 
 document of a current tenant is registered again and re-ingested in the background, which
 is cheap because its blocks come back from the disk tier. Rows of tenants the server no
 longer has a key for stay untouched until a server with that key starts.
+
+Several servers, of one model or of several sharing a tokenizer, may serve from one
+directory: a start copies the other models' documents (see ``_adopt``), a DELETE removes
+every model's row and KV, and a server forgets within seconds a document whose row
+another server deleted (see :mod:`ragserve.server.document_watch`). Upload, PATCH and
+DELETE of one document take turns (see :mod:`ragserve.server.document_locks`).
 """
 
 from __future__ import annotations
