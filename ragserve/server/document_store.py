@@ -25,16 +25,21 @@ import logging
 import os
 import sqlite3
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 from ragserve.engine.engine_info import KVModel
 from ragserve.server.legacy_registry import legacy_path, read_legacy
 from ragserve.server.registry_cipher import RegistryCipher
-from ragserve.server.registry_models import ModelRecord, foreign_rows, record_model
-from ragserve.server.registry_repair import check
+from ragserve.server.registry_models import (
+    ModelRecord,
+    among,
+    foreign_rows,
+    record_model,
+    sharing_models,
+)
+from ragserve.server.registry_repair import Intact, check
 from ragserve.server.registry_rows import (
     SCHEMA,
     SCHEMA_VERSION,
@@ -71,7 +76,7 @@ class DocumentStore:
         self.model = model_fingerprint
         self.cipher = cipher
         # This model's KV layout and tokenizer: rows of models with its tokenizer are
-        # adopted (None: none are, and this model is not recorded).
+        # copied, and their KV purged with its own (None: neither, and it is not recorded).
         self.record = record
         self.path = self.directory / FILENAME
         self._lock = threading.Lock()
@@ -137,8 +142,8 @@ class DocumentStore:
                 os.replace(source, aside.with_name(aside.name + suffix))
         return self._connect()
 
-    def replace_with(self, rows: list[tuple[Any, ...]]) -> None:
-        """Swap the database for a fresh one holding ``rows`` (raw, already checked).
+    def replace_with(self, intact: Intact) -> None:
+        """Swap the database for a fresh one holding ``intact``'s rows (raw, checked).
         Lock held by the caller; leaves ``self._db`` None (the caller reconnects)."""
         if self._db is not None:
             self._db.close()
@@ -153,7 +158,8 @@ class DocumentStore:
                 for statement in SCHEMA:
                     db.execute(statement)
                 db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
-                db.executemany(_INSERT, rows)
+                db.executemany(_INSERT, intact.documents)
+                db.executemany(_INSERT_MODEL, intact.models)
         finally:
             db.close()
         # NOTE: the old -wal/-shm belong to the damaged file; they must not be replayed
@@ -225,11 +231,14 @@ class DocumentStore:
                     db.executemany("DELETE FROM documents WHERE row = ?", damaged)
             return docs
 
-    def adopt(self, namespaces: set[str]) -> list[tuple[StoredDocument, KVModel]]:
-        """Move to this model the rows of ``namespaces`` that another model with this
+    def adopt(
+        self, namespaces: set[str], fits: Callable[[StoredDocument], bool]
+    ) -> list[tuple[StoredDocument, KVModel]]:
+        """Copy to this model the rows of ``namespaces`` that another model with this
         tokenizer holds and this one lacks (see :mod:`ragserve.server.registry_models`);
-        returns (document, its former model). Rows that do not decode stay where they are.
-        Raises sqlite3.Error."""
+        returns (document, the model it was copied from). The other model's row stays: a
+        server of that model may share the directory. Rows that do not decode, or that
+        ``fits`` rejects (too long for this model), are not copied. Raises sqlite3.Error."""
         if self.record is None:
             return []
         adopted: list[tuple[StoredDocument, KVModel]] = []
@@ -245,11 +254,41 @@ class DocumentStore:
                         doc = decode_row(row, self.cipher)
                     except RowError:
                         continue  # NOTE: damaged or sealed: its own model's server reports it
-                    db.execute(_INSERT, encode_row(self.model, doc, self.cipher))
-                    db.execute("DELETE FROM documents WHERE row = ?", (row[0],))
+                    if not fits(doc):
+                        continue
+                    db.execute(_INSERT_IF_ABSENT, encode_row(self.model, doc, self.cipher))
                     adopted.append((doc, model))
                     taken.add(key)
         return adopted
+
+    def sharing_models(self) -> list[KVModel]:
+        """The other recorded models with this tokenizer (whose KV a DELETE also purges).
+        Raises sqlite3.Error."""
+        if self.record is None:
+            return []
+        with self._lock:
+            return sharing_models(self._require(), self.record)
+
+    @property
+    def is_open(self) -> bool:
+        return self._db is not None
+
+    def keys(self) -> set[tuple[str, str]]:
+        """(namespace, id) of this model's rows. Raises sqlite3.Error."""
+        with self._lock:
+            rows = self._require().execute(
+                "SELECT namespace, id FROM documents WHERE model = ?", (self.model,)
+            )
+            return {(str(ns), str(doc_id)) for ns, doc_id in rows.fetchall()}
+
+    def has(self, namespace: str, doc_id: str) -> bool:
+        """Whether this model has the document's row. Raises sqlite3.Error."""
+        with self._lock:
+            found = self._require().execute(
+                "SELECT 1 FROM documents WHERE model = ? AND namespace = ? AND id = ?",
+                (self.model, namespace, doc_id),
+            )
+            return found.fetchone() is not None
 
     def put(self, doc: StoredDocument) -> None:
         """Insert or replace one document's row. Raises sqlite3.Error / OSError."""
@@ -267,16 +306,39 @@ class DocumentStore:
                 cursor = db.execute(
                     "DELETE FROM documents WHERE namespace = ? AND id = ?", (namespace, doc_id)
                 )
-            # NOTE: the WAL still holds the pages as they were before the delete; moving
-            # them into the database and truncating the log leaves no copy of the row.
-            busy = db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0]
-            if busy:
-                logger.warning(
-                    "document registry %s: the log could not be truncated now (a reader is "
-                    "active); the deleted row's old pages stay in it until the next checkpoint",
-                    self.path,
-                )
+            self._truncate_log(db)
             return cursor.rowcount > 0
+
+    def delete_expired(self, namespace: str, doc_id: str, now: float) -> list[KVModel]:
+        """Delete the document's rows whose own expire_time is at or before ``now``, under
+        every model; returns the other models (with this tokenizer) whose row went.
+
+        NOTE: a row of another model whose expiry was changed by a PATCH on its server
+        stays: each row's expire_time decides for that row. Raises sqlite3.Error."""
+        with self._lock:
+            db = self._require()
+            where = (
+                " WHERE namespace = ? AND id = ? AND expire_time IS NOT NULL AND expire_time <= ?"
+            )
+            with _transaction(db):
+                gone = db.execute("SELECT DISTINCT model FROM documents" + where,
+                                  (namespace, doc_id, now)).fetchall()  # fmt: skip
+                db.execute("DELETE FROM documents" + where, (namespace, doc_id, now))
+            if gone:
+                self._truncate_log(db)
+            shared = sharing_models(db, self.record) if self.record is not None else []
+            return among(shared, (str(row[0]) for row in gone))
+
+    def _truncate_log(self, db: sqlite3.Connection) -> None:
+        # NOTE: the WAL still holds the pages as they were before a delete; moving them
+        # into the database and truncating the log leaves no copy of the row.
+        busy = db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0]
+        if busy:
+            logger.warning(
+                "document registry %s: the log could not be truncated now (a reader is "
+                "active); the deleted row's old pages stay in it until the next checkpoint",
+                self.path,
+            )
 
     def close(self) -> None:
         with self._lock:
@@ -293,6 +355,10 @@ class DocumentStore:
 _COLUMNS = "model, namespace, id, token_ids, metadata, created, expire_time, checksum"
 _SELECT = f"SELECT row, {_COLUMNS} FROM documents"
 _INSERT = f"INSERT INTO documents ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+_INSERT_MODEL = (
+    "INSERT OR REPLACE INTO models (fingerprint, tokenizer, block_size, kv_dtype)"
+    " VALUES (?, ?, ?, ?)"
+)
 _INSERT_IF_ABSENT = _INSERT.replace("INSERT", "INSERT OR IGNORE", 1)
 _UPSERT = (
     _INSERT + " ON CONFLICT (model, namespace, id) DO UPDATE SET token_ids = excluded.token_ids,"

@@ -13,6 +13,12 @@ is sent, and :meth:`DocumentService.restore` brings them back at start-up: each 
 document of a current tenant is registered again and re-ingested in the background, which
 is cheap because its blocks come back from the disk tier. Rows of tenants the server no
 longer has a key for stay untouched until a server with that key starts.
+
+Several servers, of one model or of several sharing a tokenizer, may serve from one
+directory: a start copies the other models' documents (see ``_adopt``), a DELETE removes
+every model's row and KV, and a server forgets within seconds a document whose row
+another server deleted (see :mod:`ragserve.server.document_watch`). Upload, PATCH and
+DELETE of one document take turns (see :mod:`ragserve.server.document_locks`).
 """
 
 from __future__ import annotations
@@ -24,9 +30,10 @@ import logging
 import re
 import sqlite3
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import xxhash
 
@@ -38,9 +45,11 @@ from ragserve.server.admission_checks import check_work
 from ragserve.server.config import ServerConfig
 from ragserve.server.document_expiry import ExpirySweeper
 from ragserve.server.document_lifecycle import DocumentPatch, expire_time_from, rfc3339
+from ragserve.server.document_locks import DocumentLocks
 from ragserve.server.document_orders import DocumentOrders
 from ragserve.server.document_readers import DocumentReaders
 from ragserve.server.document_store import DocumentStore
+from ragserve.server.document_watch import RegistryWatch
 from ragserve.server.errors import APIError, bad_request
 from ragserve.server.prompts import PromptBuilder
 from ragserve.server.purge_plan import purge_plan
@@ -52,6 +61,7 @@ logger = logging.getLogger(__name__)
 DOCUMENT_ID_LENGTH = 32
 _DOCUMENT_ID = re.compile(f"[0-9a-f]{{{DOCUMENT_ID_LENGTH}}}")
 Status = Literal["ingesting", "ready", "failed"]
+_T = TypeVar("_T")
 
 
 def document_id(namespace: str, text: str) -> str:
@@ -88,8 +98,12 @@ class RegisteredDocument:
     pinned_tokens: int = 0
     expire_time: float | None = None  # Unix seconds; None: never expires
     # The model it was ingested under, while its KV for this model is not computed yet
-    # (see ``DocumentService._adopt``); None otherwise.
+    # (see ``DocumentService._adopt``; a failed computation is tried again at the next
+    # question); None otherwise.
     previous_model: KVModel | None = None
+    # Whether its row was written (or read): one missing later was deleted by another
+    # server on the directory (see ``DocumentService.sync``).
+    saved: bool = False
     task: asyncio.Task[None] | None = field(default=None, repr=False)
 
     @property
@@ -152,14 +166,15 @@ class DocumentService:
         self.block_size = engine.info.block_size
         self.default_ttl = default_ttl
         self.expiry = ExpirySweeper(self._expiring, self._expire)
+        self.watch = RegistryWatch(self.sync)
         self.readers = DocumentReaders()
         self.orders = DocumentOrders()
+        self.locks = DocumentLocks()
         self._docs: dict[tuple[str, str], RegisteredDocument] = {}
         self._ids = itertools.count()
         # NOTE: one thread, so registry writes happen in the order they were asked for
         # (an upload's row is written before a later delete removes it).
         self._store_thread = ThreadPoolExecutor(1, thread_name_prefix="registry")
-        self._old_kv: asyncio.Task[None] | None = None
 
     def get(self, namespace: str, doc_id: str, param: str = "id") -> RegisteredDocument:
         doc = self._docs.get((namespace, check_document_id(doc_id, param)))
@@ -191,7 +206,9 @@ class DocumentService:
         self.orders.note(namespace, doc_ids)
         reading = self.readers.current()
         for doc in docs:
-            if doc.previous_model is not None and doc.task is None:
+            # NOTE: a computation that failed is tried again, or the document would stay
+            # uncached (and reported different_model) for good.
+            if doc.previous_model is not None and (doc.task is None or doc.task.done()):
                 self._recompute(doc, reading.queued if reading is not None else None)
         return [doc.token_ids for doc in docs]
 
@@ -212,9 +229,13 @@ class DocumentService:
         return len(doc.prefix_ids) // self.block_size * self.block_size
 
     def existing(self, namespace: str, text: str) -> RegisteredDocument | None:
-        """The live document holding exactly this text, if any (a failed one does not count)."""
+        """The live document holding exactly this text, if any. A failed one does not count,
+        unless it was taken over from another model: its computation is tried again at
+        the next question, and replacing it would delete the other model's row too."""
         doc = self._docs.get((namespace, document_id(namespace, text)))
-        if doc is None or doc.status == "failed" or doc.expired(time.time()):
+        if doc is None or doc.expired(time.time()):
+            return None
+        if doc.status == "failed" and doc.previous_model is None:
             return None
         return doc
 
@@ -242,23 +263,29 @@ class DocumentService:
         token_ids = await self.prompts.run(self.prompts.document_ids, text)
         prefix_ids = self.prompts.document_prefix(token_ids)
         self._check_fits(len(token_ids), len(prefix_ids))
-        existing = self.existing(namespace, text)  # another upload may have won the race
-        if existing is not None:
-            return existing, False
-        check_documents(self.limits, *self._holding(namespace, doc_id), len(token_ids))
-        if self.admission is not None:
-            check_work(self.admission, len(prefix_ids), 1, tenant=namespace)
-        stale = self._docs.get((namespace, doc_id))
-        if stale is not None:  # expired (not swept yet) or failed: it goes first, like a DELETE
-            await self.remove(namespace, doc_id, even_expired=True)
-        doc = RegisteredDocument(
-            doc_id, namespace, token_ids, prefix_ids, metadata, int(time.time())
-        )
-        doc.expire_time = expires
-        self._register(doc)
-        logger.info("document %s: %d tokens, ingesting", doc_id, len(token_ids))
-        await self._store_call("saved", self._put_row, doc.stored())
-        return doc, True
+        # NOTE: a DELETE of this text still running finishes first (its row delete and
+        # purge must not reach the document registered here).
+        async with self.locks.hold(namespace, doc_id):
+            existing = self.existing(namespace, text)  # another upload may have won the race
+            if existing is not None:
+                return existing, False
+            check_documents(self.limits, *self._holding(namespace, doc_id), len(token_ids))
+            if self.admission is not None:
+                check_work(self.admission, len(prefix_ids), 1, tenant=namespace)
+            stale = self._docs.get((namespace, doc_id))
+            if stale is not None:  # expired (not swept yet) or failed: it goes first
+                # NOTE: its row is replaced below; other models' rows of this text stay
+                # unless their own expiry passed (their servers may be serving them).
+                expired = stale.expired(time.time())
+                await self._remove(stale, rows="expired" if expired else "none")
+            doc = RegisteredDocument(
+                doc_id, namespace, token_ids, prefix_ids, metadata, int(time.time())
+            )
+            doc.expire_time = expires
+            self._register(doc)
+            logger.info("document %s: %d tokens, ingesting", doc_id, len(token_ids))
+            doc.saved = bool(await self._store_call("saved", self._put_row, doc.stored()))
+            return doc, True
 
     def _holding(self, namespace: str, replacing: str) -> tuple[int, int]:
         """(documents, tokens) the tenant keeps, without the failed one ``replacing`` would
@@ -347,7 +374,11 @@ class DocumentService:
 
     async def update(self, namespace: str, doc_id: str, patch: DocumentPatch) -> RegisteredDocument:
         """PATCH: change the expiry and/or the metadata; the row is rewritten before return."""
-        doc = self.get(namespace, doc_id)
+        self.get(namespace, doc_id)  # NOTE: 400 / 404 before waiting for the lock
+        async with self.locks.hold(namespace, doc_id):
+            return await self._update(self.get(namespace, doc_id), patch)
+
+    async def _update(self, doc: RegisteredDocument, patch: DocumentPatch) -> RegisteredDocument:
         fields = patch.model_fields_set
         if "ttl" in fields or "expire_time" in fields:
             if patch.ttl is None and patch.expire_time is None:
@@ -356,7 +387,8 @@ class DocumentService:
                 doc.expire_time = expire_time_from(patch.ttl, patch.expire_time, time.time())
         if patch.metadata is not None:
             doc.metadata = patch.metadata
-        await self._store_call("saved", self._put_row, doc.stored())
+        if await self._store_call("saved", self._put_row, doc.stored()):
+            doc.saved = True
         return doc
 
     def _expiring(self) -> list[tuple[str, str, float]]:
@@ -366,15 +398,55 @@ class DocumentService:
             if doc.expire_time is not None
         ]
 
-    async def remove(
-        self, namespace: str, doc_id: str, even_expired: bool = False
+    async def remove(self, namespace: str, doc_id: str) -> RegisteredDocument:
+        """DELETE: unpin, delete the rows of every model, purge the KV every model with
+        this tokenizer wrote (see ``_purge``); 404 for an unknown or expired document."""
+        self.get(namespace, doc_id)  # NOTE: 400 / 404 before waiting for the lock
+        async with self.locks.hold(namespace, doc_id):
+            return await self._remove(self.get(namespace, doc_id))
+
+    async def _expire(self, namespace: str, doc_id: str) -> None:
+        """The expiry sweep's removal: like a DELETE, but only the rows whose own
+        expire_time passed go, and only those models' KV with this one's."""
+        async with self.locks.hold(namespace, doc_id):
+            doc = self._docs.get((namespace, doc_id))
+            if doc is not None and doc.expired(time.time()):  # NOTE: a PATCH may have won
+                await self._remove(doc, rows="expired")
+
+    async def sync(self) -> int:
+        """Forget the documents whose row another server on the directory deleted (see
+        :mod:`ragserve.server.document_watch`): unpinned, this model's KV purged here.
+        Returns how many."""
+        if self.store is None or not self.store.is_open:
+            return 0
+        keys = await self._store_call("read", self.store.keys)
+        if keys is None:
+            return 0
+        missing = [doc for key, doc in self._docs.items() if doc.saved and key not in keys]
+        forgotten = 0
+        for doc in missing:
+            async with self.locks.hold(doc.namespace, doc.id):
+                # NOTE: checked again under the lock: an upload of this text may have
+                # replaced it, or written its row, since the keys were read.
+                if self._docs.get((doc.namespace, doc.id)) is not doc:
+                    continue
+                if (
+                    await self._store_call("read", self.store.has, doc.namespace, doc.id)
+                    is not False
+                ):
+                    continue
+                await self._remove(doc, rows="none")
+                logger.info("document %s was deleted by another server; forgotten", doc.id)
+                forgotten += 1
+        return forgotten
+
+    async def _remove(
+        self, doc: RegisteredDocument, rows: Literal["all", "expired", "none"] = "all"
     ) -> RegisteredDocument:
-        """Unpin, delete the row, purge the KV (see ``_purge``). ``even_expired``: the
-        expiry sweep's call (``get`` treats an expired document as absent)."""
-        doc = self._docs.get((namespace, doc_id)) if even_expired else None
-        if doc is None:
-            doc = self.get(namespace, doc_id)
-        del self._docs[(namespace, doc.id)]
+        """Unregister ``doc``, its ``rows`` and its KV (``none``: no row goes: another
+        server deleted them, or an upload replaces this model's). The document's lock is
+        held."""
+        del self._docs[(doc.namespace, doc.id)]
         if doc.task is not None and not doc.task.done():
             doc.task.cancel()
             await asyncio.gather(doc.task, return_exceptions=True)
@@ -382,41 +454,43 @@ class DocumentService:
             # NOTE: calls run in order on the engine thread, so this unpin also undoes a
             # pin that a just-cancelled ingestion had already queued.
             await self.engine.unpin_prefix(doc.pin_id)
-        await self._store_call("deleted", self._delete_row, doc.namespace, doc.id)
+        others: list[KVModel] | None = None
+        if rows == "expired":
+            others = await self._store_call(
+                "deleted", self._delete_expired_rows, doc.namespace, doc.id, time.time()
+            )
+        elif rows == "all":
+            others = await self._store_call("deleted", self._delete_rows, doc.namespace, doc.id)
         # NOTE: requests that read the document before it was removed above reach the
         # engine before the purge, which then keeps them from caching it again.
         await self.readers.settled(doc.namespace, doc.id)
-        await self._purge(doc)
+        await self._purge(doc, [None, *(others or [])])
         self.orders.forget(doc.namespace, doc.id)
         return doc
 
-    async def _expire(self, namespace: str, doc_id: str) -> None:
-        await self.remove(namespace, doc_id, even_expired=True)
-
-    async def _purge(self, doc: RegisteredDocument, model: KVModel | None = None) -> None:
+    async def _purge(self, doc: RegisteredDocument, models: Sequence[KVModel | None]) -> None:
         """Remove the document's KV from every tier, in prompts that named it after other
         documents too (see :mod:`ragserve.server.purge_plan`); blocks of another live
-        document of its tenant stay. ``model``: the blocks that model wrote, not this
-        one's. Errors are logged: the document is gone either way."""
+        document of its tenant stay (a re-upload of the same text among them). ``models``:
+        whose blocks go, one engine call each (None: this model's). Errors are logged: the
+        document is gone either way."""
         if not self.engine.is_alive:
             return
         others = {
-            other.id: other.token_ids
-            for other in self.list_for(doc.namespace)
-            if other is not doc and other.id != doc.id
+            other.id: other.token_ids for other in self.list_for(doc.namespace) if other is not doc
         }
         preceding = self.orders.preceding(doc.namespace, doc.id)
-        plan = purge_plan(
-            doc.token_ids, others, preceding, self.prompts.document_prefix, model is None
-        )
-        try:
-            removed = await self.engine.purge_prefixes(
-                plan.purge, doc.namespace, plan.keep, model=model
-            )
-        except Exception as exc:  # NOTE: a failed purge must not fail the DELETE
-            logger.warning("document %s: KV purge failed: %s", doc.id, exc)
-            return
-        logger.info("document %s: KV purged (%s blocks)", doc.id, removed)
+        plan = purge_plan(doc.token_ids, others, preceding, self.prompts.document_prefix)
+        for model in models:
+            try:
+                removed = await self.engine.purge_prefixes(
+                    plan.purge, doc.namespace, plan.keep, model=model
+                )
+            except Exception as exc:  # NOTE: a failed purge must not fail the DELETE
+                logger.warning("document %s: KV purge failed: %s", doc.id, exc)
+                continue
+            whose = "" if model is None else f" of model {model.fingerprint[:12]}"
+            logger.info("document %s: KV%s purged (%s blocks)", doc.id, whose, removed)
 
     # -- persistence -----------------------------------------------------------------------
     async def restore(self, tenants: set[str]) -> int:
@@ -432,6 +506,7 @@ class DocumentService:
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._store_thread, self.store.open)
         stored = await loop.run_in_executor(self._store_thread, self.store.load)
+        self.watch.start()
         restored = 0
         # NOTE: expired rows last, so their purge pairs them with every live document
         # (see :mod:`ragserve.server.purge_plan`).
@@ -442,6 +517,7 @@ class DocumentService:
                 continue
             doc = await self._from_row(entry)
             if doc is not None:
+                doc.saved = True
                 self._register(doc)
                 restored += 1
         if stored:
@@ -453,56 +529,55 @@ class DocumentService:
 
     async def _adopt(self, tenants: set[str]) -> int:
         """Take over the documents another model with this tokenizer ingested (see
-        :mod:`ragserve.server.registry_models`). They are listed and answer at once; their
-        KV is computed for this model at first use, not now: the old model's documents may
-        be many and rarely used. Until then a response names ``different_model`` as why
-        the document was not cached."""
+        :mod:`ragserve.server.registry_models`): their rows are copied, the other model's
+        rows and KV stay (a server of that model may be running on this directory). They
+        are listed and answer at once; their KV is computed for this model at first use,
+        not now: the other model's documents may be many and rarely used. Until then a
+        response names ``different_model`` as why the document was not cached."""
         assert self.store is not None
         loop = asyncio.get_running_loop()
         try:
-            adopted = await loop.run_in_executor(self._store_thread, self.store.adopt, tenants)
+            adopted = await loop.run_in_executor(
+                self._store_thread, self.store.adopt, tenants, self._fits
+            )
         except sqlite3.Error as exc:
             logger.warning(
                 "document registry %s: other models' documents: %s", self.store.path, exc
             )
             return 0
-        taken = []
+        count = 0
         for entry, model in adopted:
-            doc = await self._from_row(entry, model)
+            doc = await self._from_row(entry)
             if doc is None or (doc.namespace, doc.id) in self._docs:
                 continue
-            doc.status, doc.previous_model = "ready", model
+            doc.status, doc.previous_model, doc.saved = "ready", model, True
             self._docs[(doc.namespace, doc.id)] = doc
-            taken.append((doc, model))
-        count = len(taken)
-        if taken:
-            # NOTE: in the background: each purge reads every record header of the old
-            # model's tenant, too slow to hold up the start with many documents.
-            self._old_kv = asyncio.create_task(self._purge_old_kv(taken), name="old-model-kv")
+            count += 1
         if adopted:
             logger.info(
                 "document registry %s: %d documents of other models with this tokenizer taken "
-                "over; their KV is computed again at first use",
+                "over (copied); their KV is computed again at first use",
                 self.store.path, count,
             )  # fmt: skip
         return count
 
-    async def _purge_old_kv(self, taken: list[tuple[RegisteredDocument, KVModel]]) -> None:
-        """Purge what the old models wrote of the documents taken over: no longer any
-        model's KV, it would outlive a later DELETE."""
-        for doc, model in taken:
-            await self._purge(doc, model)
-        logger.info("the KV of %d documents of other models was purged", len(taken))
+    def _fits(self, entry: StoredDocument) -> bool:
+        """Whether a stored document fits this model (run on the registry thread)."""
+        try:
+            self._check_fits(
+                len(entry.token_ids), len(self.prompts.document_prefix(entry.token_ids))
+            )
+        except APIError as exc:
+            logger.warning("stored document %s not taken over: %s", entry.id, exc.message)
+            return False
+        return True
 
-    async def _from_row(
-        self, entry: StoredDocument, model: KVModel | None = None
-    ) -> RegisteredDocument | None:
+    async def _from_row(self, entry: StoredDocument) -> RegisteredDocument | None:
         """The document a stored row describes; None when it expired while no server ran
-        (its row and KV go now; ``model``: the model that wrote that KV) or does not fit
-        this model (its row stays)."""
+        (its row and KV go now) or does not fit this model (its row stays)."""
         prefix_ids = self.prompts.document_prefix(entry.token_ids)
         if entry.expire_time is not None and entry.expire_time <= time.time():
-            await self._drop_expired(entry, prefix_ids, model)
+            await self._drop_expired(entry, prefix_ids)
             return None
         try:
             self._check_fits(len(entry.token_ids), len(prefix_ids))
@@ -515,42 +590,56 @@ class DocumentService:
         doc.expire_time = entry.expire_time
         return doc
 
-    async def _drop_expired(
-        self, entry: StoredDocument, prefix_ids: list[int], model: KVModel | None = None
-    ) -> None:
-        """A stored document that expired while no server ran: row and KV go now."""
-        await self._store_call("deleted", self._delete_row, entry.namespace, entry.id)
+    async def _drop_expired(self, entry: StoredDocument, prefix_ids: list[int]) -> None:
+        """A stored document that expired while no server ran: its expired rows go now,
+        with the KV of this model and of each model whose row went."""
+        key = (entry.namespace, entry.id)
+        now = time.time()
+        others = await self._store_call(
+            "deleted", self._delete_expired_rows, entry.namespace, entry.id, now
+        )
         doc = RegisteredDocument(
             entry.id, entry.namespace, entry.token_ids, prefix_ids, entry.metadata, entry.created
         )
-        await self._purge(doc, model)
+        # NOTE: a live document of the same text keeps this model's blocks.
+        mine: list[KVModel | None] = [] if key in self._docs else [None]
+        await self._purge(doc, [*mine, *(others or [])])
         logger.info("document %s expired while the server was down; deleted", entry.id)
 
-    def _put_row(self, doc: StoredDocument) -> None:
+    def _put_row(self, doc: StoredDocument) -> bool:
         assert self.store is not None
         self.store.put(doc)
+        return True
 
-    def _delete_row(self, namespace: str, doc_id: str) -> None:
+    def _delete_rows(self, namespace: str, doc_id: str) -> list[KVModel]:
+        """Every model's row; returns the other models with this tokenizer (their KV of
+        the document goes too)."""
         assert self.store is not None
         self.store.delete(namespace, doc_id)
+        return self.store.sharing_models()
 
-    async def _store_call(self, what: str, call: Any, *args: Any) -> None:
-        """Run a registry write on the registry thread; errors are logged, never raised.
+    def _delete_expired_rows(self, namespace: str, doc_id: str, now: float) -> list[KVModel]:
+        assert self.store is not None
+        return self.store.delete_expired(namespace, doc_id, now)
+
+    async def _store_call(self, what: str, call: Callable[..., _T], *args: Any) -> _T | None:
+        """Run a registry write on the registry thread; its result, or None when there is
+        no registry or the write failed (errors are logged, never raised).
 
         NOTE: an upload or delete whose row could not be written still succeeds in memory:
         the document is served until the restart that forgets (or restores) it."""
         if self.store is None:
-            return
+            return None
         try:
-            await asyncio.get_running_loop().run_in_executor(self._store_thread, call, *args)
+            return await asyncio.get_running_loop().run_in_executor(self._store_thread, call, *args)
         except (OSError, sqlite3.Error) as exc:
             logger.warning("document registry %s: document not %s: %s", self.store.path, what, exc)
+            return None
 
     async def close(self) -> None:
         await self.expiry.stop()
+        await self.watch.stop()
         tasks = [doc.task for doc in self._docs.values() if doc.task is not None]
-        if self._old_kv is not None:
-            tasks.append(self._old_kv)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

@@ -13,8 +13,8 @@ For document B the plan purges, in one engine call:
   (:mod:`ragserve.server.document_orders`) whose documents all still live. A tuple with a
   deleted document needs nothing: that document's own purge removed what followed it.
 
-An old model's KV (a takeover, see ``DocumentService._adopt``) needs only the first: the
-old KV of every document taken over is purged, and with it whatever followed each one.
+The same plan serves every model whose KV a DELETE purges (each model with this tokenizer,
+one engine call each): token ids, and so the prefixes, are the same under each.
 
 Cost: every other document's tokens are hashed twice (pair and keep) on the engine
 thread, about 0.035 ms per 1k tokens: some 0.3 s for 1,000 documents of 4k tokens.
@@ -44,15 +44,11 @@ def purge_plan(
     others: dict[str, list[int]],
     preceding: Sequence[tuple[str, ...]],
     prefix: Callable[[list[int]], list[int]],
-    after_others: bool = True,
 ) -> PurgePlan:
     """``own``: the document's tokens (in its wrapper); ``others``: every other live
     document of the tenant, id to tokens; ``preceding``: its recorded tuples;
-    ``prefix``: ``PromptBuilder.document_prefix``; ``after_others``: False for an old
-    model's KV (own prefix only)."""
+    ``prefix``: ``PromptBuilder.document_prefix``."""
     plan = PurgePlan(purge=[prefix(own)], keep=[prefix(tokens) for tokens in others.values()])
-    if not after_others:
-        return plan
     plan.purge += [prefix(tokens + own) for tokens in others.values()]
     for ids in preceding:
         if not all(doc_id in others for doc_id in ids):

@@ -3,7 +3,8 @@
 ``PRAGMA integrity_check`` on open. When it reports problems, rows are read one at a time
 by rowid (a damaged page loses the rows stored on it; a lookup that fails or returns a row
 whose checksum does not match loses that row alone), and the intact rows are written to a
-fresh database that replaces the damaged one.
+fresh database that replaces the damaged one. The ``models`` rows are salvaged the same
+way: a model no longer recorded could not have its KV purged by a later DELETE.
 
 NOTE: the replacement happens at start-up under this process's lock only; a second server
 that has the damaged database open at that moment keeps writing to the old file until it
@@ -14,15 +15,25 @@ repair happens there rather than behind every write.
 from __future__ import annotations
 
 import sqlite3
+from dataclasses import dataclass, field
 
 from ragserve.server.registry_rows import Row, RowError, RowLocked, decode_row
 
 _MAX_REPORTED = 5
 
 
-def check(db: sqlite3.Connection) -> tuple[list[str], list[Row] | None]:
+@dataclass
+class Intact:
+    """What a rebuild keeps: ``documents`` rows without their ``row`` column, in rowid
+    order, and ``models`` rows (fingerprint, tokenizer, block_size, kv_dtype)."""
+
+    documents: list[Row] = field(default_factory=list)
+    models: list[Row] = field(default_factory=list)
+
+
+def check(db: sqlite3.Connection) -> tuple[list[str], Intact | None]:
     """(problems found, the intact rows to rebuild the database from); (``[]``, None) when
-    the database is intact. Rows come without their ``row`` column, in rowid order."""
+    the database is intact."""
     try:
         report = [str(line[0]) for line in db.execute("PRAGMA integrity_check").fetchall()]
     except sqlite3.DatabaseError as exc:
@@ -34,7 +45,7 @@ def check(db: sqlite3.Connection) -> tuple[list[str], list[Row] | None]:
     problem = (
         f"integrity check failed ({detail}); {len(kept)} rows kept, {lost} damaged rows dropped"
     )
-    return [problem], [row[1:] for row in kept]
+    return [problem], Intact([row[1:] for row in kept], _salvage_models(db))
 
 
 def _salvage(db: sqlite3.Connection) -> tuple[list[Row], int]:
@@ -63,6 +74,32 @@ def _salvage(db: sqlite3.Connection) -> tuple[list[Row], int]:
             continue
         kept.append(row)
     return kept, lost
+
+
+def _salvage_models(db: sqlite3.Connection) -> list[Row]:
+    """The readable ``models`` rows, one rowid at a time (a damaged page loses its own)."""
+    try:
+        top = db.execute("SELECT max(rowid) FROM models").fetchone()[0]
+    except sqlite3.DatabaseError:
+        top = None
+    kept: list[Row] = []
+    for rowid in range(1, (top if isinstance(top, int) else 0) + 1):
+        try:
+            row = db.execute(
+                "SELECT fingerprint, tokenizer, block_size, kv_dtype FROM models WHERE rowid = ?",
+                (rowid,),
+            ).fetchone()
+        except sqlite3.DatabaseError:
+            continue
+        if row is not None and _is_model_row(row):
+            kept.append(tuple(row))
+    return kept
+
+
+def _is_model_row(row: Row) -> bool:
+    fingerprint, tokenizer, block_size, kv_dtype = row
+    texts = all(isinstance(value, str) and value for value in (fingerprint, tokenizer, kv_dtype))
+    return texts and type(block_size) is int and block_size > 0
 
 
 def _highest_rowid(db: sqlite3.Connection) -> int:

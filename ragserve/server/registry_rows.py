@@ -37,8 +37,9 @@ SCHEMA = (
         checksum TEXT NOT NULL,
         UNIQUE (model, namespace, id)
     )""",
-    # NOTE: added without a version change: older servers never read it, and a rebuild
-    # that drops it loses nothing a starting server does not write again.
+    # NOTE: added without a version change: older servers never read it. A rebuild keeps
+    # its rows (see :mod:`ragserve.server.registry_repair`): a model that is not running
+    # does not write its row again, and a DELETE needs it to purge that model's KV.
     """CREATE TABLE IF NOT EXISTS models (
         fingerprint TEXT PRIMARY KEY,
         tokenizer TEXT NOT NULL,

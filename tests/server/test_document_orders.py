@@ -41,10 +41,3 @@ def test_plan_purges_every_order_and_keeps_the_live_prefixes(smollm_tokenizer: A
     head = len(prefix([]))
     assert all(seq[head:][-len(b) :] == b for seq in plan.purge)
     assert not any(set(b) & set(seq[head:]) for seq in plan.keep)
-
-
-def test_plan_for_an_old_models_kv_purges_the_own_prefix_only(smollm_tokenizer: Any) -> None:
-    prefix = PromptBuilder(smollm_tokenizer).document_prefix
-    plan = purge_plan([4, 5], {"a": [1, 2, 3]}, [("a", "a")], prefix, after_others=False)
-    assert plan.purge == [prefix([4, 5])]
-    assert plan.keep == [prefix([1, 2, 3])]

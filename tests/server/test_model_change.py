@@ -1,9 +1,10 @@
 """A restart on the same KV directory with another model (random weights of the same shape:
 another fingerprint, the same tokenizer). The documents of the first model are still
 listed and answer; the first question computes the KV again and says why in
-``usage.ragserve_cache``; later ones hit the cache. Rows move to the new model (one row per
-document), the KV records the old model wrote are purged (their files no longer hold the
-document's token ids), and a DELETE removes the document's row for every model.
+``usage.ragserve_cache``; later ones hit the cache. Rows are copied to the new model (the
+old model's row and KV records stay: a server of it may share the directory), and a
+DELETE removes the document's row for every model and the KV records of both models (no
+file holds the document's token ids).
 """
 
 from __future__ import annotations
@@ -80,9 +81,9 @@ def test_documents_follow_a_model_change(tmp_path: Path) -> None:
         for field in ("tokens", "prefix_tokens", "created", "metadata"):
             assert state.json()[field] == doc[field], field
         assert state.json()["kv_blocks"]["device"] == 0  # nothing computed before first use
-        (second_model,) = rows_by_model(kv)
-        assert second_model != first_model
-        assert rows_by_model(kv)[second_model] == [doc["id"]]
+        models = rows_by_model(kv)
+        assert set(models) - {first_model} and all(ids == [doc["id"]] for ids in models.values())
+        assert len(models) == 2  # copied: the first model keeps its row
 
         full = doc["prefix_tokens"] // BLOCK_SIZE * BLOCK_SIZE
         first_use = ask(second.url, doc["id"])
@@ -99,11 +100,11 @@ def test_documents_follow_a_model_change(tmp_path: Path) -> None:
         assert again["prompt_tokens_details"]["cached_tokens"] >= full
         assert again["ragserve_cache"]["documents"] == []
         assert "taken over" in second.log()
-        assert wait_for(lambda: "documents of other models was purged" in second.log(), 60)
-        assert [hit for path in old_records for hit in files_holding(path, own)] == []
+        assert any(files_holding(path, own) for path in old_records)  # the old KV stays
 
         deleted = requests.delete(
             f"{second.url}/v1/documents/{doc['id']}", headers=AUTH, timeout=30
         )
         assert deleted.status_code == 200, deleted.text
         assert rows_by_model(kv) == {}
+        assert files_holding(kv, own) == []  # both models' KV records, and the rows

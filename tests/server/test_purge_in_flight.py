@@ -1,6 +1,8 @@
 """A DELETE while questions on the document are still in the engine: one generating, one
-waiting for a slot (the server runs one sequence at a time). Both finish after the DELETE
-returned; none of their blocks may be cached, demoted or written afterwards.
+waiting for a slot (the server runs one sequence at a time). Both are still running when
+the DELETE returns (the generating one asks for far more tokens than the test waits for,
+and is then closed by the client, which aborts it); the waiting one then runs to its end.
+None of their blocks may be cached, demoted or written afterwards.
 
 Checked from outside: no file under the KV directory holds the document's token ids, the
 device cache and the tiers hold no more blocks than before the upload, and uploading the
@@ -36,12 +38,14 @@ COMPUTED = "ragserve_prompt_tokens_computed_total"
 
 
 class Question(threading.Thread):
-    """A streamed chat completion on one document; ``started`` is set at its first chunk."""
+    """A streamed chat completion on one document; ``started`` is set at its first chunk.
+    ``close``: the client hangs up at its next chunk (the server aborts the request)."""
 
     def __init__(self, url: str, doc_id: str, max_tokens: int) -> None:
         super().__init__(daemon=True)
         self.url, self.doc_id, self.max_tokens = url, doc_id, max_tokens
         self.started = threading.Event()
+        self.close = threading.Event()
         self.finish_reason: str | None = None
         self.error: str | None = None
 
@@ -62,6 +66,8 @@ class Question(threading.Thread):
                     self.error = f"{response.status_code}: {response.text[:300]}"
                     return
                 for line in response.iter_lines():
+                    if self.close.is_set():
+                        return
                     if not line.startswith(b"data: {"):
                         continue
                     self.started.set()
@@ -94,7 +100,8 @@ def test_questions_in_flight_cannot_cache_a_deleted_document(tmp_path: Path) -> 
         assert wait_ready(server.url, doc_id, AUTH)["status"] == "ready"
         own = needles(grams(stored_tokens(kv)[doc_id]))
 
-        generating = Question(server.url, doc_id, max_tokens=400)
+        # NOTE: far more tokens than the DELETE can take on a loaded machine; closed below.
+        generating = Question(server.url, doc_id, max_tokens=3000)
         generating.start()
         assert generating.started.wait(300) and generating.error is None, generating.error
         queued = Question(server.url, doc_id, max_tokens=8)
@@ -105,10 +112,15 @@ def test_questions_in_flight_cannot_cache_a_deleted_document(tmp_path: Path) -> 
         assert deleted.status_code == 200, deleted.text
         # The scenario held: the DELETE returned while both were still in the engine.
         assert generating.is_alive() and queued.is_alive()
-        generating.join(600)
+        assert generating.finish_reason is None  # still generating
+        generating.close.set()
+        generating.join(120)
         queued.join(600)
+        assert not generating.is_alive() and not queued.is_alive()
         assert generating.error is None and queued.error is None, (generating.error, queued.error)
-        assert generating.finish_reason == queued.finish_reason == "length"
+        assert queued.finish_reason == "length"
+        idle = ("ragserve_num_requests_running", "ragserve_num_requests_waiting")
+        assert wait_for(lambda: all(server.metrics()[name] == 0 for name in idle), 60)
 
         assert files_holding(kv, own) == []
         assert blocks_held(server) == baseline

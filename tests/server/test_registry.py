@@ -65,7 +65,11 @@ def test_round_trip_and_one_row_per_document(tmp_path: Path) -> None:
         assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
 
 
-def test_rows_of_a_model_with_the_same_tokenizer_are_taken_over(tmp_path: Path) -> None:
+def fits_all(doc: StoredDocument) -> bool:
+    return True
+
+
+def test_rows_of_a_model_with_the_same_tokenizer_are_copied(tmp_path: Path) -> None:
     old_kv = KVModel(FP, 16, "float32")
     old = DocumentStore(tmp_path, FP, record=ModelRecord(old_kv, "tok-1"))
     old.open()
@@ -75,18 +79,54 @@ def test_rows_of_a_model_with_the_same_tokenizer_are_taken_over(tmp_path: Path) 
     other_kv = KVModel("cd" * 32, 16, "float32")
     other_tokenizer = DocumentStore(tmp_path, "cd" * 32, record=ModelRecord(other_kv, "tok-2"))
     other_tokenizer.open()
-    assert other_tokenizer.adopt({"a", "b"}) == []  # its token ids would mean other text
+    assert other_tokenizer.adopt({"a", "b"}, fits_all) == []  # its ids would mean other text
     new_kv = KVModel("ef" * 32, 32, "bfloat16")
     new = DocumentStore(tmp_path, "ef" * 32, record=ModelRecord(new_kv, "tok-1"))
     new.open()
-    new.put(kept)  # already its own: stays with the old model too
-    assert new.adopt({"a"}) == [(mine, old_kv)]  # tenant b is not served here
+    new.put(kept)  # already its own
+    assert new.adopt({"a"}, fits_all) == [(mine, old_kv)]  # tenant b is not served here
     assert new.load() == [kept, mine]
-    assert old.load() == [theirs, kept]
-    assert new.adopt({"a"}) == []  # moved, not copied
+    # Copied, not moved: a server of the old model on this directory keeps its documents.
+    assert old.load() == [mine, theirs, kept]
+    assert new.adopt({"a"}, fits_all) == []
+    assert new.keys() == {("a", kept.id), ("a", mine.id)} and new.has("a", mine.id)
+    assert new.sharing_models() == [old_kv] and old.sharing_models() == [new_kv]
     # A DELETE removes the document's row under every model.
     assert new.delete("a", kept.id)
-    assert old.load() == [theirs] and new.load() == [mine]
+    assert old.load() == [mine, theirs] and new.load() == [mine]
+
+
+def test_a_row_that_does_not_fit_is_not_copied(tmp_path: Path) -> None:
+    old = DocumentStore(tmp_path, FP, record=ModelRecord(KVModel(FP, 16, "float32"), "tok"))
+    old.open()
+    small, large = stored("1" * 32, tokens=3), stored("2" * 32, tokens=50)
+    old.put(small)
+    old.put(large)
+    new = DocumentStore(tmp_path, "ef" * 32, record=ModelRecord(KVModel("ef" * 32, 16, "f"), "tok"))
+    new.open()
+    adopted = new.adopt({""}, lambda doc: len(doc.token_ids) < 10)
+    assert [doc for doc, _ in adopted] == [small]
+    assert new.load() == [small]  # the large one stays the old model's alone
+    assert old.load() == [small, large]
+
+
+def test_expiry_deletes_only_the_rows_whose_own_time_passed(tmp_path: Path) -> None:
+    old_kv, new_kv, third_kv = (KVModel(fp * 32, 16, "float32") for fp in ("ab", "ef", "99"))
+    stores = [
+        DocumentStore(tmp_path, kv.fingerprint, record=ModelRecord(kv, "tok"))
+        for kv in (old_kv, new_kv, third_kv)
+    ]
+    for store in stores:
+        store.open()
+    old, new, third = stores
+    doc = stored("1" * 32)
+    old.put(StoredDocument(doc.id, "", doc.token_ids, {}, 1, expire_time=100.0))
+    new.put(StoredDocument(doc.id, "", doc.token_ids, {}, 1, expire_time=100.0))
+    third.put(StoredDocument(doc.id, "", doc.token_ids, {}, 1, expire_time=500.0))  # PATCHed
+    assert new.delete_expired("", doc.id, 200.0) == [old_kv]  # and its own row
+    assert old.load() == [] and new.load() == []
+    assert [d.expire_time for d in third.load()] == [500.0]
+    assert new.delete_expired("", doc.id, 200.0) == []
 
 
 def test_two_stores_on_one_directory_share_it(tmp_path: Path) -> None:
@@ -147,6 +187,25 @@ def test_a_damaged_page_loses_only_its_rows(
     with caplog.at_level(logging.WARNING):
         assert opened(tmp_path).load() == kept
     assert caplog.text == ""  # repaired: the next start finds nothing wrong
+
+
+def test_a_rebuild_keeps_the_models_table(tmp_path: Path) -> None:
+    kv = KVModel("cd" * 32, 16, "bfloat16")
+    store = DocumentStore(tmp_path, "cd" * 32, record=ModelRecord(kv, "tok"))
+    store.open()
+    docs = [stored(f"{n:032x}", tokens=400) for n in range(30)]
+    for doc in docs:
+        store.put(doc)
+    store.close()
+    raw = bytearray(store.path.read_bytes())
+    page_size = int.from_bytes(raw[16:18], "big")
+    victim = raw.index(_row_bytes(store, docs[15])) // page_size
+    raw[victim * page_size : (victim + 1) * page_size] = b"\x5a" * page_size
+    store.path.write_bytes(bytes(raw))
+    # Another model's server starts: it repairs, and still knows the first model's KV.
+    other = DocumentStore(tmp_path, FP, record=ModelRecord(KVModel(FP, 16, "float32"), "tok"))
+    assert any("integrity check failed" in problem for problem in other.open())
+    assert other.sharing_models() == [kv]
 
 
 def test_unusable_or_newer_databases_start_afresh(tmp_path: Path) -> None:
