@@ -236,6 +236,7 @@ def chat_prompt(loaded: LoadedModel, question: str) -> list[int]:
     return loaded.tokenizer(text, add_special_tokens=False).input_ids
 
 
+@pytest.mark.slow
 def test_default_model_matches_transformers(smollm: LoadedModel, hf_smollm: Any) -> None:
     assert smollm.name == "SmolLM2-135M-Instruct"
     assert smollm.max_model_len == 8192 and smollm.hf_config.tie_word_embeddings
@@ -248,6 +249,7 @@ def test_default_model_matches_transformers(smollm: LoadedModel, hf_smollm: Any)
     check_against_transformers(smollm.model, hf_smollm, sequences, schedule, tol=5e-4)
 
 
+@pytest.mark.slow
 @torch.inference_mode()
 def test_default_model_greedy_matches_transformers(smollm: LoadedModel, hf_smollm: Any) -> None:
     prompts = [

@@ -85,6 +85,7 @@ def answers(llm: LLM) -> tuple[dict[str, dict[str, Any]], int]:
     return results, llm.snapshot().prompt_tokens_computed - before
 
 
+@pytest.mark.slow
 def test_each_document_is_computed_once_for_all_its_questions(llm: LLM, answers: Any) -> None:
     results, computed = answers
     assert len(results) == 15
