@@ -177,5 +177,5 @@ class PoolMachine(RuleBasedStateMachine):
         assert all(count == 0 for count in self.manager.pool.ref_counts)
 
 
-TestPoolMachine = PoolMachine.TestCase
+TestPoolMachine = pytest.mark.slow(PoolMachine.TestCase)
 TestPoolMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)

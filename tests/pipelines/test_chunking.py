@@ -63,6 +63,7 @@ def assert_contract(ranges: list[tuple[int, int]], n: int, chunk_tokens: int, ov
         assert (overlap + 1) // 2 <= shared <= overlap if overlap else shared == 0
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(
     data=st.data(),
