@@ -8,10 +8,11 @@ would: unpinned, its registry row deleted, its KV purged from every tier.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
+
+from ragserve.server.background_loop import BackgroundLoop
 
 logger = logging.getLogger(__name__)
 
@@ -22,24 +23,15 @@ Expiring = Callable[[], Iterable[tuple[str, str, float]]]
 Remove = Callable[[str, str], Awaitable[object]]
 
 
-class ExpirySweeper:
-    """Owns one asyncio task; ``start`` and ``stop`` on the event loop."""
+class ExpirySweeper(BackgroundLoop):
+    """``start`` and ``stop`` on the event loop."""
+
+    task_name = "document-expiry"
 
     def __init__(self, expiring: Expiring, remove: Remove) -> None:
+        super().__init__()
         self._expiring = expiring
         self._remove = remove
-        self._task: asyncio.Task[None] | None = None
-
-    def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self._run(), name="document-expiry")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
 
     async def sweep(self) -> int:
         """Remove what has expired now; returns how many."""

@@ -9,33 +9,25 @@ and computing (and writing to disk) its KV again after an eviction.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Awaitable, Callable
+
+from ragserve.server.background_loop import BackgroundLoop
 
 logger = logging.getLogger(__name__)
 
 INTERVAL_S = 2.0
 
 
-class RegistryWatch:
-    """Owns one asyncio task; ``start`` and ``stop`` on the event loop."""
+class RegistryWatch(BackgroundLoop):
+    """``start`` and ``stop`` on the event loop."""
+
+    task_name = "document-registry-watch"
 
     def __init__(self, sync: Callable[[], Awaitable[int]], interval: float = INTERVAL_S) -> None:
+        super().__init__()
         self._sync = sync
         self._interval = interval
-        self._task: asyncio.Task[None] | None = None
-
-    def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self._run(), name="document-registry-watch")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
 
     async def _run(self) -> None:
         while True:
