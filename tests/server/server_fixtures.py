@@ -124,3 +124,16 @@ def wait_ready(
 
     assert wait_for(done, timeout, interval=0.2), state
     return state
+
+
+def cached_tokens(url: str, doc_id: str, headers: dict[str, str]) -> int:
+    """Prompt tokens served from cache for a one-token question naming ``doc_id``."""
+    body: dict[str, Any] = {
+        "messages": [{"role": "user", "content": "Which code has shelf 7?"}],
+        "documents": [doc_id],
+        "max_tokens": 1,
+        "temperature": 0,
+    }
+    response = requests.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=120)
+    assert response.status_code == 200, response.text
+    return int(response.json()["usage"]["prompt_tokens_details"]["cached_tokens"])

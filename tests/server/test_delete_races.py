@@ -9,12 +9,11 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import pytest
 import requests
 
-from tests.server.server_fixtures import BLOCK_SIZE, running_server, wait_ready
+from tests.server.server_fixtures import BLOCK_SIZE, cached_tokens, running_server, wait_ready
 from tests.server.test_document_purge import stored_tokens, text
 
 pytestmark = pytest.mark.e2e
@@ -30,18 +29,6 @@ def upload(url: str, body: str) -> requests.Response:
 
 def delete(url: str, doc_id: str) -> int:
     return requests.delete(f"{url}/v1/documents/{doc_id}", headers=AUTH, timeout=60).status_code
-
-
-def cached(url: str, doc_id: str) -> int:
-    body: dict[str, Any] = {
-        "messages": [{"role": "user", "content": "Which code has shelf 7?"}],
-        "documents": [doc_id],
-        "max_tokens": 1,
-        "temperature": 0,
-    }
-    response = requests.post(f"{url}/v1/chat/completions", json=body, headers=AUTH, timeout=120)
-    assert response.status_code == 200, response.text
-    return int(response.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
 
 
 def test_delete_and_reupload_at_once_leave_one_consistent_document(tmp_path: Path) -> None:
@@ -68,4 +55,4 @@ def test_delete_and_reupload_at_once_leave_one_consistent_document(tmp_path: Pat
                 continue
             assert doc_id in stored_tokens(kv)
             assert wait_ready(server.url, doc_id, AUTH)["status"] == "ready"
-            assert cached(server.url, doc_id) >= full
+            assert cached_tokens(server.url, doc_id, AUTH) >= full

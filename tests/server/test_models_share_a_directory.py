@@ -15,7 +15,13 @@ from typing import Any
 import pytest
 import requests
 
-from tests.server.server_fixtures import BLOCK_SIZE, running_server, wait_for, wait_ready
+from tests.server.server_fixtures import (
+    BLOCK_SIZE,
+    cached_tokens,
+    running_server,
+    wait_for,
+    wait_ready,
+)
 from tests.server.test_document_purge import files_holding, grams, needles, stored_tokens, text
 from tests.server.test_model_change import rows_by_model
 
@@ -37,18 +43,6 @@ def listed(url: str) -> set[str]:
     return {doc["id"] for doc in response.json()["data"]}
 
 
-def cached(url: str, doc_id: str) -> int:
-    body: dict[str, Any] = {
-        "messages": [{"role": "user", "content": "Which code has shelf 7?"}],
-        "documents": [doc_id],
-        "max_tokens": 1,
-        "temperature": 0,
-    }
-    response = requests.post(f"{url}/v1/chat/completions", json=body, headers=AUTH, timeout=120)
-    assert response.status_code == 200, response.text
-    return int(response.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
-
-
 def test_two_models_share_one_directory(tmp_path: Path) -> None:
     kv = tmp_path / "kv"
     tier = ("--kv-disk-dir", str(kv), "--api-key", KEY)
@@ -67,8 +61,8 @@ def test_two_models_share_one_directory(tmp_path: Path) -> None:
             # The start took nothing from the first server: its KV records are all there.
             assert files_holding(kv, own)
             full = kept["prefix_tokens"] // BLOCK_SIZE * BLOCK_SIZE
-            assert cached(first.url, kept["id"]) >= full
-            cached(second.url, gone["id"])  # computes it for the second model
+            assert cached_tokens(first.url, kept["id"], AUTH) >= full
+            cached_tokens(second.url, gone["id"], AUTH)  # computes it for the second model
 
             def pinned() -> bool:
                 url = f"{second.url}/v1/documents/{gone['id']}"
@@ -89,5 +83,6 @@ def test_two_models_share_one_directory(tmp_path: Path) -> None:
             assert listed(second.url) == {kept["id"]}
             assert wait_for(lambda: listed(first.url) == {kept["id"]}, 30)
             assert files_holding(kv, own) == []
-            assert cached(first.url, kept["id"]) >= full  # other documents keep their blocks
-            cached(second.url, kept["id"])  # and still answers on the second
+            # Other documents keep their blocks.
+            assert cached_tokens(first.url, kept["id"], AUTH) >= full
+            cached_tokens(second.url, kept["id"], AUTH)  # and still answers on the second
