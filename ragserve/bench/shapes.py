@@ -113,6 +113,16 @@ def generate_flops(shape: ModelShape, input_len: int, output_len: int) -> float:
     return prefill_flops(shape, input_len) + steps * per_token + attention
 
 
+def decode_weight_bytes(shape: ModelShape, itemsize: int) -> int:
+    """Weight bytes one decode step reads: the decoder layers, the final norm and the LM head.
+
+    NOTE: the input embedding is a lookup of one row per token, so an untied embedding
+    table (1.05 GB in Llama-3.1-8B) is not read; a tied one is read as the LM head.
+    """
+    return (non_embedding_params(shape) + shape.vocab_size * shape.hidden_size) * itemsize
+
+
 def decode_floor_s(weight_bytes: int, kv_bytes: int, peak_tbps: float) -> float:
-    """One batch-1 decode step must read every weight and the sequence's KV once."""
+    """One batch-1 decode step must read ``weight_bytes`` (see ``decode_weight_bytes``) and
+    the sequence's KV once."""
     return (weight_bytes + kv_bytes) / (peak_tbps * 1e12)
