@@ -102,8 +102,8 @@ def _run_ragserve(
         # Warm-up: whole chunks, a chunk after cached context and decodes, so Triton
         # compiles before anything is timed.
         chunk = config.max_num_batched_tokens
-        warm = min(lengths[-1], 2 * chunk + chunk // 2)
-        time_request(engine, random_prompts(1, warm, vocab, seed=7)[0], 3, request_id="warm-up")
+        warm_up = min(lengths[-1], 2 * chunk + chunk // 2)
+        time_request(engine, random_prompts(1, warm_up, vocab, seed=7)[0], 3, request_id="warm-up")
         llm.reset_prefix_cache()
 
         longest = lengths[-1]
