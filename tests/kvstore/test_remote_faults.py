@@ -112,7 +112,7 @@ def test_time_outs_become_misses_and_writes_never_wait(valkey: ValkeyServer) -> 
         SHAPE, torch.float32, valkey.url, timeout_s=0.2, retry_s=0.1, max_pending_writes=2
     ) as tier:
         for index in range(3):
-            assert tier.put(make_meta(index), random_block(torch.float32, index))
+            assert tier.put(make_meta(index), random_block(torch.float32, index), blocking=True)
         tier.flush()
         with frozen(valkey):
             dest = torch.empty(SHAPE)
