@@ -218,3 +218,16 @@ def test_a_store_down_at_start_up_does_not_stop_the_engine(
 def test_a_bad_url_is_a_clear_error(model_dir: Path) -> None:
     with pytest.raises(ValueError, match="KV remote URL cannot be used"):
         LLM(str(model_dir), device="cpu", dtype="float32", kv_remote_url="http://x:1/0")
+
+
+def test_remote_tier_options_are_checked_with_the_config() -> None:
+    from ragserve.config import EngineConfig
+
+    url = "redis://127.0.0.1:6379/0"
+    with pytest.raises(ValueError, match="need prefix caching"):
+        EngineConfig(kv_remote_url=url, enable_prefix_caching=False)
+    with pytest.raises(ValueError, match="kv_remote_timeout_s must be > 0"):
+        EngineConfig(kv_remote_url=url, kv_remote_timeout_s=0)
+    # A key file with a remote tier encrypts the remote tier; it asks for no disk tier.
+    assert EngineConfig(kv_remote_url=url, kv_encryption_key_file="k").disk_tier_gib == 0
+    assert EngineConfig(kv_encryption_key_file="k").disk_tier_gib > 0
