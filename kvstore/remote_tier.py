@@ -288,7 +288,9 @@ class RemoteTier(KVTier):
 
     def block_links(self, fingerprint: str) -> list[tuple[bytes, bytes | None]]:
         """Scans the keys under ``fingerprint`` (other engines' too) and reads each head;
-        values that cannot be read are left out, and a store that is down yields none."""
+        values that cannot be read are left out, and a store that is down yields none.
+        NOTE: SCAN walks the whole keyspace, so a purge takes time in proportion to the
+        store's size; purges are rare (a document deleted or expired)."""
         if self._closed:
             return []
         self.flush()

@@ -51,8 +51,9 @@ class TierTraffic:
     ``loaded_from_*`` count blocks served (the leading run of a batch, up to its first
     miss); ``discarded_loads`` counts blocks loaded past a miss of their batch and dropped.
     ``demoted`` counts blocks the top tier took on eviction from the device, ``persisted``
-    blocks queued for write-through, ``published`` blocks the shared tier took. ``load_seconds`` is the host's wall time in load
-    calls, verification included (CPU-tier copies may still be running when a call returns).
+    blocks queued for write-through, ``published`` blocks the shared tier took.
+    ``load_seconds`` is the host's wall time in load calls, verification included (CPU-tier
+    copies may still be running when a call returns).
     """
 
     loaded_from_cpu: int = 0
