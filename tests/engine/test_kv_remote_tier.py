@@ -231,3 +231,25 @@ def test_remote_tier_options_are_checked_with_the_config() -> None:
     # A key file with a remote tier encrypts the remote tier; it asks for no disk tier.
     assert EngineConfig(kv_remote_url=url, kv_encryption_key_file="k").disk_tier_gib == 0
     assert EngineConfig(kv_encryption_key_file="k").disk_tier_gib > 0
+
+
+def test_a_purged_document_leaves_the_store_with_what_follows_it(
+    model_dir: Path, doc: list[int], full_tokens: int, valkey: ValkeyServer, open_engines: list[LLM]
+) -> None:
+    llm = engine(model_dir, valkey.url)
+    open_engines.append(llm)
+    ingest(llm, doc)
+    question = doc + list(range(3, 3 + 2 * BLOCK))  # two more full blocks after the document
+    answer(llm, question)
+    llm.reset_prefix_cache()  # the question's blocks are demoted: written to the store too
+    assert llm.engine.tiers is not None
+    llm.engine.tiers.flush()
+    client = valkey.client()
+    assert client.dbsize() == full_tokens // BLOCK + 2
+    other = list(range(3, 3 + 3 * BLOCK))  # another prompt's blocks stay
+    ingest(llm, other)
+    assert llm.engine.locate_prefix(doc)["remote"] == full_tokens // BLOCK
+    removed = llm.engine.purge_prefix(doc)
+    assert removed["remote"] == full_tokens // BLOCK + 2
+    assert client.dbsize() == 3
+    assert llm.engine.locate_prefix(doc)["remote"] == 0
