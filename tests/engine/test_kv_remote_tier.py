@@ -4,6 +4,7 @@ down at start-up, garbage under real keys) cost hits, never answers; tenants sta
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -155,6 +156,37 @@ def test_kill_9_of_the_store_mid_run_then_hits_resume(
     else:
         pytest.fail("no hits from the store after it came back")
     assert not remote(llm).breaker_open
+
+
+def test_a_hung_store_costs_time_outs_not_answers(
+    model_dir: Path,
+    doc: list[int],
+    reference: list[int],
+    valkey: ValkeyServer,
+    open_engines: list[LLM],
+) -> None:
+    llm = engine(model_dir, valkey.url, kv_remote_timeout_s=0.2, kv_remote_retry_s=60.0)
+    open_engines.append(llm)
+    ingest(llm, doc)
+    llm.reset_prefix_cache()
+    assert valkey.process is not None
+    valkey.process.send_signal(signal.SIGSTOP)  # connections stay open; nothing answers
+    try:
+        out = answer(llm, doc)
+        assert out.outputs[0].token_ids == reference and from_store(out) == 0
+        stats = remote(llm)
+        assert stats.errors >= 1 and stats.breaker_openings <= 1 and stats.hits == 0
+        # Once the breaker is open, the store is not called at all: no more time-outs.
+        for length in range(40, 50):  # new prompts: each asks the store about its blocks
+            if remote(llm).breaker_open:
+                break
+            answer(llm, list(range(3, length)))
+        assert remote(llm).breaker_open
+        errors = remote(llm).errors
+        assert answer(llm, doc).outputs[0].token_ids == reference
+        assert remote(llm).errors == errors
+    finally:
+        valkey.process.send_signal(signal.SIGCONT)
 
 
 def test_garbage_under_real_keys_is_a_miss_and_deleted(
