@@ -105,6 +105,11 @@ class RemoteStore:
                 self._errors += 1
             self.breaker.success()  # NOTE: it answered, so it is up
             raise
+        except BaseException as exc:
+            # NOTE: whatever else went wrong, a half-open breaker's probe must not stay
+            # in flight forever, or the store would never be called again.
+            self._failed(exc)
+            raise
         self.breaker.success()
         with self._lock:
             recovered, self._down = self._down, False

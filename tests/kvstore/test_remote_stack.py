@@ -89,3 +89,19 @@ def test_shared_tiers_come_after_the_chain(valkey: ValkeyServer) -> None:
     assert cpu.on_evict is None  # nothing is handed into the shared tier
     KVCacheManager(stack.pool, 4, True, tiers=stack)
     stack.close()
+
+
+def test_a_run_continues_from_the_local_tiers_into_the_store(valkey: ValkeyServer) -> None:
+    rig = TieredCache(16, cpu_slots=3, remote_url=valkey.url)
+    kv = rig.compute(TOKENS[: 6 * 4])
+    rig.evict_to_tiers()  # the CPU tier keeps blocks 0-2; the store has all six
+    identities = chain(TOKENS)[:6]
+    assert rig.stack.leading_present(identities) == 6
+    assert rig.tier("remote").discard(identities[4])
+    assert rig.stack.leading_present(identities) == 4
+    alloc = rig.alloc(TOKENS)
+    assert rig.manager.match_prefix(alloc, TOKENS, 0) == 4 * 4
+    assert alloc.loaded_blocks == {"cpu": 3, "remote": 1}
+    assert all(bit_equal(rig.cache[alloc.block_table[i]], kv[i]) for i in range(4))
+    rig.manager.free(alloc)
+    rig.stack.close()
