@@ -164,15 +164,15 @@ class KVCacheManager:
         """
         if self.tiers is None or start >= stop:
             return 0
-        run: list[BlockIdentity] = []
+        candidates: list[BlockIdentity] = []
         room = min(stop - start, self.pool.num_free)
         for index in range(start, start + room):
             identity = first if index == start else self._identity(alloc, token_ids, index)
             if index > start and self.pool.lookup(identity) is not None:
                 break  # NOTE: shared by the caller's next round, not loaded again
-            if not self.tiers.contains(identity):
-                break
-            run.append(identity)
+            candidates.append(identity)
+        # NOTE: asked as one run, so a remote tier answers it in one round trip.
+        run = candidates[: self.tiers.leading_present(candidates)]
         if not run:
             return 0
         # NOTE: allocating may evict cached device blocks (demoting them), never live ones.
@@ -295,7 +295,7 @@ class KVCacheManager:
         if self.tiers is not None:
             metas = [BlockMeta(h, None, (), salt) for h in hashes]
             for tier in self.tiers.tiers:
-                counts[tier.name] = sum(tier.contains(meta) for meta in metas)
+                counts[tier.name] = sum(tier.contains_many(metas))
         return counts
 
     def reset_prefix_cache(self) -> int:

@@ -101,6 +101,8 @@ class TierMetrics:
     corrupt_records: damaged bytes (magic, truncation, checksums, lengths, undecodable header).
     foreign_records: a valid record that is not ours (other format version or salt).
     mismatched_records: ours, but another block (hash, token ids, dtype or shape differ).
+    errors: failed calls to a remote store (time-outs, refused connections, its errors);
+    breaker_openings: outages that opened its circuit breaker; breaker_open: one is on now.
     """
 
     capacity_bytes: int = 0
@@ -124,6 +126,9 @@ class TierMetrics:
     disk_full_events: int = 0
     disk_full: bool = False
     disabled: bool = False
+    errors: int = 0
+    breaker_openings: int = 0
+    breaker_open: bool = False
 
 
 EvictCallback = Callable[[BlockLike, torch.Tensor], None]
@@ -156,10 +161,15 @@ class KVTier(abc.ABC):
     one). A tier whose eviction can hand the evicted block on calls ``on_evict(meta, block)``
     before the block's room is reused; the callee copies what it needs before returning.
     Tiers that delete evicted blocks (a file, a remote key) never call it.
+
+    A ``shared`` tier (a store other engines use too) is not in the eviction chain: it
+    takes a copy of each block the device demotes and of each persisted block, and is read
+    after the chained tiers (see ``TierStack``).
     """
 
     name: ClassVar[str]
     persistent: ClassVar[bool] = False
+    shared: ClassVar[bool] = False
     block_shape: tuple[int, ...]
     dtype: torch.dtype
     capacity_bytes: int
@@ -173,6 +183,10 @@ class KVTier(abc.ABC):
     @abc.abstractmethod
     def contains(self, meta: BlockLike) -> bool:
         """Cheap index check (no payload read); a later load may still miss."""
+
+    def contains_many(self, metas: Sequence[BlockLike]) -> list[bool]:
+        """``contains`` of each block; a remote tier answers a run in one round trip."""
+        return [self.contains(meta) for meta in metas]
 
     @abc.abstractmethod
     def load_into(self, meta: BlockLike, dest: torch.Tensor) -> bool:

@@ -1,18 +1,24 @@
 """The tiers below the device KV tensor as one stack, with the one policy that moves blocks.
 
-The stack is an ordered list of ``KVTier``s, fastest first (CPU, then disk). Policy:
-- write-back: a cached block evicted from the device is demoted into the top tier; each
-  tier's evictions go on to the tier below it (the CPU tier's to disk), and the bottom
-  tier's are deleted. Without a CPU tier, demotions go straight to disk;
+The stack is an ordered list of ``KVTier``s, fastest first: a chain of local tiers (CPU,
+then disk) and, beside it, a shared tier (a remote store other engines use too; see
+``kvstore.remote_tier`` for why it is beside the chain and read last). Policy:
+- write-back: a cached block evicted from the device is demoted into the top tier of the
+  chain; each chained tier's evictions go on to the tier below it (the CPU tier's to
+  disk), and the bottom tier's are deleted. Without a CPU tier, demotions go straight to
+  disk. The shared tier takes a copy of every demoted block it does not hold yet;
 - write-through: a block of a request marked ``persist`` (a document ingested through the
-  document API, or pinned) is queued for the first persistent tier as soon as it is
-  computed, so it survives a crash or restart even if it is never evicted. What that
-  tier's queue cannot take yet waits in a backlog retried between steps, and gets a
-  blocking last chance when its device block is evicted: a document is persisted whole;
+  document API, or pinned) is queued for the first persistent tier of the chain as soon
+  as it is computed, so it survives a crash or restart even if it is never evicted. What
+  that tier's queue cannot take yet waits in a backlog retried between steps, and gets a
+  blocking last chance when its device block is evicted: a document is persisted whole.
+  It is also offered to the shared tier at once (never waiting: the network is not the
+  step loop's to wait on; a dropped block is offered again when it is demoted);
 - loads: a prefix lookup that runs out of device hits continues in the stack; a run of
   consecutive hits is loaded into fresh device blocks as one batch, each tier serving
   what the tiers above it missed (the CPU tier as one batch of copies, the disk tier
-  with parallel readers), and the run is served up to its first miss.
+  with parallel readers, the shared tier with one round trip per batch), and the run is
+  served up to its first miss.
 A block loaded from a lower tier is not promoted: it is on the device now, and its next
 demotion puts it in the top tier.
 """
@@ -32,6 +38,7 @@ from kvstore.block_pool import BlockIdentity, BlockPool
 from kvstore.cpu_tier import CpuTier
 from kvstore.disk_tier import DiskTier
 from kvstore.record_cipher import RecordCipher
+from kvstore.remote_tier import RemoteTier
 from kvstore.tier import BlockLike, EvictCallback, KVTier, TierMetrics
 
 GIB = 1 << 30
@@ -44,15 +51,18 @@ class TierTraffic:
     ``loaded_from_*`` count blocks served (the leading run of a batch, up to its first
     miss); ``discarded_loads`` counts blocks loaded past a miss of their batch and dropped.
     ``demoted`` counts blocks the top tier took on eviction from the device, ``persisted``
-    blocks queued for write-through. ``load_seconds`` is the host's wall time in load
-    calls, verification included (CPU-tier copies may still be running when a call returns).
+    blocks queued for write-through, ``published`` blocks the shared tier took.
+    ``load_seconds`` is the host's wall time in load calls, verification included (CPU-tier
+    copies may still be running when a call returns).
     """
 
     loaded_from_cpu: int = 0
     loaded_from_disk: int = 0
+    loaded_from_remote: int = 0
     discarded_loads: int = 0
     demoted: int = 0
     persisted: int = 0
+    published: int = 0  # blocks offered to the shared tier and taken (or held already)
     load_seconds: float = 0.0
 
 
@@ -80,16 +90,22 @@ class TierStack:
         names = [tier.name for tier in tiers]
         if len(set(names)) != len(names):
             raise ValueError(f"tier names must be distinct, got {names}")
-        for upper in tiers[:-1]:
+        chain = [tier for tier in tiers if not tier.shared]
+        shared = [tier for tier in tiers if tier.shared]
+        if list(tiers) != chain + shared:
+            raise ValueError(f"shared tiers come after the chained ones, got {names}")
+        for upper in chain[:-1]:
             if upper.on_evict is not None:
                 raise ValueError(f"the {upper.name} tier already has an eviction callback")
-        for upper, lower in itertools.pairwise(tiers):
+        for upper, lower in itertools.pairwise(chain):
             upper.on_evict = _handing_to(lower)
         self.tiers: tuple[KVTier, ...] = tuple(tiers)
+        self._chain: tuple[KVTier, ...] = tuple(chain)
+        self._shared: tuple[KVTier, ...] = tuple(shared)
         self.kv_cache = kv_cache
         self.pool = pool
         self.traffic = TierTraffic()
-        self._durable = next((tier for tier in self.tiers if tier.persistent), None)
+        self._durable = next((tier for tier in chain if tier.persistent), None)
         # Write-through blocks the durable tier had no room for yet, retried every step:
         # a document is persisted whole, however bursty its ingestion.
         self._backlog: dict[bytes, tuple[int, BlockIdentity]] = {}
@@ -104,11 +120,16 @@ class TierStack:
         disk_gib: float,
         disk_dir: str | os.PathLike[str] | None = None,
         cipher: RecordCipher | None = None,
+        remote_url: str | None = None,
+        remote_timeout_s: float = 0.5,
+        remote_retry_s: float = 5.0,
     ) -> TierStack:
         """A CPU tier over a disk tier from the engine's ``kv_cpu_gib`` / ``kv_disk_gib`` /
-        ``kv_disk_dir``; a budget of 0 leaves that tier out (one must be positive).
+        ``kv_disk_dir``, and a remote tier beside them at ``remote_url``; a budget of 0
+        leaves that tier out (one tier must be there).
 
-        Raises ``TierDirectoryError`` (an ``OSError``) if the disk directory is unusable.
+        Raises ``TierDirectoryError`` (an ``OSError``) if the disk directory is unusable,
+        ValueError if the remote URL is. A remote store that is down is no error.
         """
         block_shape, dtype = tuple(kv_cache.shape[1:]), kv_cache.dtype
         tiers: list[KVTier] = []
@@ -116,6 +137,16 @@ class TierStack:
             tiers.append(CpuTier(block_shape, dtype, int(cpu_gib * GIB)))
         if disk_gib > 0:
             tiers.append(DiskTier(block_shape, dtype, int(disk_gib * GIB), disk_dir, cipher=cipher))
+        if remote_url:
+            remote = RemoteTier(
+                block_shape,
+                dtype,
+                remote_url,
+                timeout_s=remote_timeout_s,
+                retry_s=remote_retry_s,
+                cipher=cipher,
+            )
+            tiers.append(remote)
         return cls(tiers, kv_cache, pool)
 
     @property
@@ -135,6 +166,28 @@ class TierStack:
     def contains(self, identity: BlockLike) -> bool:
         """Some tier indexes the block (no payload read; a load may still miss)."""
         return any(tier.contains(identity) for tier in self.tiers)
+
+    def leading_present(self, identities: Sequence[BlockLike], window: int = 64) -> int:
+        """How many leading ``identities`` some tier holds (a load may still miss).
+
+        The chained tiers are asked block by block up to their first miss; the shared
+        tiers, past that point, about at most ``window`` blocks in one call each (one round
+        trip), so a prompt that no tier holds costs one round trip per lookup at most."""
+        count = 0
+        while count < len(identities) and any(t.contains(identities[count]) for t in self._chain):
+            count += 1
+        if count == len(identities) or not self._shared:
+            return count
+        rest = identities[count : count + window]
+        found = [False] * len(rest)
+        for tier in self._shared:
+            answers = tier.contains_many(rest)
+            found = [was or now for was, now in zip(found, answers, strict=True)]
+        for present in found:
+            if not (present or any(t.contains(identities[count]) for t in self._chain)):
+                break
+            count += 1
+        return count
 
     def load_many(
         self,
@@ -161,6 +214,7 @@ class TierStack:
         per_tier = Counter(sources[:loaded])
         self.traffic.loaded_from_cpu += per_tier["cpu"]
         self.traffic.loaded_from_disk += per_tier["disk"]
+        self.traffic.loaded_from_remote += per_tier["remote"]
         self.traffic.discarded_loads += sum(source is not None for source in sources[loaded:])
         if served is not None:
             for name, count in per_tier.items():
@@ -194,15 +248,25 @@ class TierStack:
             # NOTE: a write-through block still waiting for room has its last chance now,
             # so wait for room rather than lose a document's block.
             self._write_through(block, identity, blocking=True)
-        top = self.tiers[0]
         # NOTE: a block already in a lower tier (written through) still goes to the top
         # tier, the fastest one to load it back from.
-        if not top.contains(identity) and top.put(identity, self.kv_cache[block]):
-            self.traffic.demoted += 1
+        if self._chain:
+            top = self._chain[0]
+            if not top.contains(identity) and top.put(identity, self.kv_cache[block]):
+                self.traffic.demoted += 1
+        self._publish(block, identity)
+
+    def _publish(self, block: int, identity: BlockIdentity) -> None:
+        """Offer the block to the shared tiers (each skips what it knows it holds)."""
+        for tier in self._shared:
+            if tier.put(identity, self.kv_cache[block]):
+                self.traffic.published += 1
 
     def persist(self, block: int, identity: BlockIdentity) -> None:
-        """Write-through: queue a freshly computed block for the first persistent tier now,
-        or as soon as it has room (see ``drain_backlog``). A no-op without one."""
+        """Write-through: queue a freshly computed block for the first persistent tier of
+        the chain now, or as soon as it has room (see ``drain_backlog``), and offer it to
+        the shared tiers. A no-op without either."""
+        self._publish(block, identity)
         durable = self._durable
         if durable is None:
             return
@@ -243,7 +307,7 @@ class TierStack:
 
     # -- lifetime ---------------------------------------------------------------------------
     def flush(self) -> None:
-        """Wait until every tier has stored what it accepted (queued disk writes)."""
+        """Wait until every tier has stored what it accepted (queued disk and remote writes)."""
         for tier in self.tiers:
             tier.flush()
 

@@ -55,9 +55,24 @@ class EngineConfig:
     )
     kv_encryption_key_file: str | None = option(
         None,
-        help="encrypt disk-tier records at rest (AES-256-GCM, a key derived per tenant) "
-        "under the key in this file (at least 32 bytes); a wrong or missing key only misses; "
-        "given alone it turns the disk tier on like --kv-disk-dir",
+        help="encrypt disk and remote tier records at rest (AES-256-GCM, a key derived per "
+        "tenant) under the key in this file (at least 32 bytes); a wrong or missing key only "
+        "misses; given without --kv-remote-url it turns the disk tier on like --kv-disk-dir",
+    )
+    kv_remote_url: str | None = option(
+        None,
+        help="remote tier in a Redis-protocol store shared by engines "
+        "(redis://[:PASSWORD@]HOST:PORT/DB, rediss:// for TLS, unix://PATH; Valkey and Redis "
+        "alike): read after the CPU and disk tiers, given every block that leaves the device "
+        "and every document's blocks; give the store a maxmemory and allkeys-lru",
+    )
+    kv_remote_timeout_s: float = option(
+        0.5, help="time-out of one round trip to the remote tier's store (then: a miss)"
+    )
+    kv_remote_retry_s: float = option(
+        5.0,
+        help="after repeated failures the remote tier stops calling its store for this long, "
+        "then tries again",
     )
     kv_load_gib_per_step: float = option(
         1.0,
@@ -105,16 +120,26 @@ class EngineConfig:
             raise ValueError(
                 "kv_encryption_key_file encrypts the disk tier that kv_disk_gib=0 turns off"
             )
-        if not self.enable_prefix_caching and (self.kv_cpu_gib > 0 or self.disk_tier_gib > 0):
+        if self.kv_remote_timeout_s <= 0 or self.kv_remote_retry_s < 0:
             raise ValueError(
-                "the CPU and disk KV tiers hold prefix-cache blocks: they need prefix caching "
-                "(drop --no-prefix-caching, or the --kv-cpu-gib / --kv-disk-* flags)"
+                "kv_remote_timeout_s must be > 0 and kv_remote_retry_s >= 0, got "
+                f"{self.kv_remote_timeout_s}, {self.kv_remote_retry_s}"
+            )
+        if not self.enable_prefix_caching and (
+            self.kv_cpu_gib > 0 or self.disk_tier_gib > 0 or self.kv_remote_url
+        ):
+            raise ValueError(
+                "the CPU, disk and remote KV tiers hold prefix-cache blocks: they need prefix "
+                "caching (drop --no-prefix-caching, or the --kv-cpu-gib / --kv-disk-* / "
+                "--kv-remote-url flags)"
             )
 
     @property
     def disk_tier_gib(self) -> float:
         """The disk tier's budget: ``kv_disk_gib``, else ``DEFAULT_DISK_GIB`` when
-        ``kv_disk_dir`` or ``kv_encryption_key_file`` asks for a disk tier, else 0 (none)."""
+        ``kv_disk_dir`` asks for a disk tier (or ``kv_encryption_key_file`` does, without a
+        remote tier to encrypt), else 0 (none)."""
         if self.kv_disk_gib is not None:
             return self.kv_disk_gib
-        return DEFAULT_DISK_GIB if self.kv_disk_dir or self.kv_encryption_key_file else 0.0
+        wanted = self.kv_disk_dir or (self.kv_encryption_key_file and not self.kv_remote_url)
+        return DEFAULT_DISK_GIB if wanted else 0.0

@@ -11,6 +11,8 @@ from typing import Any
 import pytest
 import torch
 
+from tests.valkey_server import valkey  # noqa: F401 (the fixture, for every test module)
+
 # Keep tests deterministic and polite on small machines.
 torch.manual_seed(0)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -21,14 +21,18 @@ class TierReading(NamedTuple):
     metrics: dict[str, TierMetrics]
     traffic: TierTraffic | None
     disk_dir: Path | None
+    remote_url: str | None  # password redacted
 
 
 def read_tiers(tiers: TierStack | None) -> TierReading:
     """The one place the face reads the tier stack."""
     if tiers is None:
-        return TierReading({}, None, None)
-    disk_dir = next((Path(t.location) for t in tiers.describe() if t.location), None)
-    return TierReading(tiers.metrics(), dataclasses.replace(tiers.traffic), disk_dir)
+        return TierReading({}, None, None, None)
+    where = {t.name: t.location for t in tiers.describe() if t.location}
+    disk_dir = Path(where["disk"]) if "disk" in where else None
+    return TierReading(
+        tiers.metrics(), dataclasses.replace(tiers.traffic), disk_dir, where.get("remote")
+    )
 
 
 def make_info(engine: LLMEngine, attention_backend: str) -> EngineInfo:
@@ -56,6 +60,7 @@ def make_info(engine: LLMEngine, attention_backend: str) -> EngineInfo:
         disk_tier_dir=tiers.disk_dir,
         disk_tier_key_file=config.kv_encryption_key_file if tiers.disk_dir else None,
         disk_tier_bytes=disk.capacity_bytes if disk is not None else None,
+        remote_tier_url=tiers.remote_url,
     )
 
 

@@ -77,6 +77,8 @@ class EngineInfo:
     disk_tier_bytes: int | None
     # The key file disk records are encrypted under (None: stored in the clear).
     disk_tier_key_file: str | None = None
+    # The remote tier's store (password redacted); its capacity is the store's own.
+    remote_tier_url: str | None = None
 
     @property
     def kv_model(self) -> KVModel:

@@ -9,6 +9,7 @@ import torch
 
 from kvstore.block_pool import BlockPool
 from kvstore.record_cipher import RecordCipher
+from kvstore.remote_store import check_store_url
 from kvstore.tier_stack import TierStack
 from ragserve.config import EngineConfig
 
@@ -38,15 +39,23 @@ def kv_budget_bytes(
 
 def open_tiers(config: EngineConfig, kv_cache: torch.Tensor, pool: BlockPool) -> TierStack | None:
     """The tier stack below the device pool, or None when no tier is configured; a bad key
-    file or disk directory is a ValueError naming it."""
+    file, disk directory or remote URL is a ValueError naming it (a remote store that is
+    down is not: its lookups miss until it answers)."""
     disk_gib = config.disk_tier_gib
-    if not config.enable_prefix_caching or (config.kv_cpu_gib <= 0 and disk_gib <= 0):
+    if not config.enable_prefix_caching or (
+        config.kv_cpu_gib <= 0 and disk_gib <= 0 and not config.kv_remote_url
+    ):
         return None
     if config.kv_disk_gib is None and disk_gib > 0:
         logger.info(
             "disk KV tier on in %s with the default budget of %g GiB (--kv-disk-gib sets it)",
             config.kv_disk_dir or "the default folder", disk_gib,
         )  # fmt: skip
+    if config.kv_remote_url:
+        try:
+            check_store_url(config.kv_remote_url)
+        except ValueError as exc:
+            raise ValueError(f"the KV remote URL cannot be used: {exc}") from exc
     cipher = None
     if config.kv_encryption_key_file:
         try:
@@ -61,6 +70,9 @@ def open_tiers(config: EngineConfig, kv_cache: torch.Tensor, pool: BlockPool) ->
             disk_gib=disk_gib,
             disk_dir=config.kv_disk_dir,
             cipher=cipher,
+            remote_url=config.kv_remote_url,
+            remote_timeout_s=config.kv_remote_timeout_s,
+            remote_retry_s=config.kv_remote_retry_s,
         )
     except OSError as exc:
         raise ValueError(f"the KV disk directory cannot be used: {exc}") from exc

@@ -112,7 +112,7 @@ _NO_ENGINE = EngineSnapshot(
 )
 
 
-# (metric suffix, TierMetrics field, help, is_counter) for the CPU and disk KV tiers.
+# (metric suffix, TierMetrics field, help, is_counter) for the CPU, disk and remote KV tiers.
 _TIER_FIELDS = (
     ("capacity_bytes", "capacity_bytes", "Tier capacity", False),
     ("used_bytes", "used_bytes", "Bytes stored in the tier", False),
@@ -133,6 +133,10 @@ _TIER_FIELDS = (
     ("corrupt_records", "corrupt_records", "Damaged records found and removed", True),
     ("foreign_records", "foreign_records", "Records of another model or format removed", True),
     ("disk_full_events", "disk_full_events", "Times the disk filled up", True),
+    ("mismatched_records", "mismatched_records", "Records of another block removed", True),
+    ("errors", "errors", "Failed calls to a remote store (time-outs, connections)", True),
+    ("breaker_openings", "breaker_openings", "Outages that opened the circuit breaker", True),
+    ("breaker_open", "breaker_open", "1 while calls to the store are suspended", False),
 )
 
 

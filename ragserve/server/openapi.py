@@ -132,7 +132,7 @@ OPERATIONS: dict[tuple[str, str], dict[str, Any]] = {
     },
     ("get", "/v1/documents/{id}"): {
         "summary": "A document's state (ingesting, ready or failed), create and expire "
-        "times, tokens, blocks pinned, and its KV blocks per place (device, CPU, disk)",
+        "times, tokens, blocks pinned, and its KV blocks per place (device, CPU, disk, remote)",
         "parameters": [_ID_PARAM],
         "responses": {"200": {"description": "document", **_OBJECT}, "400": _ERROR, "404": _ERROR},
     },

@@ -11,6 +11,7 @@ from kvstore.cpu_tier import CpuTier
 from kvstore.disk_tier import DiskTier
 from kvstore.hashing import ROOT_PARENT, hash_full_blocks, make_salt
 from kvstore.kv_cache_manager import KVAllocation, KVCacheManager
+from kvstore.remote_tier import RemoteTier
 from kvstore.tier import KVTier, block_nbytes
 from kvstore.tier_stack import TierStack
 
@@ -40,10 +41,17 @@ def chain(tokens: list[int]) -> list[BlockIdentity]:
 class TieredCache:
     """A real pool, device cache (a CPU tensor here), tier stack and manager.
 
-    ``cpu_slots`` > 0 adds a CPU tier of that many blocks, ``disk_dir`` a disk tier below it.
+    ``cpu_slots`` > 0 adds a CPU tier of that many blocks, ``disk_dir`` a disk tier below it,
+    ``remote_url`` a remote tier beside them.
     """
 
-    def __init__(self, num_blocks: int, cpu_slots: int, disk_dir: Path | None = None) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        cpu_slots: int,
+        disk_dir: Path | None = None,
+        remote_url: str | None = None,
+    ) -> None:
         self.cache = torch.zeros((num_blocks, *SHAPE))
         self.pool = BlockPool(num_blocks)
         tiers: list[KVTier] = []
@@ -53,6 +61,8 @@ class TieredCache:
             )
         if disk_dir is not None:
             tiers.append(DiskTier(SHAPE, torch.float32, 1 << 24, disk_dir))
+        if remote_url is not None:
+            tiers.append(RemoteTier(SHAPE, torch.float32, remote_url))
         self.stack = TierStack(tiers, self.cache, self.pool)
         self.manager = KVCacheManager(self.pool, BS, True, tiers=self.stack)
 
