@@ -1,7 +1,7 @@
 """The disk tier's writes: a bounded queue served by writer threads, and the error policy.
 
-``put`` copies the block to a private host tensor and enqueues it; a full queue drops the
-block (``dropped_demotions``) instead of blocking. A writer reserves the record's bytes in
+``put`` (``WriteQueue``) queues a private copy of the block, or drops it while the disk is
+full. A writer reserves the record's bytes in
 the index (evicting LRU records), writes it atomically (``write_record_file``: temp file,
 fsync, rename) and indexes it.
 
@@ -17,10 +17,8 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import queue
 import threading
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -33,26 +31,18 @@ from kvstore.record_format import (
     tensor_bytes,
     write_record_file,
 )
-from kvstore.tier import BlockLike, BlockRecordKey, TierMetrics
+from kvstore.tier import BlockRecordKey, TierMetrics
 from kvstore.warn_once import WarnOnce
+from kvstore.write_queue import PendingWrite, WriteQueue
 
 logger = logging.getLogger(__name__)
 
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
 
-@dataclass
-class _PendingWrite:
-    key: BlockRecordKey
-    meta: BlockLike
-    block: torch.Tensor  # private contiguous CPU copy
-
-
-class DiskWriter:
+class DiskWriter(WriteQueue[BlockRecordKey]):
     """Writes records of ``index`` in the background with ``num_writers`` threads.
 
-    Invariant: a key is in ``_pending`` from the ``put`` that queued it until its write
-    finished (stored or not); a second ``put`` of a pending or indexed key is a no-op.
     Lock order: this writer's lock, then the index's.
     """
 
@@ -68,20 +58,15 @@ class DiskWriter:
         fsync: bool,
         cipher: RecordCipher | None = None,
     ) -> None:
+        super().__init__(block_shape, dtype, max_pending_writes)
         self.index = index
         self.cipher = cipher
-        self.block_shape = block_shape
-        self.dtype = dtype
         self.disk_full_retry_s = disk_full_retry_s
         self.fsync = fsync
         self._num_writers = num_writers
-        self._queue: queue.Queue[_PendingWrite | None] = queue.Queue(max_pending_writes)
         self._threads: list[threading.Thread] = []
-        self._lock = threading.Lock()
-        self._pending: set[BlockRecordKey] = set()
         self._full = False
         self._full_until = 0.0
-        self._counts = TierMetrics()
         self._made_dirs: set[str] = set()
         self._warn = WarnOnce(logger)
 
@@ -93,33 +78,11 @@ class DiskWriter:
             thread.start()
             self._threads.append(thread)
 
-    def put(
-        self, key: BlockRecordKey, meta: BlockLike, block: torch.Tensor, blocking: bool
-    ) -> bool:
-        """Queue a copy of ``block``; True if queued or already stored, False if dropped
-        (queue full, disk full). ``blocking`` waits for queue space instead of dropping."""
-        with self._lock:
-            if key in self._pending or self.index.contains(key):
-                return True
-            if self._paused_locked() or (not blocking and self._queue.full()):
-                self._counts.dropped_demotions += 1
-                return False
-            self._pending.add(key)
-        copy = torch.empty(self.block_shape, dtype=self.dtype)
-        copy.copy_(block)
-        try:
-            self._queue.put(_PendingWrite(key, meta, copy), block=blocking)
-        except queue.Full:
-            with self._lock:
-                self._pending.discard(key)
-                self._counts.dropped_demotions += 1
-            return False
-        return True
+    def _holds(self, key: BlockRecordKey) -> bool:
+        return self.index.contains(key)
 
-    def has_room(self) -> bool:
-        """True if a ``put`` now would be queued rather than dropped."""
-        with self._lock:
-            return not self._paused_locked() and not self._queue.full()
+    def _refusing(self) -> bool:
+        return self._full and time.monotonic() < self._full_until
 
     def flush(self) -> None:
         """Wait until every queued write has finished."""
@@ -138,17 +101,9 @@ class DiskWriter:
     def add_metrics(self, snapshot: TierMetrics) -> None:
         """Fill in the store counters, drops, write errors and the disk-full state."""
         with self._lock:
-            counts = self._counts
-            snapshot.bytes_written = counts.bytes_written
-            snapshot.store_count = counts.store_count
-            snapshot.store_seconds_total = counts.store_seconds_total
-            snapshot.dropped_demotions = counts.dropped_demotions
-            snapshot.write_errors = counts.write_errors
-            snapshot.disk_full_events = counts.disk_full_events
+            self._copy_write_counts(snapshot)
+            snapshot.disk_full_events = self._counts.disk_full_events
             snapshot.disk_full = self._full
-
-    def _paused_locked(self) -> bool:
-        return self._full and time.monotonic() < self._full_until
 
     def _writer_loop(self) -> None:
         while True:
@@ -162,10 +117,10 @@ class DiskWriter:
             finally:
                 self._queue.task_done()
 
-    def _write(self, item: _PendingWrite) -> None:
+    def _write(self, item: PendingWrite[BlockRecordKey]) -> None:
         try:
             with self._lock:
-                if self._paused_locked():
+                if self._refusing():
                     self._counts.dropped_demotions += 1
                     return
             payload = tensor_bytes(item.block)
@@ -198,8 +153,7 @@ class DiskWriter:
             if recovered:
                 logger.info("disk KV tier %s accepts writes again", self.index.root)
         finally:
-            with self._lock:
-                self._pending.discard(item.key)
+            self._finished([item.key])
 
     def _write_file(self, key: BlockRecordKey, head: bytes, payload: memoryview) -> None:
         directory = os.path.join(self.index.root, key.fingerprint)

@@ -1,8 +1,7 @@
 """The remote tier's writes: a bounded queue drained by one thread in pipelined batches.
 
-``put`` copies the block to a private host tensor and enqueues it; it never waits unless
-asked to, and never while the store is known to be down: a full queue or an open circuit
-drops the block (``dropped_demotions``). The thread takes what is queued, up to
+``put`` (``WriteQueue``) queues a private copy of the block; it never waits unless asked
+to, and an open circuit (the store known to be down) drops the block. The thread takes what is queued, up to
 ``batch_blocks`` blocks, encodes the records and sends them as one pipeline of SETs
 (one round trip). Values carry no expiry: the store's ``maxmemory`` policy bounds them.
 """
@@ -13,7 +12,6 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
 
 import redis
 import torch
@@ -22,22 +20,15 @@ from kvstore.record_bytes import encode_value
 from kvstore.record_cipher import RecordCipher
 from kvstore.remote_keys import KnownKeys
 from kvstore.remote_store import RemoteStore, StoreUnavailable
-from kvstore.tier import BlockLike, TierMetrics
+from kvstore.tier import TierMetrics
 from kvstore.warn_once import WarnOnce
+from kvstore.write_queue import PendingWrite, WriteQueue
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class _PendingWrite:
-    key: bytes
-    meta: BlockLike
-    block: torch.Tensor  # private contiguous CPU copy
-
-
-class RemoteWriter:
-    """Invariant: a key is in ``_pending`` from the ``put`` that queued it until its batch
-    was sent (stored or not); a second ``put`` of a pending or known key is a no-op."""
+class RemoteWriter(WriteQueue[bytes]):
+    """One thread sending batches; a key stays pending until its batch was sent."""
 
     def __init__(
         self,
@@ -50,45 +41,23 @@ class RemoteWriter:
         batch_blocks: int,
         cipher: RecordCipher | None = None,
     ) -> None:
+        super().__init__(block_shape, dtype, max_pending_writes)
         self.store = store
         self.known = known
-        self.block_shape = block_shape
-        self.dtype = dtype
         self.cipher = cipher
         self.batch_blocks = batch_blocks
-        self._queue: queue.Queue[_PendingWrite | None] = queue.Queue(max_pending_writes)
         self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
-        self._pending: set[bytes] = set()
-        self._counts = TierMetrics()
         self._warn = WarnOnce(logger)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="kv-remote-writer", daemon=True)
         self._thread.start()
 
-    def put(self, key: bytes, meta: BlockLike, block: torch.Tensor, blocking: bool) -> bool:
-        """Queue a copy of ``block``; True if queued or already stored, False if dropped."""
-        with self._lock:
-            if key in self._pending or self.known.state(key) is True:
-                return True
-            if self.store.breaker.is_open or (not blocking and self._queue.full()):
-                self._counts.dropped_demotions += 1
-                return False
-            self._pending.add(key)
-        copy = torch.empty(self.block_shape, dtype=self.dtype)
-        copy.copy_(block)
-        try:
-            self._queue.put(_PendingWrite(key, meta, copy), block=blocking)
-        except queue.Full:
-            with self._lock:
-                self._pending.discard(key)
-                self._counts.dropped_demotions += 1
-            return False
-        return True
+    def _holds(self, key: bytes) -> bool:
+        return self.known.state(key) is True
 
-    def has_room(self) -> bool:
-        return not self.store.breaker.is_open and not self._queue.full()
+    def _refusing(self) -> bool:
+        return self.store.breaker.is_open
 
     def flush(self) -> None:
         """Wait until every queued write has been sent (stored, dropped or failed)."""
@@ -104,12 +73,7 @@ class RemoteWriter:
 
     def add_metrics(self, snapshot: TierMetrics) -> None:
         with self._lock:
-            counts = self._counts
-            snapshot.bytes_written = counts.bytes_written
-            snapshot.store_count = counts.store_count
-            snapshot.store_seconds_total = counts.store_seconds_total
-            snapshot.dropped_demotions = counts.dropped_demotions
-            snapshot.write_errors = counts.write_errors
+            self._copy_write_counts(snapshot)
 
     def _loop(self) -> None:
         while True:
@@ -133,14 +97,13 @@ class RemoteWriter:
             except Exception:
                 logger.exception("KV remote writer failed on a batch of %d blocks", len(batch))
             finally:
-                with self._lock:
-                    self._pending.difference_update(item.key for item in batch)
+                self._finished([item.key for item in batch])
                 for _ in range(len(batch) + stop):
                     self._queue.task_done()
             if stop:
                 return
 
-    def _write(self, batch: list[_PendingWrite]) -> None:
+    def _write(self, batch: list[PendingWrite[bytes]]) -> None:
         values = [encode_value(item.meta, item.block, self.cipher) for item in batch]
 
         def send(client: redis.Redis) -> list[object]:
