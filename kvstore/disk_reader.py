@@ -222,11 +222,6 @@ class DiskReader:
     def _reject(self, meta: BlockLike, path: str, inode: int, err: RecordError) -> None:
         with self._lock:
             self._counts.misses += 1
-            if err.kind == "corrupt":
-                self._counts.corrupt_records += 1
-            elif err.kind == "foreign":
-                self._counts.foreign_records += 1
-            else:
-                self._counts.mismatched_records += 1
+            self._counts.count_rejected(err.kind)
         self.index.remove_rejected(record_key(meta), inode)
         self._warn(f"reject-{err.kind}", "removed KV record %s: %s", path, err)

@@ -252,12 +252,7 @@ class RemoteTier(KVTier):
         its good value is lost then, which costs a miss, never a wrong hit."""
         with self._lock:
             for _, err in rejected:
-                if err.kind == "corrupt":
-                    self._counts.corrupt_records += 1
-                elif err.kind == "foreign":
-                    self._counts.foreign_records += 1
-                else:
-                    self._counts.mismatched_records += 1
+                self._counts.count_rejected(err.kind)
         for key, err in rejected:
             self._warn(f"reject-{err.kind}", "deleted remote KV value %r: %s", key, err)
         keys = [key for key, _ in rejected]

@@ -130,6 +130,15 @@ class TierMetrics:
     breaker_openings: int = 0
     breaker_open: bool = False
 
+    def count_rejected(self, kind: str) -> None:
+        """One record that failed verification, by its ``RecordError.kind``."""
+        if kind == "corrupt":
+            self.corrupt_records += 1
+        elif kind == "foreign":
+            self.foreign_records += 1
+        else:
+            self.mismatched_records += 1
+
 
 EvictCallback = Callable[[BlockLike, torch.Tensor], None]
 
