@@ -5,6 +5,11 @@ The KV cache of an engine is one block-major tensor
 its slice ``kv_cache[:, layer]`` of shape ``[num_blocks, 2, block_size, num_kv_heads, head_dim]``
 (index 0 along dim 1 is K, 1 is V). A *slot* is ``block_id * block_size + offset``.
 
+An FP8 cache (``--kv-cache-dtype fp8``) has the same layout in ``uint8`` with a last dim of
+``head_dim + 4``: each (slot, kv head) row is ``head_dim`` e4m3 bytes and its float32 scale
+(see ``kernels/fp8_kv.py``). ``write_kv`` quantizes into it; a backend that cannot read it
+says so with ``supports_fp8_kv = False`` and refuses it at start-up (``check_kv_cache``).
+
 A forward pass runs over a flat batch of ``T`` new tokens belonging to ``B`` sequences,
 sequence ``i`` owning query rows ``query_start_loc[i]:query_start_loc[i + 1]``. Each
 sequence's new tokens are the last ``query_len`` of its ``seq_len`` context tokens:
@@ -17,6 +22,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
+
+from kernels.fp8_kv import is_fp8_cache, quantize_rows
 
 
 @dataclass(frozen=True)
@@ -48,6 +55,16 @@ class AttentionBackend(ABC):
     # True when forward reads only the metadata's device tensors (never the host lists,
     # beyond sizing its grid), so a CUDA graph captured once replays right for new inputs.
     supports_cuda_graphs: bool = False
+    # True when forward reads an FP8 cache (``kernels/fp8_kv.py``) as well as a plain one.
+    supports_fp8_kv: bool = False
+
+    def check_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        """ValueError, at start-up, for a cache this backend cannot read."""
+        if is_fp8_cache(kv_cache) and not self.supports_fp8_kv:
+            raise ValueError(
+                f"the {self.name!r} attention backend cannot read an FP8 KV cache yet; "
+                "use --attention-backend reference (or --kv-cache-dtype auto)"
+            )
 
     @abstractmethod
     def forward(
@@ -97,11 +114,20 @@ def slot_rows(kv_layer: torch.Tensor) -> torch.Tensor:
 def write_kv(
     key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Scatter new K/V rows into their slots (pure torch; used by the reference backend)."""
+    """Scatter new K/V rows into their slots (pure torch; used by the reference backend).
+
+    Into an FP8 cache the rows are quantized first, each (token, kv head) on its own."""
     block_size, heads, dim = kv_layer.shape[2:]
     rows_per_block = kv_layer.stride(0) // (heads * dim)
     blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
     key_rows = blocks * rows_per_block + slot_mapping % block_size
     rows = slot_rows(kv_layer)
-    rows.index_copy_(0, key_rows, key.reshape(-1, heads * dim).to(kv_layer.dtype))
-    rows.index_copy_(0, key_rows + block_size, value.reshape(-1, heads * dim).to(kv_layer.dtype))
+    rows.index_copy_(0, key_rows, cache_rows(key, kv_layer))
+    rows.index_copy_(0, key_rows + block_size, cache_rows(value, kv_layer))
+
+
+def cache_rows(x: torch.Tensor, kv_layer: torch.Tensor) -> torch.Tensor:
+    """``[T, kv_heads, head_dim]`` as the ``[T, kv_heads * row_width]`` rows ``kv_layer`` stores."""
+    if is_fp8_cache(kv_layer):
+        x = quantize_rows(x)
+    return x.reshape(x.shape[0], -1).to(kv_layer.dtype)

@@ -17,6 +17,8 @@ from kernels.cpu_paged_attention import (
     plan_prefill,
     ungroup_output,
 )
+from kernels.fp8_kv import is_fp8_cache
+from kernels.fp8_read_through import Fp8ReadThrough
 from kernels.interface import AttentionBackend, AttentionMetadata, slot_rows
 
 
@@ -46,13 +48,18 @@ class ReferenceBackend(AttentionBackend):
     The first layer of a forward pass plans it (KV write rows, block lists, masks); the other
     layers reuse the plan. Context K/V are gathered into a workspace this backend owns (see
     ``kernels/cpu_paged_attention.py``), so one instance serves one forward pass at a time.
+
+    An FP8 cache is read through ``kernels/fp8_read_through.py``: the blocks a step reads
+    are dequantized, and attention runs in the query's dtype.
     """
 
     name = "reference"
+    supports_fp8_kv = True
 
     def __init__(self) -> None:
         self._workspace = GatherWorkspace()
         self._plan: _StepPlan | None = None
+        self._fp8: Fp8ReadThrough | None = None
 
     def forward(
         self,
@@ -63,6 +70,10 @@ class ReferenceBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
+        if is_fp8_cache(kv_layer):
+            if self._fp8 is None:
+                self._fp8 = Fp8ReadThrough(self)
+            return self._fp8.forward(query, key, value, kv_layer, meta, scale)
         plan = self._plan
         layout = (*kv_layer.shape, kv_layer.stride(0), query.shape[1], query.dtype)
         if plan is None or plan.meta is not meta or plan.layout != layout:

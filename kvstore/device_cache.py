@@ -10,16 +10,20 @@ import torch
 
 @dataclass(frozen=True)
 class KVCacheSpec:
+    """The cache's layout. ``row_width`` is its last dim, elements of ``dtype`` per (slot,
+    kv head): ``head_dim`` for a plain cache, ``head_dim + 4`` uint8 for FP8 rows with
+    their scale (``kernels/fp8_kv.py``)."""
+
     num_layers: int
     num_kv_heads: int
-    head_dim: int
+    row_width: int
     block_size: int
     dtype: torch.dtype
 
     @property
     def block_shape(self) -> tuple[int, int, int, int, int]:
         """One block: all layers' K and V for ``block_size`` tokens, contiguous."""
-        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.row_width)
 
     @property
     def bytes_per_block(self) -> int:
@@ -42,5 +46,5 @@ class KVCacheSpec:
         # NOTE: numpy's zeros is calloc: the OS hands out zero pages lazily, so the resident
         # size grows with the blocks actually used, not with the whole budget (torch.zeros
         # would write every page now). Zeros matter: masked-out slots must not hold NaNs.
-        raw = np.zeros((num_blocks, self.bytes_per_block // 2), dtype=np.uint16)
+        raw = np.zeros((num_blocks, self.bytes_per_block), dtype=np.uint8)
         return torch.from_numpy(raw).view(self.dtype).view(shape)

@@ -8,6 +8,8 @@ from ragserve.config_flags import check_choices, option
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+# NOTE: the same names as kernels.fp8_kv.KV_CACHE_DTYPES; the config stays free of torch.
+KV_CACHE_DTYPES = ("auto", "fp8")
 # The disk tier's budget when --kv-disk-dir is given without --kv-disk-gib.
 DEFAULT_DISK_GIB = 16.0
 
@@ -35,11 +37,19 @@ class EngineConfig:
     gpu_memory_utilization: float = option(
         0.9, help="share of the GPU's memory the engine may use, KV included"
     )
+    kv_cache_dtype: str = option(
+        "auto",
+        help="KV cache storage: auto (the model's dtype) or fp8 (e4m3 with a float32 scale "
+        "per token and KV head: about half of bf16's bytes)",
+        choices=KV_CACHE_DTYPES,
+    )
     enable_prefix_caching: bool = option(
         True, help="reuse cached KV blocks of shared prefixes", flag="--prefix-caching"
     )
     attention_backend: str | None = option(
-        None, help="reference or triton (default: the best one on the device)"
+        None,
+        help="reference, cpu or triton (default: the best one on the device that reads "
+        "the KV cache dtype)",
     )
     kv_cpu_gib: float = option(0.0, help="host memory tier for KV blocks evicted from the device")
     kv_disk_dir: str | None = option(

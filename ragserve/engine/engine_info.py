@@ -41,11 +41,7 @@ class KVModel:
 
     fingerprint: str
     block_size: int
-    kv_dtype: str  # e.g. "float32"
-
-
-def kv_dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+    kv_dtype: str  # the KV format's name, e.g. "float32" or "fp8_e4m3/row_f32_scale"
 
 
 @dataclass(frozen=True)
@@ -79,10 +75,13 @@ class EngineInfo:
     disk_tier_key_file: str | None = None
     # The remote tier's store (password redacted); its capacity is the store's own.
     remote_tier_url: str | None = None
+    # How KV is stored (``kernels/fp8_kv.KVFormat.name``); the block-hash salt binds it.
+    kv_dtype: str = ""
 
     @property
     def kv_model(self) -> KVModel:
-        return KVModel(self.model_fingerprint, self.block_size, kv_dtype_name(self.dtype))
+        kv_dtype = self.kv_dtype or str(self.dtype).removeprefix("torch.")
+        return KVModel(self.model_fingerprint, self.block_size, kv_dtype)
 
     @property
     def kv_bytes_per_token(self) -> int:

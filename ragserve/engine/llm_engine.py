@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from kernels.fp8_kv import kv_format
 from kernels.registry import get_backend
 from kvstore.block_pool import BlockPool
 from kvstore.device_cache import KVCacheSpec
@@ -18,7 +19,7 @@ from kvstore.kv_cache_manager import KVAllocation, KVCacheManager
 from ragserve.config import EngineConfig
 from ragserve.engine.detokenizer import IncrementalDetokenizer
 from ragserve.engine.engine_face import make_info, take_snapshot
-from ragserve.engine.engine_info import EngineSnapshot, KVModel, kv_dtype_name
+from ragserve.engine.engine_info import EngineSnapshot, KVModel
 from ragserve.engine.engine_request import EngineRequest
 from ragserve.engine.engine_setup import kv_budget_bytes, open_tiers
 from ragserve.engine.guarded_sampling import GuardedSampler, LaunchedStep
@@ -66,12 +67,14 @@ class LLMEngine:
         self.eos_token_ids = list(self.loaded.eos_token_ids)
 
         shape = self.loaded.model.shape
+        # The salt binds kv_format.name: blocks of different KV formats never mix.
+        self.kv_format = kv_format(config.kv_cache_dtype, self.dtype, shape.head_dim)
         self.kv_spec = KVCacheSpec(
             num_layers=shape.num_layers,
             num_kv_heads=shape.num_kv_heads,
-            head_dim=shape.head_dim,
+            row_width=self.kv_format.row_width,
             block_size=config.block_size,
-            dtype=self.dtype,
+            dtype=self.kv_format.storage_dtype,
         )
         num_blocks = self.kv_spec.num_blocks_for(
             kv_budget_bytes(config, self.device, self.kv_spec.bytes_per_token, self.max_model_len)
@@ -94,7 +97,8 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.kv_manager, config.max_num_batched_tokens, config.max_num_seqs
         )
-        backend = get_backend(config.attention_backend, self.device)
+        backend = get_backend(config.attention_backend, self.device, self.kv_format.quantized)
+        backend.check_kv_cache(self.kv_cache)
         self.runner = ModelRunner(
             self.loaded.model, self.kv_cache, backend, config.block_size, self.device
         )
@@ -119,7 +123,7 @@ class LLMEngine:
         self.sampler = GuardedSampler()
         self.info = make_info(self, backend.name)
         logger.info(
-            "engine ready in %.1fs: %s on %s (%s), %d KV blocks of %d tokens (%.2f GiB), "
+            "engine ready in %.1fs: %s on %s (%s), %d KV blocks of %d tokens (%s, %.2f GiB), "
             "attention %s, decode %s",
             time.perf_counter() - started,
             self.model_name,
@@ -127,6 +131,7 @@ class LLMEngine:
             str(self.dtype).removeprefix("torch."),
             num_blocks,
             config.block_size,
+            self.kv_format.name,
             num_blocks * self.kv_spec.bytes_per_block / 2**30,
             backend.name,
             "eager" if self.runner.decode_graphs is None else "in CUDA graphs",
@@ -175,8 +180,9 @@ class LLMEngine:
     def salt_for(self, namespace: str) -> bytes:
         salt = self._salts.get(namespace)
         if salt is None:
-            kv_dtype = kv_dtype_name(self.dtype)
-            salt = make_salt(self.loaded.fingerprint, self.config.block_size, kv_dtype, namespace)
+            salt = make_salt(
+                self.loaded.fingerprint, self.config.block_size, self.kv_format.name, namespace
+            )
             self._salts[namespace] = salt
         return salt
 
