@@ -1,0 +1,52 @@
+"""FP8 blocks (uint8 rows of ``head_dim + 4``, scales inside) in disk records: bit-exact
+round trips, and never served to a tier of another layout even under the same hash."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from kernels.fp8_kv import dequantize_rows, quantize_rows
+from kvstore.disk_tier import DiskTier
+from tests.kvstore.tier_blocks import SHAPE, bit_equal, make_meta, random_block
+
+FP8_SHAPE = (*SHAPE[:-1], SHAPE[-1] + 4)
+
+
+def fp8_block(seed: int) -> torch.Tensor:
+    return quantize_rows(random_block(torch.float32, seed))
+
+
+def test_fp8_records_round_trip_bit_exact_scales_included(tmp_path: Path) -> None:
+    blocks = [fp8_block(index) for index in range(3)]
+    with DiskTier(FP8_SHAPE, torch.uint8, 1 << 20, tmp_path) as tier:
+        for index, block in enumerate(blocks):
+            assert tier.put(make_meta(index), block, blocking=True)
+        tier.flush()
+    with DiskTier(FP8_SHAPE, torch.uint8, 1 << 20, tmp_path) as reopened:  # a restart
+        for index, block in enumerate(blocks):
+            dest = torch.full(FP8_SHAPE, 0xAB, dtype=torch.uint8)
+            assert reopened.load_into(make_meta(index), dest)
+            assert bit_equal(dest, block)
+            assert torch.equal(
+                dequantize_rows(dest, torch.float32), dequantize_rows(block, torch.float32)
+            )
+
+
+def test_an_fp8_record_is_a_miss_for_a_float32_tier_even_under_the_same_hash(
+    tmp_path: Path,
+) -> None:
+    """The salt already keeps FP8 and float32 hashes apart; the record's layout check is
+    the second guard: a float32 tier never reads FP8 bytes as floats."""
+    with DiskTier(FP8_SHAPE, torch.uint8, 1 << 20, tmp_path) as fp8:
+        assert fp8.put(make_meta(0), fp8_block(0), blocking=True)
+        fp8.flush()
+    with DiskTier(SHAPE, torch.float32, 1 << 20, tmp_path) as plain:
+        dest = torch.zeros(SHAPE)
+        assert not plain.load_into(make_meta(0), dest)
+        assert not dest.any()
+        metrics = plain.metrics()
+        # Seen and refused (its size fits no float32 block), not merely absent.
+        assert (metrics.hits, metrics.misses) == (0, 1)
+        assert metrics.corrupt_records + metrics.mismatched_records == 1
