@@ -15,6 +15,8 @@ import torch
 from kernels.fp8_kv import FP8_FORMAT_NAME
 from kvstore.hashing import hash_full_blocks
 from ragserve import LLM, SamplingParams
+from ragserve.cli import build_parser
+from ragserve.config import EngineConfig
 from tests.model_factory import make_tiny_model
 
 BLOCK = 16
@@ -82,6 +84,15 @@ def test_fp8_cache_holds_fp8_bytes_and_more_blocks_for_the_same_budget(
         LLM(model_dir, dtype="float32", kv_cache_dtype="fp8", **budget) as narrow,
     ):
         assert (wide.engine.num_kv_blocks, narrow.engine.num_kv_blocks) == (64, 64 * 512 // 160)
+
+
+def test_a_backend_that_cannot_read_fp8_is_refused_at_start_up(model_dir: str) -> None:
+    with pytest.raises(ValueError, match="'cpu' attention backend cannot read an FP8 KV cache"):
+        LLM(model_dir, dtype="float32", kv_cache_dtype="fp8", attention_backend="cpu")
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8"):
+        EngineConfig(kv_cache_dtype="int8")
+    args = build_parser().parse_args(["serve", "--kv-cache-dtype", "fp8"])
+    assert args.kv_cache_dtype == "fp8"
 
 
 def test_fp8_greedy_outputs_agree_with_float32_kv_on_most_tokens(
