@@ -19,6 +19,8 @@ from ragserve.cli import build_parser
 from ragserve.config import EngineConfig
 from tests.model_factory import make_tiny_model
 
+# NOTE: one intra-op thread: on a small shared machine several threads spin and wait.
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 BLOCK = 16
 HEAD_DIM, LAYERS, KV_HEADS = 16, 2, 2
 FP8_TOKEN_BYTES = 2 * LAYERS * KV_HEADS * (HEAD_DIM + 4)  # 160, against float32's 512

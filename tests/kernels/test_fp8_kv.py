@@ -21,6 +21,8 @@ from kernels.reference import ReferenceBackend
 from kernels.registry import get_backend
 from tests.kernels.test_cpu_backend import make_meta
 
+# NOTE: one intra-op thread: on a small shared machine several threads spin and wait.
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 CPU = torch.device("cpu")
 
 
