@@ -1,6 +1,6 @@
 """A plain pure-torch backend run over an FP8 cache: quantized writes, dequantized reads.
 
-Each layer call quantizes the new K/V into the FP8 cache (``interface.write_kv``), then
+Each layer call quantizes the new K/V into the FP8 cache (``interface.scatter_rows``), then
 dequantizes the blocks this step reads into a compact dense layer (``[used blocks, 2,
 block_size, kv_heads, head_dim]`` in the query's dtype) and hands the step, with its block
 tables and slots renumbered into that layer, to the plain backend. So attention runs in
@@ -19,8 +19,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from kernels.cpu_paged_attention import GatherWorkspace
-from kernels.fp8_kv import dequantize_rows, round_trip
-from kernels.interface import AttentionBackend, AttentionMetadata, write_kv
+from kernels.fp8_kv import dequantize_rows, quantize_rows
+from kernels.interface import AttentionBackend, AttentionMetadata, scatter_rows
 
 
 @dataclass(frozen=True)
@@ -50,10 +50,14 @@ class Fp8ReadThrough:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        write_kv(key, value, kv_layer, meta.slot_mapping)
+        key_rows, value_rows = quantize_rows(key), quantize_rows(value)
+        scatter_rows(key_rows, value_rows, kv_layer, meta.slot_mapping)
         step = self._plan(meta, kv_layer)
         dense = self.dequantize_blocks(kv_layer, step.blocks, query.dtype)
-        key, value = round_trip(key.to(query.dtype)), round_trip(value.to(query.dtype))
+        key, value = (
+            dequantize_rows(key_rows, query.dtype),
+            dequantize_rows(value_rows, query.dtype),
+        )
         return self._plain.forward(query, key, value, dense, step.dense_meta, scale)
 
     def dequantize_blocks(

@@ -117,17 +117,27 @@ def write_kv(
     """Scatter new K/V rows into their slots (pure torch; used by the reference backend).
 
     Into an FP8 cache the rows are quantized first, each (token, kv head) on its own."""
-    block_size, heads, dim = kv_layer.shape[2:]
-    rows_per_block = kv_layer.stride(0) // (heads * dim)
-    blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
-    key_rows = blocks * rows_per_block + slot_mapping % block_size
-    rows = slot_rows(kv_layer)
-    rows.index_copy_(0, key_rows, cache_rows(key, kv_layer))
-    rows.index_copy_(0, key_rows + block_size, cache_rows(value, kv_layer))
+    scatter_rows(cache_rows(key, kv_layer), cache_rows(value, kv_layer), kv_layer, slot_mapping)
 
 
 def cache_rows(x: torch.Tensor, kv_layer: torch.Tensor) -> torch.Tensor:
-    """``[T, kv_heads, head_dim]`` as the ``[T, kv_heads * row_width]`` rows ``kv_layer`` stores."""
+    """``[T, kv_heads, head_dim]`` as the ``[T, kv_heads, row_width]`` rows ``kv_layer`` stores."""
     if is_fp8_cache(kv_layer):
-        x = quantize_rows(x)
-    return x.reshape(x.shape[0], -1).to(kv_layer.dtype)
+        return quantize_rows(x)
+    return x.to(kv_layer.dtype)
+
+
+def scatter_rows(
+    key_rows: torch.Tensor,  # [T, kv_heads, row_width] in the cache's dtype (``cache_rows``)
+    value_rows: torch.Tensor,
+    kv_layer: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Copy rows already in the cache's format into their slots."""
+    block_size, heads, width = kv_layer.shape[2:]
+    rows_per_block = kv_layer.stride(0) // (heads * width)
+    blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
+    key_slots = blocks * rows_per_block + slot_mapping % block_size
+    rows = slot_rows(kv_layer)
+    rows.index_copy_(0, key_slots, key_rows.reshape(-1, heads * width))
+    rows.index_copy_(0, key_slots + block_size, value_rows.reshape(-1, heads * width))

@@ -85,6 +85,9 @@ class LLMEngine:
                 "raise kv_cache_gib"
             )
         self.kv_cache = self.kv_spec.allocate(num_blocks, self.device)
+        backend = get_backend(config.attention_backend, self.device, self.kv_format.quantized)
+        # NOTE: before the tiers open: a refused cache leaves no worker thread behind.
+        backend.check_kv_cache(self.kv_cache)
         self.block_pool = BlockPool(num_blocks)
         self.tiers = open_tiers(config, self.kv_cache, self.block_pool)
         self.kv_manager = KVCacheManager(
@@ -97,8 +100,6 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.kv_manager, config.max_num_batched_tokens, config.max_num_seqs
         )
-        backend = get_backend(config.attention_backend, self.device, self.kv_format.quantized)
-        backend.check_kv_cache(self.kv_cache)
         self.runner = ModelRunner(
             self.loaded.model, self.kv_cache, backend, config.block_size, self.device
         )
