@@ -12,9 +12,13 @@ Why scales live in the rows, per token and kv head:
   ever re-quantized when a later token raises its amax (a per-block scale would have to
   either re-quantize or clip);
 - it is at least as accurate as a scale per block and kv head: each row's scale is at
-  most the block's, so every element's rounding step is at most the block scheme's;
+  most the block's, so every element's error bound (below) is at most the block scheme's.
+  Measured on Gaussian blocks of 16 tokens x 128 dims (``tests/kernels/test_fp8_kv.py``):
+  relative RMS error 0.0257 by row vs 0.0265 by block; when a block's tokens span five
+  decades, its smallest tokens 0.026 vs 0.065 (the block scale pushes them to subnormals);
 - it costs 4 bytes per row: per token ``(head_dim + 4) / (2 * head_dim)`` of bf16's bytes,
-  0.52 at head_dim 128 (1.9x the tokens in the same memory).
+  0.52 at head_dim 128 (1.94x the tokens in the same memory). A scale per 16-token block
+  would cost 0.25 bytes per row instead: 2.9% more tokens, bought with the points above.
 
 Accuracy (e4m3: 3 mantissa bits, largest finite 448, smallest subnormal 2^-9): an element
 ``x`` of a row with scale ``s`` comes back within ``2^-4 * |x| + 2^-10 * s``, so within
