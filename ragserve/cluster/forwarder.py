@@ -109,7 +109,14 @@ class Forwarder:
         if self._session is None or self._session.closed:
             # NOTE: no total time-out (streams last); a read that stalls this long is lost.
             timeout = aiohttp.ClientTimeout(total=None, sock_read=self.settings.forward_timeout_s)
-            self._session = aiohttp.ClientSession(timeout=timeout, auto_decompress=False)
+            # NOTE: a connection per request: a request to a replica that just died then
+            # fails to connect (and goes to another replica) instead of being written to a
+            # kept-alive socket of the dead process and lost. Loopback or LAN connects are
+            # cheap next to a generation.
+            connector = aiohttp.TCPConnector(force_close=True, limit=0)
+            self._session = aiohttp.ClientSession(
+                connector=connector, timeout=timeout, auto_decompress=False
+            )
         return self._session
 
     async def close(self) -> None:

@@ -3,11 +3,11 @@ robin (the baseline the cluster benchmark compares against).
 
 A request's *key* names what it reads (see :mod:`ragserve.cluster.affinity_key`): its first
 document, or the hash of its prompt's leading text. With ``affinity``, the first request of
-a key goes to the least loaded replica and the key is bound there; later requests of that
-key go to the same replica (an *affinity hit*) unless it is busy (``busy_threshold``
-requests in flight) or down, when they go to the least loaded other replica (a
-*fallback*; the key stays bound, so it comes back once the replica is free). Requests
-without a key go to the least loaded replica.
+a key goes to the least loaded replica (ties taken in turn) and the key is bound there;
+later requests of that key go to the same replica (an *affinity hit*) unless it is busy
+(``busy_threshold`` requests in flight) or down, when they go to the least loaded other
+replica (a *fallback*; the key stays bound, so it comes back once the replica is free).
+Requests without a key go to the least loaded replica.
 
 Not thread-safe: the ingress calls it from its event loop only.
 """
@@ -66,7 +66,9 @@ class Router:
         if self.policy == "round_robin":
             index = candidates[next(self._turn) % len(candidates)]
             return self._count("round_robin", index)
-        least = min(candidates, key=lambda i: (loads[i], i))
+        # NOTE: ties broken in turn, so documents uploaded one by one spread out.
+        turn = next(self._turn)
+        least = min(candidates, key=lambda i: (loads[i], (i - turn) % self.num_replicas))
         if key is None:
             return self._count("unkeyed", least)
         owner = self._owner.get(key)
