@@ -20,6 +20,12 @@ new one for its address. The ingress counts the requests it has in flight on eac
 replica; that count is the load the router reads (exact while the ingress is one
 replica, which it is).
 
+NOTE: why not Ray Serve's custom request router: it chooses among the replicas of one
+deployment inside a deployment handle, so the replicas would have to be reached through
+handles, i.e. Ray's own transport instead of the real HTTP server, and the handlers would
+need a second, non-aiohttp front. Routing in the ingress keeps one server code path and
+streams over plain HTTP.
+
 Replicas share the document registry (the SQLite file in the disk tier's directory, one
 machine) and the remote KV tier (``--kv-remote-url``): a document uploaded through one
 replica is learned by another at first use, which then loads its blocks from the store

@@ -43,6 +43,8 @@ _HOP = {
     "proxy-authorization",
     "proxy-connection",
 }
+# NOTE: Ray's proxy sets these on every response itself (the request id it passed on).
+_PROXY_SETS = {"date", "server", "x-request-id"}
 REPLICA_HEADER = "X-Ragserve-Replica"
 _RETRY_S = 0.5
 
@@ -175,7 +177,11 @@ class Forwarder:
             self._mark_down(index, url)
             return _lost(index, exc)
         try:
-            out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP}
+            out_headers = {
+                k: v
+                for k, v in upstream.headers.items()
+                if k.lower() not in _HOP and k.lower() not in _PROXY_SETS
+            }
             out_headers[REPLICA_HEADER] = str(index)
             kind = upstream.headers.get("Content-Type", "")
             if kind.startswith("text/event-stream"):
