@@ -24,7 +24,9 @@ from tests.server.server_fixtures import (
 )
 from tests.valkey_server import ValkeyServer, free_port
 
-ray = pytest.importorskip("ray", reason="ray[serve] is not installed: pip install -e '.[cluster]'")
+ray = pytest.importorskip(
+    "ray", reason="ray[serve] is not installed: pip install -e '.[cluster]'", exc_type=ImportError
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
