@@ -6,12 +6,13 @@ restarting) is sent to another replica; a request lost with its replica (reset m
 fails with an OpenAI-shaped 503, or, when its stream had started, with a final SSE
 ``error`` event; no request hangs on a dead replica (the connection drops with the
 process). ``/cluster/stats`` (JSON) and ``/metrics`` (Prometheus) report the router and
-each replica.
+each replica (with the replicas' API keys or metrics key, when they have keys).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -24,7 +25,7 @@ from starlette.responses import Response, StreamingResponse
 from ragserve.cluster.affinity_key import document_key, routing_key
 from ragserve.cluster.metrics_merge import merged_replica_lines, router_lines
 from ragserve.cluster.router import Router
-from ragserve.cluster.settings import ClusterSettings
+from ragserve.cluster.settings import ClusterSettings, report_keys
 from ragserve.server.errors import error_body
 
 logger = logging.getLogger(__name__)
@@ -74,6 +75,7 @@ class Forwarder:
         self._lookup = lookup
         self._session: aiohttp.ClientSession | None = None
         self._probes: dict[int, asyncio.Task[None]] = {}
+        self._keys = report_keys(settings.serve_args)
 
     # -- replicas --------------------------------------------------------------------------
     async def start(self) -> None:
@@ -131,10 +133,12 @@ class Forwarder:
     async def handle(
         self, method: str, path: str, query: str, headers: Mapping[str, str], body: bytes
     ) -> Response:
-        if path == "/cluster/stats" and method == "GET":
+        if path in ("/cluster/stats", "/metrics") and method == "GET":
+            if not self._may_read_reports(headers):
+                return _error(401, "a valid API key is required", "invalid_api_key")
+            if path == "/metrics":
+                return await self._metrics(headers)
             return Response(json.dumps(self.stats()), media_type="application/json")
-        if path == "/metrics" and method == "GET":
-            return await self._metrics(headers)
         key = routing_key(path, body)
         tried: set[int] = set()
         while True:
@@ -228,6 +232,14 @@ class Forwarder:
             self.router.bind(document_key(doc_id), index)
 
     # -- reports ---------------------------------------------------------------------------
+    def _may_read_reports(self, headers: Mapping[str, str]) -> bool:
+        if not self._keys:
+            return True
+        given = headers.get("authorization", "").removeprefix("Bearer ").strip().encode()
+        # NOTE: every key compared, so the time taken does not tell which one matched.
+        matches = [hmac.compare_digest(given, key.encode()) for key in self._keys]
+        return any(matches)
+
     def stats(self) -> dict[str, Any]:
         replicas = [
             {

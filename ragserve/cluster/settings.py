@@ -85,3 +85,21 @@ def replica_configs(
     args.host, args.port = host, 0
     server = config_from_args(ServerConfig, args, api_keys=tuple(keys))
     return engine_config_from_args(args), server, keys
+
+
+def report_keys(serve_args: Sequence[str]) -> frozenset[str]:
+    """The keys that open the cluster's own reports (``/cluster/stats``, ``/metrics``): the
+    replicas' API keys and metrics key. Empty: the replicas have no keys, nor do reports."""
+    from ragserve.server.auth import read_api_key_file
+
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--api-key", action="append", default=[])
+    parser.add_argument("--api-key-file", default=None)
+    parser.add_argument("--metrics-key", default=None)
+    known, _ = parser.parse_known_args(list(serve_args))
+    keys = set(known.api_key)
+    if known.api_key_file:
+        keys.update(read_api_key_file(known.api_key_file))
+    if keys and known.metrics_key:
+        keys.add(known.metrics_key)
+    return frozenset(keys)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from ragserve.cluster.affinity_key import LEAD_CHARS, routing_key
 from ragserve.cluster.router import Router
 
@@ -55,3 +57,33 @@ def test_routing_keys() -> None:
     assert routing_key("/v1/documents/d1", b"") == "doc:d1"
     assert routing_key("/v1/documents", b'{"text": "t"}') is None
     assert routing_key("/v1/completions", b"not json") is None
+
+
+def test_reports_need_a_key_when_the_replicas_have_keys() -> None:
+    import asyncio
+
+    pytest.importorskip(
+        "starlette",
+        reason="starlette comes with ray[serve] (the cluster extra)",
+        exc_type=ImportError,
+    )
+    from ragserve.cluster.forwarder import Forwarder
+    from ragserve.cluster.settings import ClusterSettings, report_keys
+
+    assert report_keys(("--kv-cache-gib", "1")) == frozenset()
+    args = ("--api-key", "sk-a", "--api-key", "sk-b", "--metrics-key", "sk-m")
+    assert report_keys(args) == {"sk-a", "sk-b", "sk-m"}
+
+    async def no_lookup(index: int) -> dict[str, object]:
+        raise AssertionError("a report asks no replica for its address")
+
+    async def statuses() -> list[int]:
+        forwarder = Forwarder(ClusterSettings(serve_args=args), no_lookup)
+        codes = []
+        for headers in ({}, {"authorization": "Bearer sk-x"}, {"authorization": "Bearer sk-m"}):
+            response = await forwarder.handle("GET", "/cluster/stats", "", headers, b"")
+            codes.append(response.status_code)
+        await forwarder.close()
+        return codes
+
+    assert asyncio.run(statuses()) == [401, 401, 200]
