@@ -19,6 +19,7 @@ from ragserve.config_flags import add_flags, config_from_args
 COMMANDS: dict[str, str] = {
     "generate": "ragserve.commands.generate",
     "serve": "ragserve.commands.serve",
+    "cluster": "ragserve.commands.cluster",
     "bench": "ragserve.commands.bench",
     "summarize": "ragserve.commands.summarize",
     "docqa": "ragserve.commands.docqa",

@@ -22,7 +22,15 @@ def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentP
 
 
 def test_the_table_lists_every_subcommand() -> None:
-    assert list(COMMANDS) == ["generate", "serve", "bench", "summarize", "docqa", "loadtest"]
+    assert list(COMMANDS) == [
+        "generate",
+        "serve",
+        "cluster",
+        "bench",
+        "summarize",
+        "docqa",
+        "loadtest",
+    ]
     assert list(subcommands(build_parser())) == list(COMMANDS)
     for module_name in COMMANDS.values():
         assert module_name.startswith("ragserve.commands.")

@@ -20,6 +20,7 @@ BENCHMARKS = {
     "ceiling": "ragserve.bench.ceiling",
     "cpu": "ragserve.bench.cpu",
     "startup": "ragserve.bench.startup",
+    "cluster": "ragserve.bench.cluster",
 }
 
 

@@ -17,6 +17,7 @@ import signal
 import time
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -97,7 +98,11 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> web.A
         engine,
         prompts,
         admission,
-        document_store(engine.info, tokenizer_fingerprint(engine.tokenizer)),
+        document_store(
+            engine.info,
+            tokenizer_fingerprint(engine.tokenizer),
+            Path(config.registry_dir) if config.registry_dir else None,
+        ),
         config.document_ttl,
         DocumentLimits.from_config(config),
     )
@@ -123,18 +128,21 @@ async def _start_draining(app: web.Application) -> None:
     )
 
 
-def document_store(info: EngineInfo, tokenizer: str | None = None) -> DocumentStore | None:
-    """The registry file's home: the disk KV tier's directory, when the engine has one.
-    ``tokenizer``: the model's tokenizer digest (documents of models sharing it are taken
-    over after a model change)."""
-    if info.disk_tier_dir is None:
+def document_store(
+    info: EngineInfo, tokenizer: str | None = None, directory: Path | None = None
+) -> DocumentStore | None:
+    """The registry file's home: ``directory`` when given, else the disk KV tier's
+    directory when the engine has one. ``tokenizer``: the model's tokenizer digest
+    (documents of models sharing it are taken over after a model change)."""
+    directory = directory or info.disk_tier_dir
+    if directory is None:
         return None
     cipher = None
     if info.disk_tier_key_file is not None:
         # NOTE: the engine already read this file at start-up; it is readable and long enough.
         cipher = RegistryCipher.from_file(info.disk_tier_key_file)
     record = ModelRecord(info.kv_model, tokenizer) if tokenizer is not None else None
-    return DocumentStore(info.disk_tier_dir, info.model_fingerprint, cipher, record)
+    return DocumentStore(directory, info.model_fingerprint, cipher, record)
 
 
 async def _engine_lifecycle(app: web.Application) -> AsyncIterator[None]:
@@ -156,14 +164,11 @@ def _url(address: Any) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-async def serve(app: web.Application, config: ServerConfig) -> None:
-    """Serve until SIGINT or SIGTERM, then shut down gracefully.
-
-    Shutdown: stop listening, refuse new work (503), give running requests
-    ``config.shutdown_timeout`` seconds, cancel the rest (aborting their engine requests),
-    then stop the engine. Connections are bounded as :mod:`ragserve.server.connections`
-    describes.
-    """
+async def start_serving(app: web.Application, config: ServerConfig) -> ServingRunner:
+    """Start the application listening on ``config.host``/``config.port`` (port 0: any
+    free one, see ``runner.addresses``); the caller owns the runner and cleans it up
+    (which shuts down gracefully, see ``serve``). Used by ``serve`` and by a cluster
+    replica (:mod:`ragserve.cluster.replica`)."""
     ensure_open_file_limit(config.max_connections)
     runner = ServingRunner(
         app,
@@ -174,8 +179,23 @@ async def serve(app: web.Application, config: ServerConfig) -> None:
     )
     await runner.setup()
     try:
-        site = web.TCPSite(runner, config.host, config.port)
-        await site.start()
+        await web.TCPSite(runner, config.host, config.port).start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    return runner
+
+
+async def serve(app: web.Application, config: ServerConfig) -> None:
+    """Serve until SIGINT or SIGTERM, then shut down gracefully.
+
+    Shutdown: stop listening, refuse new work (503), give running requests
+    ``config.shutdown_timeout`` seconds, cancel the rest (aborting their engine requests),
+    then stop the engine. Connections are bounded as :mod:`ragserve.server.connections`
+    describes.
+    """
+    runner = await start_serving(app, config)
+    try:
         for address in runner.addresses:
             logger.info("ragserve serving %s at %s/v1", app[MODEL_NAME], _url(address))
         if not config.api_keys and config.host not in ("127.0.0.1", "localhost", "::1"):

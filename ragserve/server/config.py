@@ -28,6 +28,12 @@ class ServerConfig:
         help="a key that opens /metrics alone (for a scraper); with --api-key set, /metrics "
         "needs an API key or this one",
     )
+    registry_dir: str | None = option(
+        None,
+        help="folder of the document registry (default: the disk tier's; without either, "
+        "documents last as long as the server); servers and cluster replicas on one machine "
+        "that share it share their documents",
+    )
     served_model_name: str | None = option(
         None, help="the model name clients use (default: the engine's)"
     )

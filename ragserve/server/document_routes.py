@@ -59,6 +59,7 @@ async def list_documents(request: web.Request) -> web.Response:
 
 async def get_document(request: web.Request) -> web.Response:
     docs = request.app[DOCUMENTS]
+    await docs.learn(tenant(request), [request.match_info["id"]])
     doc = docs.get(tenant(request), request.match_info["id"])
     kv = await request.app[ENGINE].locate_prefix(doc.prefix_ids, doc.namespace)
     return web.json_response(doc.to_json(docs.block_size, kv))

@@ -290,6 +290,25 @@ class DocumentStore:
             )
             return found.fetchone() is not None
 
+    def find(self, namespace: str, doc_id: str) -> StoredDocument | None:
+        """This model's row of one document, decoded; None when absent or damaged (a
+        damaged row is left to ``load``, which reports it). Raises sqlite3.Error."""
+        with self._lock:
+            row = (
+                self._require()
+                .execute(
+                    _SELECT + " WHERE model = ? AND namespace = ? AND id = ?",
+                    (self.model, namespace, doc_id),
+                )
+                .fetchone()
+            )
+        if row is None:
+            return None
+        try:
+            return decode_row(row, self.cipher)
+        except RowError:
+            return None
+
     def put(self, doc: StoredDocument) -> None:
         """Insert or replace one document's row. Raises sqlite3.Error / OSError."""
         with self._lock:

@@ -1,5 +1,5 @@
 """The background task that notices documents another server on the same directory
-deleted (a DELETE there removes the rows of every model).
+uploaded or deleted (a DELETE there removes the rows of every model).
 
 Every ``INTERVAL_S`` it asks the document service to forget the documents whose row is
 gone: otherwise this server would go on listing one, answering from its pinned blocks,

@@ -17,7 +17,9 @@ longer has a key for stay untouched until a server with that key starts.
 Several servers, of one model or of several sharing a tokenizer, may serve from one
 directory: a start copies the other models' documents (see ``_adopt``), a DELETE removes
 every model's row and KV, and a server forgets within seconds a document whose row
-another server deleted (see :mod:`ragserve.server.document_watch`). Upload, PATCH and
+another server deleted (see :mod:`ragserve.server.document_watch`), and learns at first
+use a document another server uploaded (see ``learn``: replicas of one cluster share the
+registry this way). Upload, PATCH and
 DELETE of one document take turns (see :mod:`ragserve.server.document_locks`).
 """
 
@@ -183,6 +185,35 @@ class DocumentService:
                 404, f"document {doc_id} not found", param=param, code="document_not_found"
             )
         return doc
+
+    async def learn(self, namespace: str, doc_ids: Sequence[str]) -> int:
+        """Register the documents of ``doc_ids`` that this server does not know but whose
+        row another server on the registry wrote; returns how many. Ids that are malformed
+        or absent stay unknown (``get`` answers them).
+
+        NOTE: a learned document is not ingested here: its KV is found at first use in a
+        shared tier (the remote store) or computed by that first question, so a cluster
+        computes each document once, on the replica the router sent it to."""
+        if self.store is None or not self.store.is_open:
+            return 0
+        learned = 0
+        for doc_id in doc_ids:
+            if not isinstance(doc_id, str) or (namespace, doc_id) in self._docs:
+                continue
+            # NOTE: under the lock a DELETE holds until its row is gone: a document being
+            # deleted here is never learned back from its row.
+            async with self.locks.hold(namespace, doc_id):
+                if (namespace, doc_id) in self._docs:
+                    continue
+                entry = await self._store_call("read", self.store.find, namespace, doc_id)
+                doc = await self._from_row(entry) if entry is not None else None
+                if doc is None or (namespace, doc_id) in self._docs:
+                    continue
+                doc.status, doc.saved = "ready", True
+                self._docs[(namespace, doc_id)] = doc
+            logger.info("document %s: learned from the shared registry", doc_id)
+            learned += 1
+        return learned
 
     def known(self, namespace: str, doc_id: str) -> RegisteredDocument | None:
         """The registered document, expired or not; None when unknown (never raises)."""
@@ -414,14 +445,20 @@ class DocumentService:
                 await self._remove(doc, rows="expired")
 
     async def sync(self) -> int:
-        """Forget the documents whose row another server on the directory deleted (see
+        """Learn the documents another server on the directory uploaded (see ``learn``)
+        and forget those whose row another server deleted (see
         :mod:`ragserve.server.document_watch`): unpinned, this model's KV purged here.
-        Returns how many."""
+        Returns how many were forgotten."""
         if self.store is None or not self.store.is_open:
             return 0
         keys = await self._store_call("read", self.store.keys)
         if keys is None:
             return 0
+        fresh: dict[str, list[str]] = {}
+        for namespace, doc_id in keys - self._docs.keys():
+            fresh.setdefault(namespace, []).append(doc_id)
+        for namespace, ids in fresh.items():  # uploaded through another server
+            await self.learn(namespace, ids)
         missing = [doc for key, doc in self._docs.items() if doc.saved and key not in keys]
         forgotten = 0
         for doc in missing:

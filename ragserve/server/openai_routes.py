@@ -140,6 +140,7 @@ async def _prepare(
             f"at most {config.max_documents_per_request} documents per request, got {len(doc_ids)}",
             "documents",
         )
+    await app[DOCUMENTS].learn(tenant(request), doc_ids)  # uploaded through another server
     return model, app[DOCUMENTS].token_lists(tenant(request), doc_ids)
 
 

@@ -1,0 +1,297 @@
+"""The ingress's work, free of Ray: route a request (:mod:`ragserve.cluster.router`) and
+forward it over HTTP to the chosen replica's ragserve server, streaming the answer back.
+
+Failure contract: a request the replica never received (connection refused: the replica is
+restarting) is sent to another replica; a request lost with its replica (reset mid-way)
+fails with an OpenAI-shaped 503, or, when its stream had started, with a final SSE
+``error`` event; no request hangs on a dead replica (the connection drops with the
+process). ``/cluster/stats`` (JSON) and ``/metrics`` (Prometheus) report the router and
+each replica (with the replicas' API keys or metrics key, when they have keys).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from starlette.responses import Response, StreamingResponse
+
+from ragserve.cluster.affinity_key import document_key, routing_key
+from ragserve.cluster.metrics_merge import merged_replica_lines, router_lines
+from ragserve.cluster.router import Router
+from ragserve.cluster.settings import ClusterSettings, report_keys
+from ragserve.server.errors import error_body
+
+logger = logging.getLogger(__name__)
+
+# Headers that belong to one connection, or that aiohttp sets again itself.
+_HOP = {
+    "connection",
+    "keep-alive",
+    "transfer-encoding",
+    "content-length",
+    "content-encoding",
+    "host",
+    "upgrade",
+    "te",
+    "trailer",
+    "proxy-authorization",
+    "proxy-connection",
+}
+# NOTE: Ray's proxy sets these on every response itself (the request id it passed on).
+_PROXY_SETS = {"date", "server", "x-request-id"}
+REPLICA_HEADER = "X-Ragserve-Replica"
+_RETRY_S = 0.5
+
+# Asks replica ``i`` (through Ray) for {"url": ..., "pid": ...}.
+AddressLookup = Callable[[int], Awaitable[Mapping[str, Any]]]
+
+
+@dataclass
+class ReplicaSlot:
+    url: str | None = None
+    pid: int | None = None
+    in_flight: int = 0
+    lookups: int = 0  # how many times its address was (re)learned: restarts + 1
+
+    @property
+    def up(self) -> bool:
+        return self.url is not None
+
+
+class Forwarder:
+    """One per ingress; every method runs on the ingress's event loop."""
+
+    def __init__(self, settings: ClusterSettings, lookup: AddressLookup) -> None:
+        self.settings = settings
+        self.router = Router(settings.replicas, settings.policy, settings.busy_threshold)
+        self.slots = [ReplicaSlot() for _ in range(settings.replicas)]
+        self._lookup = lookup
+        self._session: aiohttp.ClientSession | None = None
+        self._probes: dict[int, asyncio.Task[None]] = {}
+        self._keys = report_keys(settings.serve_args)
+
+    # -- replicas --------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Learn every replica's address (waits for replicas still starting)."""
+        await asyncio.gather(*(self._learn(i, timeout=None) for i in range(len(self.slots))))
+
+    async def _learn(self, index: int, timeout: float | None) -> bool:
+        try:
+            found = await asyncio.wait_for(self._lookup(index), timeout)
+        except Exception as exc:  # NOTE: restarting, or Ray not answering: try again later
+            logger.info("replica %d: no address yet (%s)", index, type(exc).__name__)
+            return False
+        slot = self.slots[index]
+        slot.url, slot.pid = str(found["url"]), int(found["pid"])
+        slot.lookups += 1
+        return True
+
+    def _mark_down(self, index: int, url: str) -> None:
+        """The replica at ``url`` stopped answering: route around it and look for its
+        successor in the background until one answers."""
+        slot = self.slots[index]
+        if slot.url != url:
+            return  # NOTE: already replaced by a newer address
+        logger.warning("replica %d at %s is down; routing around it", index, url)
+        slot.url = None
+        if index not in self._probes or self._probes[index].done():
+            self._probes[index] = asyncio.create_task(self._probe(index))
+
+    async def _probe(self, index: int) -> None:
+        while not await self._learn(index, self.settings.address_timeout_s):
+            await asyncio.sleep(_RETRY_S)
+        logger.info("replica %d is back at %s", index, self.slots[index].url)
+
+    def _session_now(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            # NOTE: no total time-out (streams last); a read that stalls this long is lost.
+            timeout = aiohttp.ClientTimeout(total=None, sock_read=self.settings.forward_timeout_s)
+            # NOTE: a connection per request: a request to a replica that just died then
+            # fails to connect (and goes to another replica) instead of being written to a
+            # kept-alive socket of the dead process and lost. Loopback or LAN connects are
+            # cheap next to a generation.
+            connector = aiohttp.TCPConnector(force_close=True, limit=0)
+            self._session = aiohttp.ClientSession(
+                connector=connector, timeout=timeout, auto_decompress=False
+            )
+        return self._session
+
+    async def close(self) -> None:
+        for task in self._probes.values():
+            task.cancel()
+        if self._session is not None:
+            await self._session.close()
+
+    # -- requests --------------------------------------------------------------------------
+    async def handle(
+        self, method: str, path: str, query: str, headers: Mapping[str, str], body: bytes
+    ) -> Response:
+        if path in ("/cluster/stats", "/metrics") and method == "GET":
+            if not self._may_read_reports(headers):
+                return _error(401, "a valid API key is required", "invalid_api_key")
+            if path == "/metrics":
+                return await self._metrics(headers)
+            return Response(json.dumps(self.stats()), media_type="application/json")
+        key = routing_key(path, body)
+        tried: set[int] = set()
+        while True:
+            loads = [slot.in_flight for slot in self.slots]
+            up = [slot.up and i not in tried for i, slot in enumerate(self.slots)]
+            if not any(up):
+                return _error(503, "no replica is available; try again shortly", "no_replica")
+            index = self.router.choose(key, loads, up)
+            response = await self._forward(index, method, path, query, headers, body)
+            if response is not None:
+                return response
+            tried.add(index)
+
+    async def _forward(
+        self,
+        index: int,
+        method: str,
+        path: str,
+        query: str,
+        headers: Mapping[str, str],
+        body: bytes,
+    ) -> Response | None:
+        """The replica's response, or None when it refused the connection (not sent)."""
+        slot = self.slots[index]
+        url = slot.url
+        if url is None:
+            return None
+        target = f"{url}{path}" + (f"?{query}" if query else "")
+        send = {k: v for k, v in headers.items() if k.lower() not in _HOP}
+        slot.in_flight += 1
+        handed_over = False
+        try:
+            upstream = await self._session_now().request(method, target, headers=send, data=body)
+        except aiohttp.ClientConnectorError:
+            slot.in_flight -= 1
+            self._mark_down(index, url)
+            return None
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            slot.in_flight -= 1
+            self._mark_down(index, url)
+            return _lost(index, exc)
+        try:
+            out_headers = {
+                k: v
+                for k, v in upstream.headers.items()
+                if k.lower() not in _HOP and k.lower() not in _PROXY_SETS
+            }
+            out_headers[REPLICA_HEADER] = str(index)
+            kind = upstream.headers.get("Content-Type", "")
+            if kind.startswith("text/event-stream"):
+                handed_over = True
+                return StreamingResponse(
+                    self._relay(index, url, upstream),
+                    status_code=upstream.status,
+                    headers=out_headers,
+                )
+            try:
+                payload = await upstream.read()
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                self._mark_down(index, url)
+                return _lost(index, exc)
+            if method == "POST" and path == "/v1/documents" and upstream.status in (200, 202):
+                self._bind_upload(payload, index)
+            return Response(payload, status_code=upstream.status, headers=out_headers)
+        finally:
+            if not handed_over:
+                upstream.release()
+                slot.in_flight -= 1
+
+    async def _relay(
+        self, index: int, url: str, upstream: aiohttp.ClientResponse
+    ) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in upstream.content.iter_any():
+                yield chunk
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            self._mark_down(index, url)
+            body = error_body(503, _lost_message(index, exc), None, "replica_lost")
+            yield f"event: error\ndata: {json.dumps(body)}\n\n".encode()
+        finally:
+            upstream.release()
+            self.slots[index].in_flight -= 1
+
+    def _bind_upload(self, payload: bytes, index: int) -> None:
+        """The replica an upload went to computes the document: its questions go there."""
+        try:
+            doc_id = json.loads(payload).get("id")
+        except (ValueError, AttributeError):
+            return
+        if isinstance(doc_id, str) and self.router.owner(document_key(doc_id)) is None:
+            self.router.bind(document_key(doc_id), index)
+
+    # -- reports ---------------------------------------------------------------------------
+    def _may_read_reports(self, headers: Mapping[str, str]) -> bool:
+        if not self._keys:
+            return True
+        given = headers.get("authorization", "").removeprefix("Bearer ").strip().encode()
+        # NOTE: every key compared, so the time taken does not tell which one matched.
+        matches = [hmac.compare_digest(given, key.encode()) for key in self._keys]
+        return any(matches)
+
+    def stats(self) -> dict[str, Any]:
+        replicas = [
+            {
+                "index": i,
+                "url": slot.url,
+                "pid": slot.pid,
+                "up": slot.up,
+                "in_flight": slot.in_flight,
+                "starts_seen": slot.lookups,
+            }
+            for i, slot in enumerate(self.slots)
+        ]
+        return {
+            "policy": self.settings.policy,
+            "busy_threshold": self.settings.busy_threshold,
+            "router": self.router.stats.as_json(),
+            "replicas": replicas,
+        }
+
+    async def _metrics(self, headers: Mapping[str, str]) -> Response:
+        send = {k: v for k, v in headers.items() if k.lower() == "authorization"}
+
+        async def scrape(url: str) -> str | None:
+            try:
+                async with self._session_now().get(f"{url}/metrics", headers=send) as reply:
+                    return await reply.text() if reply.status == 200 else None
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                return None
+
+        urls = {i: slot.url for i, slot in enumerate(self.slots) if slot.url is not None}
+        texts = await asyncio.gather(*(scrape(url) for url in urls.values()))
+        scraped = {i: text for i, text in zip(urls, texts, strict=True) if text is not None}
+        lines = router_lines(
+            self.router.stats,
+            [slot.in_flight for slot in self.slots],
+            [i in scraped for i in range(len(self.slots))],
+        )
+        lines += merged_replica_lines(scraped)
+        return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+
+def _lost_message(index: int, exc: BaseException) -> str:
+    return f"replica {index} was lost while serving this request ({type(exc).__name__}); retry it"
+
+
+def _lost(index: int, exc: BaseException) -> Response:
+    return _error(503, _lost_message(index, exc), "replica_lost")
+
+
+def _error(status: int, message: str, code: str) -> Response:
+    return Response(
+        json.dumps(error_body(status, message, None, code)),
+        status_code=status,
+        media_type="application/json",
+    )
