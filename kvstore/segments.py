@@ -19,6 +19,7 @@ import xxhash
 
 from kvstore.hashing import BlockHash, hash_full_blocks
 from kvstore.kv_cache_manager import KVAllocation, KVCacheManager
+from kvstore.tier import BlockMeta
 
 SEGMENT_DOMAIN = b"ragserve-segment-v1"
 
@@ -99,3 +100,21 @@ def hold_segment(manager: KVCacheManager, segment: Segment) -> SegmentHold:
 def release_segment(manager: KVCacheManager, hold: SegmentHold) -> None:
     """Drop the hold's references; the blocks stay cached."""
     manager.free(hold.alloc)
+
+
+def segment_stored(manager: KVCacheManager, segment: Segment) -> bool:
+    """Whether every full block of ``segment`` is on the device or in a tier now."""
+    tiers = manager.tiers
+    for index, block_hash in enumerate(segment.hashes):
+        if manager.pool.cached_identity(block_hash) is not None:
+            continue
+        start = index * segment.block_size
+        meta = BlockMeta(
+            block_hash,
+            segment.hashes[index - 1] if index else None,
+            segment.token_ids[start : start + segment.block_size],
+            segment.salt,
+        )
+        if tiers is None or not tiers.contains(meta):
+            return False
+    return True

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,7 +16,14 @@ from kvstore.block_pool import BlockPool
 from kvstore.device_cache import KVCacheSpec
 from kvstore.hashing import hash_full_blocks, make_salt
 from kvstore.kv_cache_manager import KVAllocation, KVCacheManager
+from kvstore.segments import Segment
 from ragserve.config import EngineConfig
+from ragserve.engine.blend_install import BlendInstaller
+from ragserve.engine.blend_requests import (
+    SEGMENT_PARAMS,
+    BlendRequest,
+    segment_request_id,
+)
 from ragserve.engine.detokenizer import IncrementalDetokenizer
 from ragserve.engine.engine_face import make_info, take_snapshot
 from ragserve.engine.engine_info import EngineSnapshot, KVModel, kv_dtype_name
@@ -108,6 +116,12 @@ class LLMEngine:
         self._requests: dict[str, EngineRequest] = {}
         self._salts: dict[str, bytes] = {}
         self.pins = PrefixPins(self.kv_manager, self.block_pool)
+        self.blender = BlendInstaller(
+            self.kv_cache,
+            self.loaded.model.model.rotary_emb.inv_freq,
+            self.kv_manager,
+            self._segment_in_flight,
+        )
         self._next_seq_id = 0
         async_scheduling = config.async_scheduling
         self.async_scheduling = (
@@ -194,15 +208,26 @@ class LLMEngine:
         params: SamplingParams,
         namespace: str = "",
         persist: bool = False,
+        documents: Seq[tuple[int, int]] | None = None,
+        kv_reuse: str | None = None,
+        recompute_ratio: float | None = None,
     ) -> None:
         """Validate and queue one request; raises ValueError with the numbers when it cannot run.
 
         ``persist`` writes the request's computed blocks through to the disk tier at once.
+        ``documents``: the prompt's document spans ``(start, end)`` in token positions, the
+        first one right after the fixed template; with ``kv_reuse`` "blend" (default: the
+        config's) the KV of later documents is reused from their segments, recomputing
+        ``recompute_ratio`` of each (see :mod:`ragserve.engine.blend_requests`).
         """
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self.tokenize(prompt)
         self._validate(token_ids, params)
+        blend = BlendRequest.make(
+            self.config, self.salt_for(namespace), token_ids, documents, kv_reuse, recompute_ratio
+        )
+        missing = blend.take_missing_segments(self.kv_manager) if blend is not None else []
         now = time.monotonic()
         seqs = []
         for index in range(params.n):
@@ -227,6 +252,7 @@ class LLMEngine:
                 generator=generator,
                 tenant=namespace,
                 arrival_time=now,
+                blend=blend.plan() if blend is not None else None,
             )
             self._next_seq_id += 1
             self.kv_manager.update_hashes(seq.kv, seq.token_ids)
@@ -234,6 +260,37 @@ class LLMEngine:
         self._requests[request_id] = EngineRequest(request_id, text, token_ids, params, seqs, now)
         for seq in seqs:
             self.scheduler.add(seq)
+        for segment in missing:
+            self._add_segment_request(segment, namespace, persist)
+
+    def _add_segment_request(self, segment: Segment, namespace: str, persist: bool) -> None:
+        """Queue the computation of a segment that no cache holds, once, unseen by callers."""
+        request_id = segment_request_id(segment)
+        if request_id in self._requests:
+            return
+        tokens = list(segment.token_ids)
+        now = time.monotonic()
+        seq = Sequence(
+            seq_id=self._next_seq_id,
+            request_id=request_id,
+            index=0,
+            token_ids=list(tokens),
+            num_prompt_tokens=len(tokens),
+            params=SEGMENT_PARAMS,
+            kv=KVAllocation(salt=segment.salt, persist=persist),
+            detokenizer=None,
+            tenant=namespace,
+            arrival_time=now,
+        )
+        self._next_seq_id += 1
+        self.kv_manager.update_hashes(seq.kv, seq.token_ids)
+        self._requests[request_id] = EngineRequest(
+            request_id, None, tokens, SEGMENT_PARAMS, [seq], now, internal=True
+        )
+        self.scheduler.add(seq)
+
+    def _segment_in_flight(self, segment: Segment) -> bool:
+        return segment_request_id(segment) in self._requests
 
     def _fresh_seed(self) -> int:
         return (self.config.seed * 1_000_003 + self._next_seq_id) & 0x7FFF_FFFF_FFFF_FFFF
@@ -408,6 +465,7 @@ class LLMEngine:
         self._failed.append(output)
 
     def _launch_scheduled(self) -> LaunchedStep | None:
+        self.blender.install_ready(self.scheduler.running)
         batch = self.scheduler.schedule()
         if not batch:
             return None
@@ -491,7 +549,10 @@ class LLMEngine:
                 continue  # failed alone earlier in this step
             touched[seq.request_id] = request
             if seq.num_cached_tokens < 0:
-                seq.num_cached_tokens = max(0, seq.num_prompt_tokens - seq.prompt_tokens_computed)
+                blended = seq.blend.blended_tokens if seq.blend is not None else 0
+                seq.num_cached_tokens = max(
+                    0, seq.num_prompt_tokens - seq.prompt_tokens_computed - blended
+                )
                 self.kv_manager.record_admission(seq.num_prompt_tokens, seq.num_cached_tokens)
             if request.first_token_time is None:
                 request.first_token_time = now
@@ -511,6 +572,10 @@ class LLMEngine:
         outputs = []
         for request in touched.values():
             if request.request_id not in self._requests:
+                continue
+            if request.internal:
+                if request.finished:
+                    del self._requests[request.request_id]
                 continue
             try:
                 output = request.output(self.config.block_size)
