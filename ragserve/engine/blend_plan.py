@@ -24,8 +24,6 @@ from dataclasses import dataclass, field
 
 from kvstore.segments import Segment, make_segment
 
-KV_REUSE_MODES = ("prefix", "blend")
-
 
 @dataclass
 class Install:

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from kvstore.kv_cache_manager import KVCacheManager
 from kvstore.segments import Segment, segment_stored
 from ragserve.config import EngineConfig
-from ragserve.engine.blend_plan import KV_REUSE_MODES, BlendPlan, check_documents, plan_blend
+from ragserve.document_reuse import KV_REUSE_MODES
+from ragserve.engine.blend_plan import BlendPlan, check_documents, plan_blend
 from ragserve.sampling_params import SamplingParams
 
 # NOTE: a segment request only fills blocks; its one sampled token is dropped.
