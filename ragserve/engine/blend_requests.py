@@ -10,7 +10,7 @@ every later prompt that names the document, in any order).
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvstore.kv_cache_manager import KVCacheManager
@@ -61,8 +61,11 @@ class BlendRequest:
         when every document is computed."""
         return copy.deepcopy(self.template) if self.template.planned else None
 
-    def take_missing_segments(self, manager: KVCacheManager) -> list[Segment]:
-        """Segments of the plan that neither the device nor a tier holds, taken out of it.
+    def take_missing_segments(
+        self, manager: KVCacheManager, in_flight: Callable[[Segment], bool]
+    ) -> list[Segment]:
+        """Segments of the plan that neither the device nor a tier holds, nor a queued
+        request is computing (``in_flight``), taken out of the plan.
 
         NOTE: such a document is computed in place (exact, and no slower than computing
         its segment first); its segment is computed next to the request, for later ones.
@@ -70,7 +73,9 @@ class BlendRequest:
         missing: dict[bytes, Segment] = {}
         for install in list(self.template.planned):
             segment = install.segment
-            if segment.key in missing or not segment_stored(manager, segment):
+            if segment.key in missing or not (
+                in_flight(segment) or segment_stored(manager, segment)
+            ):
                 missing[segment.key] = segment
                 self.template.planned.remove(install)
         return list(missing.values())

@@ -227,7 +227,11 @@ class LLMEngine:
         blend = BlendRequest.make(
             self.config, self.salt_for(namespace), token_ids, documents, kv_reuse, recompute_ratio
         )
-        missing = blend.take_missing_segments(self.kv_manager) if blend is not None else []
+        missing = (
+            blend.take_missing_segments(self.kv_manager, self._segment_in_flight)
+            if blend is not None
+            else []
+        )
         now = time.monotonic()
         seqs = []
         for index in range(params.n):
