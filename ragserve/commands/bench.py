@@ -19,6 +19,7 @@ BENCHMARKS = {
     "ttft": "ragserve.bench.ttft",
     "ceiling": "ragserve.bench.ceiling",
     "cpu": "ragserve.bench.cpu",
+    "rag": "ragserve.bench.rag",
 }
 
 
