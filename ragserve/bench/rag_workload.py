@@ -89,3 +89,25 @@ def make_questions(
 
 def encode(tokenizer: Any, text: str) -> list[int]:
     return [int(t) for t in tokenizer(text, add_special_tokens=False)["input_ids"]]
+
+
+def random_workload(
+    vocab_size: int, num_docs: int, doc_tokens: int, count: int, docs_per_question: tuple[int, int]
+) -> tuple[list[list[int]], list[RagQuestion]]:
+    """The pool and questions of the same shape in random token ids, for models without a tokenizer
+    (random weights of a real shape: speed only)."""
+    rng = random.Random(0)
+
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(100, vocab_size) for _ in range(n)]
+
+    head, docs = ids(24), [ids(doc_tokens) for _ in range(num_docs)]
+    out = []
+    for _ in range(count):
+        order = rng.sample(range(num_docs), min(rng.randint(*docs_per_question), num_docs))
+        tokens, spans = list(head), []
+        for index in order:
+            spans.append((len(tokens), len(tokens) + doc_tokens))
+            tokens += docs[index]
+        out.append(RagQuestion(tokens + ids(20), spans, order, ""))
+    return docs, out
