@@ -156,3 +156,30 @@ def test_segments_from_every_tier_give_the_same_outputs(
         assert tokens_of(run) == tokens_of(on_device)
         assert run.num_blended_tokens == on_device.num_blended_tokens
         assert run.num_cached_tokens == on_device.num_cached_tokens
+
+
+def test_segments_whose_records_fail_verification_are_recomputed(
+    model_dir: str, tmp_path: Path
+) -> None:
+    tiers = {"kv_disk_dir": str(tmp_path), "kv_disk_gib": 0.01}
+    first = engine(model_dir, kv_reuse="blend", blend_recompute_ratio=0.2, **tiers)
+    first.run(prompt("abc"))
+    first.run(prompt("bca"))
+    assert first.run(prompt("cab", 1)).num_blended_tokens > 0
+    first.engine.reset_prefix_cache()
+    first.engine.shutdown()
+    records = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert records
+    for record in records:  # flip a byte in the middle of every record
+        data = bytearray(record.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        record.write_bytes(bytes(data))
+    restarted = engine(model_dir, kv_reuse="blend", blend_recompute_ratio=0.2, **tiers)
+    got = restarted.run(prompt("cab", 1))
+    assert got.num_blended_tokens == 0 and got.num_cached_tokens == 0
+    full = engine(model_dir, enable_prefix_caching=False)
+    assert tokens_of(got) == tokens_of(full.run(prompt("cab", 1)))
+    assert restarted.engine.tiers is not None
+    assert restarted.engine.tiers.metrics()["disk"].corrupt_records >= 1
+    restarted.engine.block_pool.check_invariants()
+    assert restarted.engine.block_pool.num_used == 0
