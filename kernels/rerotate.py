@@ -43,3 +43,49 @@ def rerotate_keys(
     x1, x2 = keys.to(torch.float32).chunk(2, dim=-1)
     rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
     return rotated.to(keys.dtype)
+
+
+def rerotate_copy(
+    kv_cache: torch.Tensor,
+    source: torch.Tensor,
+    target: torch.Tensor,
+    inv_freq: torch.Tensor,
+    source_positions: torch.Tensor,
+    target_positions: torch.Tensor,
+) -> None:
+    """Copy every layer's K/V of cache slots ``source`` to slots ``target`` (``[T]`` int64,
+    not overlapping), keys rotated from ``source_positions`` to ``target_positions``.
+
+    ``kv_cache``: ``[num_blocks, layers, 2, block_size, kv_heads, head_dim]``. On CUDA one
+    Triton launch (:mod:`kernels.triton_rerotate`); elsewhere torch indexing.
+    """
+    if kv_cache.device.type == "cuda":
+        from kernels.triton_rerotate import rerotate_copy_triton
+
+        angles = rotation_angles(inv_freq, source_positions, target_positions)
+        cos = angles.cos().to(torch.float32)
+        sin = angles.sin().to(torch.float32)
+        rerotate_copy_triton(kv_cache, source, target, cos, sin)
+        return
+    rerotate_copy_torch(kv_cache, source, target, inv_freq, source_positions, target_positions)
+
+
+def rerotate_copy_torch(
+    kv_cache: torch.Tensor,
+    source: torch.Tensor,
+    target: torch.Tensor,
+    inv_freq: torch.Tensor,
+    source_positions: torch.Tensor,
+    target_positions: torch.Tensor,
+) -> None:
+    """``rerotate_copy`` with torch indexing (the reference, and the CPU path)."""
+    size = kv_cache.shape[3]
+    rows = kv_cache[source // size, :, :, source % size]  # [T, layers, 2, kv_heads, dim]
+    keys = rows[:, :, 0]
+    n, layers, heads, dim = keys.shape
+    moved = rerotate_keys(
+        keys.reshape(n, layers * heads, dim), inv_freq, source_positions, target_positions
+    )
+    # NOTE: every layer of a token moves by the same angle: one rotation of all heads.
+    kv_cache[target // size, :, 0, target % size] = moved.view(n, layers, heads, dim)
+    kv_cache[target // size, :, 1, target % size] = rows[:, :, 1]

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from kernels.rerotate import rerotate_keys
+from kernels.rerotate import rerotate_copy
 from kvstore.kv_cache_manager import KVCacheManager
 from kvstore.segments import Segment, hold_segment, release_segment
 from ragserve.engine.blend_plan import Install
@@ -76,18 +76,9 @@ class BlendInstaller:
         self, source_slots: list[int], start: int, end: int, table: list[int], shift: int
     ) -> None:
         device, size = self.kv_cache.device, self.block_size
-        src = torch.tensor(source_slots, dtype=torch.int64).to(device, non_blocking=True)
         positions = torch.arange(start, end, dtype=torch.int64)
         blocks = torch.tensor(table, dtype=torch.int64)[positions // size]
-        dst_block = blocks.to(device, non_blocking=True)
-        dst_offset = (positions % size).to(device, non_blocking=True)
-        rows = self.kv_cache[src // size, :, :, src % size]  # [n, layers, 2, kv_heads, dim]
-        keys = rows[:, :, 0]
-        n, layers, heads, dim = keys.shape
-        target = torch.arange(start, end, dtype=torch.int64, device=device)
-        moved = rerotate_keys(
-            keys.reshape(n, layers * heads, dim), self.inv_freq, target - shift, target
-        )
-        # NOTE: every layer of a token moves by the same angle: one rotation of all heads.
-        self.kv_cache[dst_block, :, 0, dst_offset] = moved.view(n, layers, heads, dim)
-        self.kv_cache[dst_block, :, 1, dst_offset] = rows[:, :, 1]
+        target = (blocks * size + positions % size).to(device, non_blocking=True)
+        source = torch.tensor(source_slots, dtype=torch.int64).to(device, non_blocking=True)
+        placed = positions.to(device, non_blocking=True)
+        rerotate_copy(self.kv_cache, source, target, self.inv_freq, placed - shift, placed)
