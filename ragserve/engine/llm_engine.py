@@ -16,7 +16,7 @@ from kvstore.block_pool import BlockPool
 from kvstore.device_cache import KVCacheSpec
 from kvstore.hashing import hash_full_blocks, make_salt
 from kvstore.kv_cache_manager import KVAllocation, KVCacheManager
-from kvstore.segments import Segment
+from kvstore.segments import Segment, segment_salt
 from ragserve.config import EngineConfig
 from ragserve.engine.blend_install import BlendInstaller
 from ragserve.engine.blend_requests import (
@@ -402,10 +402,15 @@ class LLMEngine:
         else:
             salt = make_salt(model.fingerprint, model.block_size, model.kv_dtype, namespace)
             size, live = model.block_size, []
-        owned = [h for seq in sequences for h in hash_full_blocks(salt, seq, size)]
-        kept = {h for other in keep or () for h in hash_full_blocks(salt, other, size)}
-        counts = self.kv_manager.purge(salt, owned, kept, live)
-        return {"device": counts.device, **counts.tiers}
+        total: dict[str, int] = {}
+        # NOTE: a document's segment is the same tokens in the segment domain: it goes too.
+        for domain in (salt, segment_salt(salt)):
+            owned = [h for seq in sequences for h in hash_full_blocks(domain, seq, size)]
+            kept = {h for other in keep or () for h in hash_full_blocks(domain, other, size)}
+            counts = self.kv_manager.purge(domain, owned, kept, live)
+            for place, removed in {"device": counts.device, **counts.tiers}.items():
+                total[place] = total.get(place, 0) + removed
+        return total
 
     def locate_prefix(self, token_ids: list[int], namespace: str = "") -> dict[str, int]:
         """Full blocks of ``token_ids`` held now: ``device`` and one count per tier."""

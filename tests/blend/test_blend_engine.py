@@ -183,3 +183,19 @@ def test_segments_whose_records_fail_verification_are_recomputed(
     assert restarted.engine.tiers.metrics()["disk"].corrupt_records >= 1
     restarted.engine.block_pool.check_invariants()
     assert restarted.engine.block_pool.num_used == 0
+
+
+def test_purging_a_document_purges_its_segment(model_dir: str) -> None:
+    blend = engine(model_dir, kv_reuse="blend")
+    blend.run(prompt("abc"))
+    salt = blend.engine.salt_for("")
+    manager = blend.engine.kv_manager
+    segments = {name: make_segment(salt, TEMPLATE, DOCS[name], BLOCK) for name in "bc"}
+    assert all(segment_stored(manager, s) for s in segments.values())
+    removed = blend.engine.purge_prefix(TEMPLATE + DOCS["b"], keep=[TEMPLATE + DOCS["c"]])
+    assert removed["device"] > 0
+    assert not segment_stored(manager, segments["b"])
+    assert segment_stored(manager, segments["c"])  # its blocks, the template's among them, stay
+    # c still blends; b is computed in place (and its segment computed again next to it).
+    assert blend.run(prompt("acb", 1)).num_blended_tokens > 0
+    assert segment_stored(manager, segments["b"])
