@@ -194,7 +194,12 @@ def quality(
     questions: list[RagQuestion],
     ratios: list[float],
 ) -> dict[str, Any]:
-    model = load_transformers_model(config.model, config.load_format, torch.float32, device)
+    from ragserve.models.hf_export import hf_dir_for
+
+    # NOTE: a GGUF model as dense float32 safetensors: transformers' GGUF path keeps the
+    # weights packed and is many times slower.
+    directory = str(hf_dir_for(config.model))
+    model = load_transformers_model(directory, "auto", torch.float32, device)
     model.config._attn_implementation = "eager"  # NOTE: custom 4D masks
     emulator = BlendEmulator(model, config.block_size)
     refs = [emulator.reference(q, args.answer_tokens) for q in questions]
@@ -216,7 +221,7 @@ def quality(
             }
             rows.append([rule, ratio, exact, kl])
     del model
-    half = load_transformers_model(config.model, config.load_format, torch.bfloat16, device)
+    half = load_transformers_model(directory, "auto", torch.bfloat16, device)
     scores = [
         score(ref, _logprobs(half, q, ref.answer)) for q, ref in zip(questions, refs, strict=True)
     ]
