@@ -15,13 +15,14 @@ import json
 import os
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pipelines.documents import Document, DocumentIndex, ErrorHandler, load_documents, log_error
 from pipelines.progress import BatchProgress, RequestPump
 from pipelines.summarize import chat_frame, derive_seed, encode
+from ragserve.document_reuse import DocumentReuse
 from ragserve.sampling_params import SamplingParams
 
 DOCUMENT_SLOT = "{document}"
@@ -32,9 +33,15 @@ DEFAULT_QA_TEMPLATE = "Document:\n{document}\n\nQuestion: {question}"
 @dataclass(frozen=True)
 class Question:
     id: str
-    doc: str  # a document id, file name or source path
+    doc: str  # a document id, file name or source path (the first, with several)
     question: str
     source: str = ""
+    # Several documents, in the order the prompt puts them (empty: ``doc`` alone).
+    docs: tuple[str, ...] = ()
+
+    @property
+    def documents(self) -> tuple[str, ...]:
+        return self.docs or (self.doc,)
 
 
 def load_questions(
@@ -71,20 +78,32 @@ def parse_questions(
                 on_error(source, f"a question must be a JSON object, got {type(record).__name__}")
                 continue
             doc, text = record.get("doc"), record.get("question")
-            if not isinstance(doc, (str, int)) or isinstance(doc, bool) or str(doc) == "":
+            many = record.get("docs")
+            docs: tuple[str, ...] = ()
+            if many is not None:
+                if not isinstance(many, list) or not many or not all(map(_is_name, many)):
+                    on_error(source, "'docs' must be a non-empty list of document names")
+                    continue
+                docs = tuple(str(name) for name in many)
+                doc = docs[0] if doc is None else doc
+            if not _is_name(doc):
                 on_error(source, "needs a field 'doc' naming a document (id or file name)")
                 continue
             if not isinstance(text, str) or not text.strip():
                 on_error(source, "needs a non-empty string field 'question'")
                 continue
-            raw_id = record.get("id", f"{doc}#{position}")
-            question = Question(str(raw_id), str(doc), text, source)
+            raw_id = record.get("id", f"{'+'.join(docs) or doc}#{position}")
+            question = Question(str(raw_id), str(doc), text, source, docs)
         if question.id in seen:
             on_error(source, f"duplicate question id {question.id!r}")
             continue
         seen.add(question.id)
         questions.append(question)
     return questions
+
+
+def _is_name(doc: Any) -> bool:
+    return isinstance(doc, (str, int)) and not isinstance(doc, bool) and str(doc) != ""
 
 
 class QAPrompts:
@@ -109,6 +128,20 @@ class QAPrompts:
     def prompt(self, document_text: str, question: str) -> list[int]:
         return self.document_prefix(document_text) + self.question_suffix(question)
 
+    def documents_prompt(
+        self, texts: list[str], question: str
+    ) -> tuple[list[int], list[tuple[int, int]]]:
+        """Several documents in the document slot, each tokenized on its own (so each is
+        the same token ids wherever it stands), separated by a blank line; returns the
+        prompt and the documents' spans in it."""
+        ids = encode(self.tokenizer, self.head)
+        spans = []
+        for text in texts:
+            doc = encode(self.tokenizer, text + "\n\n")
+            spans.append((len(ids), len(ids) + len(doc)))
+            ids += doc
+        return ids + self.question_suffix(question), spans
+
 
 @dataclass
 class _Asked:
@@ -116,6 +149,7 @@ class _Asked:
     document: Document
     prefix_tokens: int
     submitted: float
+    documents: list[Document] = field(default_factory=list)  # several: all, in order
 
 
 def docqa(
@@ -133,8 +167,14 @@ def docqa(
     use_tqdm: bool = True,
     on_error: ErrorHandler = log_error,
     namespace: str = "",
+    kv_reuse: str | None = None,
+    recompute_ratio: float | None = None,
 ) -> Iterator[dict[str, Any]]:
     """Answer ``questions`` about ``docs``; yields one result dict per answer as it finishes.
+
+    A question naming several documents (``"docs": [...]``) gets them in the order given;
+    ``kv_reuse`` "blend" reuses the KV of those not leading the prompt from their segments,
+    recomputing ``recompute_ratio`` of each (None: the engine's defaults).
 
     ``docs``: paths, folders, ``Document``s or ``{"text", "id"?}`` dicts. ``questions``:
     a JSONL file, ``Question``s or ``{"doc", "question", "id"?}`` dicts, where ``doc`` is a document id,
@@ -156,15 +196,19 @@ def docqa(
             on_error,
         )
     by_document: dict[str, list[Question]] = {}
+    multi: list[tuple[list[Document], Question]] = []
     for question in parsed:
         if question.id in skip_ids:
             continue
         try:
-            document = index.find(question.doc)
+            documents = [index.find(name) for name in question.documents]
         except KeyError as exc:
             on_error(question.source or question.id, str(exc.args[0]))
             continue
-        by_document.setdefault(document.id, []).append(question)
+        if len(documents) > 1:
+            multi.append((documents, question))
+        else:
+            by_document.setdefault(documents[0].id, []).append(question)
     work = [(index.by_id[doc_id], qs) for doc_id, qs in by_document.items()]
 
     def params_for(question: Question) -> SamplingParams:
@@ -182,7 +226,32 @@ def docqa(
         use_tqdm,
         on_error,
         namespace,
+        _MultiDocuments(multi, kv_reuse, recompute_ratio),
     )
+
+
+@dataclass
+class _MultiDocuments:
+    """Questions over several documents each, and how their documents' KV is reused."""
+
+    questions: list[tuple[list[Document], Question]]
+    kv_reuse: str | None = None
+    recompute_ratio: float | None = None
+
+    def submit_all(
+        self,
+        pump: RequestPump[_Asked],
+        prompts: QAPrompts,
+        params_for: Callable[[Question], SamplingParams],
+    ) -> None:
+        now = time.perf_counter()
+        for documents, question in self.questions:
+            texts = [document.text for document in documents]
+            prompt, spans = prompts.documents_prompt(texts, question.question)
+            reuse = DocumentReuse(tuple(spans), self.kv_reuse, self.recompute_ratio)
+            asked = _Asked(question, documents[0], spans[0][0], now, documents)
+            pump.submit(asked, prompt, params_for(question), priority=1 << 30, reuse=reuse)
+        self.questions = []
 
 
 def _run(
@@ -194,16 +263,22 @@ def _run(
     use_tqdm: bool,
     on_error: ErrorHandler,
     namespace: str,
+    multi: _MultiDocuments,
 ) -> Iterator[dict[str, Any]]:
     pending = list(reversed(work))
     outstanding: dict[str, int] = {}  # document id -> questions not answered yet
     prefixes: dict[str, list[int]] = {}
     pins: set[str] = set()
     pin_base = f"docqa-{id(prompts):x}"
-    progress = BatchProgress(sum(len(qs) for _, qs in work), "question", use_tqdm)
+    total = sum(len(qs) for _, qs in work) + len(multi.questions)
+    progress = BatchProgress(total, "question", use_tqdm)
     try:
         with RequestPump[_Asked](engine, concurrency, namespace) as pump:
-            while pending or pump.busy:
+            while pending or pump.busy or multi.questions:
+                if not pending and multi.questions:
+                    # NOTE: once every single-document question is in: theirs share (and
+                    # pin) each document's prefix first.
+                    multi.submit_all(pump, prompts, params_for)
                 while pending and pump.num_submitted - pump.num_finished < 2 * concurrency:
                     document, questions = pending.pop()
                     prefix = prefixes[document.id] = prompts.document_prefix(document.text)
@@ -218,6 +293,16 @@ def _run(
                 answered = []
                 for finished in pump.poll():
                     asked = finished.tag
+                    if asked.documents and finished.output is not None:
+                        answered.append(_result(asked, finished.output))
+                        continue
+                    if asked.documents:
+                        progress.advance()
+                        on_error(
+                            asked.question.source or asked.question.id,
+                            f"request failed: {finished.error}",
+                        )
+                        continue
                     doc_id = asked.document.id
                     outstanding[doc_id] -= 1
                     if outstanding[doc_id] and doc_id not in pins and finished.output is not None:
@@ -252,11 +337,13 @@ def _result(asked: _Asked, output: Any) -> dict[str, Any]:
         "id": asked.question.id,
         "doc": asked.document.id,
         "source": asked.document.source,
+        **({"docs": [d.id for d in asked.documents]} if asked.documents else {}),
         "question": asked.question.question,
         "answer": completion.text.strip(),
         "prompt_tokens": len(output.prompt_token_ids),
         "prefix_tokens": asked.prefix_tokens,
         "cached_tokens": output.num_cached_tokens,
+        "blended_tokens": output.num_blended_tokens,
         "answer_tokens": len(completion.token_ids),
         "finish_reason": completion.finish_reason,
         "seconds": round(time.perf_counter() - asked.submitted, 3),

@@ -11,6 +11,7 @@ from typing import Any, Generic, TypeVar
 
 from tqdm.auto import tqdm
 
+from ragserve.document_reuse import DocumentReuse
 from ragserve.outputs import RequestOutput
 from ragserve.sampling_params import SamplingParams
 
@@ -33,6 +34,7 @@ class _Queued(Generic[Tag]):
     tag: Tag = field(compare=False)
     prompt: list[int] = field(compare=False)
     params: SamplingParams = field(compare=False)
+    reuse: DocumentReuse | None = field(default=None, compare=False)
 
 
 class RequestPump(Generic[Tag]):
@@ -64,10 +66,17 @@ class RequestPump(Generic[Tag]):
         self._prompt_tokens_at_start = int(engine.snapshot().prompt_tokens_computed)
 
     def submit(
-        self, tag: Tag, prompt: list[int], params: SamplingParams, priority: int = 0
+        self,
+        tag: Tag,
+        prompt: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        reuse: DocumentReuse | None = None,
     ) -> None:
-        """Queue a request; it enters the engine at once when fewer than ``concurrency`` run."""
-        heapq.heappush(self._queue, _Queued(priority, next(self._ids), tag, prompt, params))
+        """Queue a request; it enters the engine at once when fewer than ``concurrency`` run.
+
+        ``reuse``: where the prompt's documents lie, and how their KV may be reused."""
+        heapq.heappush(self._queue, _Queued(priority, next(self._ids), tag, prompt, params, reuse))
         self.num_submitted += 1
         self._fill()
 
@@ -101,9 +110,20 @@ class RequestPump(Generic[Tag]):
             item = heapq.heappop(self._queue)
             request_id = f"{self._prefix}-{item.order}"
             try:
-                self.engine.add_request(
-                    request_id, item.prompt, item.params, namespace=self.namespace
-                )
+                if item.reuse is None:
+                    self.engine.add_request(
+                        request_id, item.prompt, item.params, namespace=self.namespace
+                    )
+                else:
+                    self.engine.add_request(
+                        request_id,
+                        item.prompt,
+                        item.params,
+                        namespace=self.namespace,
+                        documents=item.reuse.documents,
+                        kv_reuse=item.reuse.kv_reuse,
+                        recompute_ratio=item.reuse.recompute_ratio,
+                    )
             except ValueError as exc:
                 self.num_finished += 1
                 self._refused.append(Finished(item.tag, error=str(exc)))

@@ -89,6 +89,15 @@ class EngineConfig:
         help="KV loaded from the CPU/disk tiers per step, all sequences together "
         "(the rest streams in later steps)",
     )
+    kv_reuse: str = option(
+        "prefix",
+        help="default reuse of document KV: prefix (exact prefix hits only) or blend (also "
+        "documents at other positions, with a selected fraction recomputed)",
+        choices=("prefix", "blend"),
+    )
+    blend_recompute_ratio: float = option(
+        0.15, help="share of each blended document's tokens recomputed (1: a full prefill)"
+    )
     enforce_eager: bool = option(False, help="run decode steps eagerly (no CUDA graphs)")
     # NOTE: on the CPU overlapping only adds work, hence the default.
     async_scheduling: bool | None = option(
@@ -117,6 +126,10 @@ class EngineConfig:
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
         check_choices(self)
+        if not 0.0 <= self.blend_recompute_ratio <= 1.0:
+            raise ValueError(
+                f"blend_recompute_ratio must be in [0, 1], got {self.blend_recompute_ratio}"
+            )
         if self.kv_load_gib_per_step <= 0:
             raise ValueError(f"kv_load_gib_per_step must be > 0, got {self.kv_load_gib_per_step}")
         if self.kv_cpu_gib < 0 or (self.kv_disk_gib is not None and self.kv_disk_gib < 0):

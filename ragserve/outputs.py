@@ -38,6 +38,10 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the KV cache
     # Of those, per place: "device" (already there) and each tier they were loaded from.
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+    # Blend (never counted as cached): prompt tokens whose KV was reused from a document's
+    # segment at a new position, and tokens of such documents computed instead.
+    num_blended_tokens: int = 0
+    num_recomputed_tokens: int = 0
     error: str | None = None  # set when the engine gave up on the request
     # Why: None (no room: pinned documents hold the KV cache) or "request_failed" (a fault
     # of this request alone, e.g. while sampling or detokenizing; the others went on).

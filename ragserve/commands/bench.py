@@ -21,6 +21,7 @@ BENCHMARKS = {
     "cpu": "ragserve.bench.cpu",
     "startup": "ragserve.bench.startup",
     "cluster": "ragserve.bench.cluster",
+    "rag": "ragserve.bench.rag",
 }
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from ragserve.config import EngineConfig
+from ragserve.document_reuse import DocumentReuse
 from ragserve.engine.engine_info import EngineInfo, EngineSnapshot, KVModel
 from ragserve.engine.llm_engine import LLMEngine
 from ragserve.outputs import RequestOutput
@@ -119,6 +120,7 @@ class AsyncEngine:
         request_id: str | None = None,
         namespace: str = "",
         queued: Callable[[], None] | None = None,
+        reuse: DocumentReuse | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream cumulative outputs; the last one has ``finished=True``.
 
@@ -136,7 +138,18 @@ class AsyncEngine:
 
         def add() -> None:
             try:
-                self.engine.add_request(request_id, prompt, params, namespace=namespace)
+                if reuse is None:
+                    self.engine.add_request(request_id, prompt, params, namespace=namespace)
+                else:
+                    self.engine.add_request(
+                        request_id,
+                        prompt,
+                        params,
+                        namespace=namespace,
+                        documents=reuse.documents,
+                        kv_reuse=reuse.kv_reuse,
+                        recompute_ratio=reuse.recompute_ratio,
+                    )
             except Exception as exc:
                 self._sinks.pop(request_id, None)
                 if not isinstance(exc, ValueError):  # a fault, not a rejection of the input

@@ -18,6 +18,7 @@ class EngineRequest:
     seqs: list[Sequence]
     arrival_time: float
     first_token_time: float | None = None
+    internal: bool = False  # computes a segment for the engine itself: no caller sees it
 
     @property
     def finished(self) -> bool:
@@ -51,6 +52,12 @@ class EngineRequest:
             num_cached_tokens=cached,
             cached_tokens_by_tier=split_by_tier(cached, self.seqs[0].kv.loaded_blocks, block_size),
             metrics=metrics,
+            num_blended_tokens=min(
+                seq.blend.blended_tokens if seq.blend else 0 for seq in self.seqs
+            ),
+            num_recomputed_tokens=min(
+                seq.blend.recomputed_tokens if seq.blend else 0 for seq in self.seqs
+            ),
         )
 
     def safe_output(self, block_size: int) -> RequestOutput:

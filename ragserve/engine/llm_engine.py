@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +17,14 @@ from kvstore.block_pool import BlockPool
 from kvstore.device_cache import KVCacheSpec
 from kvstore.hashing import hash_full_blocks, make_salt
 from kvstore.kv_cache_manager import KVAllocation, KVCacheManager
+from kvstore.segments import Segment, segment_salt
 from ragserve.config import EngineConfig
+from ragserve.engine.blend_install import BlendInstaller
+from ragserve.engine.blend_requests import (
+    SEGMENT_PARAMS,
+    BlendRequest,
+    segment_request_id,
+)
 from ragserve.engine.detokenizer import IncrementalDetokenizer
 from ragserve.engine.engine_face import make_info, take_snapshot
 from ragserve.engine.engine_info import EngineSnapshot, KVModel
@@ -113,6 +121,12 @@ class LLMEngine:
         self._requests: dict[str, EngineRequest] = {}
         self._salts: dict[str, bytes] = {}
         self.pins = PrefixPins(self.kv_manager, self.block_pool)
+        self.blender = BlendInstaller(
+            self.kv_cache,
+            self.loaded.model.model.rotary_emb.inv_freq,
+            self.kv_manager,
+            self._segment_in_flight,
+        )
         self._next_seq_id = 0
         async_scheduling = config.async_scheduling
         self.async_scheduling = (
@@ -201,15 +215,30 @@ class LLMEngine:
         params: SamplingParams,
         namespace: str = "",
         persist: bool = False,
+        documents: Seq[tuple[int, int]] | None = None,
+        kv_reuse: str | None = None,
+        recompute_ratio: float | None = None,
     ) -> None:
         """Validate and queue one request; raises ValueError with the numbers when it cannot run.
 
         ``persist`` writes the request's computed blocks through to the disk tier at once.
+        ``documents``: the prompt's document spans ``(start, end)`` in token positions, the
+        first one right after the fixed template; with ``kv_reuse`` "blend" (default: the
+        config's) the KV of later documents is reused from their segments, recomputing
+        ``recompute_ratio`` of each (see :mod:`ragserve.engine.blend_requests`).
         """
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self.tokenize(prompt)
         self._validate(token_ids, params)
+        blend = BlendRequest.make(
+            self.config, self.salt_for(namespace), token_ids, documents, kv_reuse, recompute_ratio
+        )
+        missing = (
+            blend.take_missing_segments(self.kv_manager, self._segment_in_flight)
+            if blend is not None
+            else []
+        )
         now = time.monotonic()
         seqs = []
         for index in range(params.n):
@@ -234,6 +263,7 @@ class LLMEngine:
                 generator=generator,
                 tenant=namespace,
                 arrival_time=now,
+                blend=blend.plan() if blend is not None else None,
             )
             self._next_seq_id += 1
             self.kv_manager.update_hashes(seq.kv, seq.token_ids)
@@ -241,6 +271,37 @@ class LLMEngine:
         self._requests[request_id] = EngineRequest(request_id, text, token_ids, params, seqs, now)
         for seq in seqs:
             self.scheduler.add(seq)
+        for segment in missing:
+            self._add_segment_request(segment, namespace, persist)
+
+    def _add_segment_request(self, segment: Segment, namespace: str, persist: bool) -> None:
+        """Queue the computation of a segment that no cache holds, once, unseen by callers."""
+        request_id = segment_request_id(segment)
+        if request_id in self._requests:
+            return
+        tokens = list(segment.token_ids)
+        now = time.monotonic()
+        seq = Sequence(
+            seq_id=self._next_seq_id,
+            request_id=request_id,
+            index=0,
+            token_ids=list(tokens),
+            num_prompt_tokens=len(tokens),
+            params=SEGMENT_PARAMS,
+            kv=KVAllocation(salt=segment.salt, persist=persist),
+            detokenizer=None,
+            tenant=namespace,
+            arrival_time=now,
+        )
+        self._next_seq_id += 1
+        self.kv_manager.update_hashes(seq.kv, seq.token_ids)
+        self._requests[request_id] = EngineRequest(
+            request_id, None, tokens, SEGMENT_PARAMS, [seq], now, internal=True
+        )
+        self.scheduler.add(seq)
+
+    def _segment_in_flight(self, segment: Segment) -> bool:
+        return segment_request_id(segment) in self._requests
 
     def _fresh_seed(self) -> int:
         return (self.config.seed * 1_000_003 + self._next_seq_id) & 0x7FFF_FFFF_FFFF_FFFF
@@ -348,10 +409,15 @@ class LLMEngine:
         else:
             salt = make_salt(model.fingerprint, model.block_size, model.kv_dtype, namespace)
             size, live = model.block_size, []
-        owned = [h for seq in sequences for h in hash_full_blocks(salt, seq, size)]
-        kept = {h for other in keep or () for h in hash_full_blocks(salt, other, size)}
-        counts = self.kv_manager.purge(salt, owned, kept, live)
-        return {"device": counts.device, **counts.tiers}
+        total: dict[str, int] = {}
+        # NOTE: a document's segment is the same tokens in the segment domain: it goes too.
+        for domain in (salt, segment_salt(salt)):
+            owned = [h for seq in sequences for h in hash_full_blocks(domain, seq, size)]
+            kept = {h for other in keep or () for h in hash_full_blocks(domain, other, size)}
+            counts = self.kv_manager.purge(domain, owned, kept, live)
+            for place, removed in {"device": counts.device, **counts.tiers}.items():
+                total[place] = total.get(place, 0) + removed
+        return total
 
     def locate_prefix(self, token_ids: list[int], namespace: str = "") -> dict[str, int]:
         """Full blocks of ``token_ids`` held now: ``device`` and one count per tier."""
@@ -415,6 +481,7 @@ class LLMEngine:
         self._failed.append(output)
 
     def _launch_scheduled(self) -> LaunchedStep | None:
+        self.blender.install_ready(self.scheduler.running)
         batch = self.scheduler.schedule()
         if not batch:
             return None
@@ -498,7 +565,10 @@ class LLMEngine:
                 continue  # failed alone earlier in this step
             touched[seq.request_id] = request
             if seq.num_cached_tokens < 0:
-                seq.num_cached_tokens = max(0, seq.num_prompt_tokens - seq.prompt_tokens_computed)
+                blended = seq.blend.blended_tokens if seq.blend is not None else 0
+                seq.num_cached_tokens = max(
+                    0, seq.num_prompt_tokens - seq.prompt_tokens_computed - blended
+                )
                 self.kv_manager.record_admission(seq.num_prompt_tokens, seq.num_cached_tokens)
             if request.first_token_time is None:
                 request.first_token_time = now
@@ -518,6 +588,10 @@ class LLMEngine:
         outputs = []
         for request in touched.values():
             if request.request_id not in self._requests:
+                continue
+            if request.internal:
+                if request.finished:
+                    del self._requests[request.request_id]
                 continue
             try:
                 output = request.output(self.config.block_size)

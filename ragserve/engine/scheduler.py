@@ -197,7 +197,7 @@ class Scheduler:
                     batch.add(seq, extra)
             else:
                 planned = batch.num_new_tokens[index]
-                extra = min(seq.num_uncomputed_tokens - planned, budget)
+                extra = min(_room(seq) - planned, budget)
                 if extra <= 0:
                     continue
                 if not self.kv.allocate(seq.kv, seq.num_computed_tokens + planned + extra):
@@ -226,6 +226,9 @@ class Scheduler:
                 spent.add(seq.tenant)
                 continue
             seq.num_computed_tokens = self.kv.match_prefix(seq.kv, seq.token_ids, 0)
+            if seq.blend is not None:
+                seq.blend.admitted(seq.num_computed_tokens)
+                _limit_registration(seq, self.kv.block_size)
             num_new = min(self._ready(seq), limit)
             if num_new and not self._make_room(seq, seq.num_computed_tokens + num_new, batch):
                 self.kv.free(seq.kv)
@@ -291,7 +294,9 @@ class Scheduler:
     def _ready(self, seq: Sequence) -> int:
         """How many tokens ``seq`` could compute now (0: it waits for a shared prefix that
         another sequence computes or a tier loads)."""
-        if seq.num_uncomputed_tokens > 1:
+        if seq.num_uncomputed_tokens > 1 and (
+            seq.blend is None or seq.num_computed_tokens < seq.blend.first_install
+        ):
             # A prefill: first take blocks other sequences finished since the last step.
             seq.num_computed_tokens = self.kv.match_prefix(
                 seq.kv, seq.token_ids, seq.num_computed_tokens
@@ -300,7 +305,7 @@ class Scheduler:
                 seq.kv, seq.token_ids, seq.num_computed_tokens
             ):
                 return 0
-        return seq.num_uncomputed_tokens
+        return _room(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv.free(seq.kv)
@@ -322,3 +327,22 @@ class Scheduler:
 
 def _is_prefill(seq: Sequence) -> bool:
     return seq.num_uncomputed_tokens > 1
+
+
+def _room(seq: Sequence) -> int:
+    """Tokens ``seq`` may compute now: up to the next segment install of a blended prompt
+    (see :mod:`ragserve.engine.blend_plan`), else all it has not computed."""
+    if seq.blend is None:
+        return seq.num_uncomputed_tokens
+    return seq.blend.compute_room(seq.num_computed_tokens, seq.num_tokens)
+
+
+def _limit_registration(seq: Sequence, block_size: int) -> None:
+    """Blocks from the first that may hold blended KV on are never indexed as prefix KV.
+
+    NOTE: blended KV is an approximation, and so is what is computed over it: indexing it
+    under the prompt's prefix hashes would serve it later as an exact hit."""
+    assert seq.blend is not None
+    limit = seq.blend.first_install // block_size
+    if seq.kv.register_limit is None or limit < seq.kv.register_limit:
+        seq.kv.register_limit = limit

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -11,6 +12,9 @@ from kvstore.kv_cache_manager import KVAllocation
 from ragserve.engine.detokenizer import IncrementalDetokenizer
 from ragserve.outputs import Logprob
 from ragserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from ragserve.engine.blend_plan import BlendPlan
 
 
 class SequenceStatus(enum.Enum):
@@ -47,6 +51,7 @@ class Sequence:
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     num_preemptions: int = 0
+    blend: BlendPlan | None = None  # where reused document KV goes (None: prefix caching)
 
     @property
     def num_tokens(self) -> int:

@@ -17,6 +17,7 @@ from typing import Any
 
 from aiohttp import web
 
+from ragserve.document_reuse import DocumentReuse
 from ragserve.engine.async_engine import AsyncEngine
 from ragserve.outputs import RequestOutput
 from ragserve.sampling_params import SamplingParams
@@ -39,6 +40,8 @@ class GenerationJob:
     work: tuple[list[int], list[int]] | None = None
     # Called as each prompt's engine request is queued (see ``DocumentReaders``).
     on_queued: Callable[[], None] | None = None
+    # The documents' spans in every prompt (they lead it) and how to reuse their KV.
+    reuse: DocumentReuse | None = None
 
 
 def make_sampling_params(**kwargs: Any) -> SamplingParams:
@@ -98,7 +101,12 @@ async def run_job(
     counted = Progress()
     streams = [
         engine.generate(
-            prompt, job.params, f"{job.request_id}-{index}", job.namespace, job.on_queued
+            prompt,
+            job.params,
+            f"{job.request_id}-{index}",
+            job.namespace,
+            job.on_queued,
+            job.reuse,
         )
         for index, prompt in enumerate(job.prompts)
     ]

@@ -192,6 +192,19 @@ class ServerMetrics:
             ["endpoint"],
             registry=self.registry,
         )
+        self.blended_tokens = Counter(
+            "ragserve_request_blended_tokens",
+            "Prompt tokens of finished requests whose KV was reused from a document segment "
+            "at a new position (not counted as cached)",
+            ["endpoint"],
+            registry=self.registry,
+        )
+        self.recomputed_tokens = Counter(
+            "ragserve_request_recomputed_tokens",
+            "Prompt tokens of blended documents computed instead of reused",
+            ["endpoint"],
+            registry=self.registry,
+        )
         self.completion_tokens = Counter(
             "ragserve_request_completion_tokens",
             "Generated tokens of finished requests",
@@ -248,6 +261,8 @@ class ServerMetrics:
     def record_finished(self, endpoint: str, output: RequestOutput) -> None:
         self.prompt_tokens.labels(endpoint).inc(len(output.prompt_token_ids))
         self.cached_tokens.labels(endpoint).inc(output.num_cached_tokens)
+        self.blended_tokens.labels(endpoint).inc(output.num_blended_tokens)
+        self.recomputed_tokens.labels(endpoint).inc(output.num_recomputed_tokens)
         self.completion_tokens.labels(endpoint).inc(sum(len(c.token_ids) for c in output.outputs))
 
     def render(

@@ -17,6 +17,7 @@ from typing import Any
 
 from aiohttp import web
 
+from ragserve.document_reuse import DocumentReuse
 from ragserve.engine.async_engine import EngineRequestError
 from ragserve.outputs import RequestOutput
 from ragserve.sampling_params import SamplingParams
@@ -144,12 +145,24 @@ async def _prepare(
     return model, app[DOCUMENTS].token_lists(tenant(request), doc_ids)
 
 
+def _reuse(
+    request: web.Request, body: GenerationRequest, documents: list[list[int]]
+) -> DocumentReuse | None:
+    """Where the documents lie in the prompt (they lead it, after the fixed head) and how
+    the request wants their KV reused."""
+    if not documents:
+        return None
+    spans = tuple(request.app[PROMPTS].document_spans(documents))
+    return DocumentReuse(spans, body.kv_reuse, body.blend_recompute_ratio)
+
+
 def _job(
     request: web.Request,
     prefix: str,
     prompts: list[list[int]],
     params: SamplingParams,
     doc_ids: list[str] | None,
+    reuse: DocumentReuse | None = None,
 ) -> GenerationJob:
     """Admit the request (503 past the server's limits, 429 past the tenant's) and count
     its work until it ends."""
@@ -174,7 +187,9 @@ def _job(
     )
     # NOTE: a client may reuse an X-Request-Id; engine ids must still be unique.
     engine_id = f"{prefix}-{request_id(request)}-{uuid.uuid4().hex[:8]}"
-    job = GenerationJob(engine_id, prompts, params, tenant(request), (prompt_work, answer_work))
+    job = GenerationJob(
+        engine_id, prompts, params, tenant(request), (prompt_work, answer_work), reuse=reuse
+    )
     reading = app[DOCUMENTS].readers.current()
     if reading is not None:  # a DELETE of its documents waits until the engine has it
         reading.expect(len(prompts))
@@ -197,7 +212,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     check_context([len(ids)], max_tokens, app[ENGINE].max_model_len, "messages", param)
     top_n = body.top_logprobs or 0
     params = _sampling_params(body, max_tokens, top_n if body.logprobs else None)
-    job = _job(request, "chatcmpl", [ids], params, body.documents)
+    job = _job(request, "chatcmpl", [ids], params, body.documents, _reuse(request, body, documents))
     public_id = f"chatcmpl-{request_id(request)}"
     created = int(time.time())
     text_of = TokenText(prompts.tokenizer)
@@ -279,7 +294,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         max_tokens = min(app[CONFIG].completion_default_max_tokens, room)
     top_n = body.logprobs or 0
     params = _sampling_params(body, max_tokens, body.logprobs)
-    job = _job(request, "cmpl", ids_list, params, body.documents)
+    job = _job(request, "cmpl", ids_list, params, body.documents, _reuse(request, body, documents))
     public_id = f"cmpl-{request_id(request)}"
     text_of = TokenText(prompts.tokenizer)
     base = {

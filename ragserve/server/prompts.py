@@ -158,6 +158,14 @@ class PromptBuilder:
             ids += doc
         return ids + tail
 
+    def document_spans(self, documents: Sequence[list[int]]) -> list[tuple[int, int]]:
+        """Where each document's tokens lie in a prompt built by ``_join``."""
+        spans, start = [], len(self.head_ids)
+        for doc in documents:
+            spans.append((start, start + len(doc)))
+            start += len(doc)
+        return spans
+
     def document_prefix(self, doc_ids: list[int]) -> list[int]:
         """What ingestion prefills: exactly the start of any prompt naming this document first."""
         return self._join([doc_ids], [])

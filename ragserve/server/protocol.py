@@ -42,6 +42,10 @@ class GenerationRequest(_Strict):
     logit_bias: dict[str, float] | None = None
     # Extensions (vLLM's names where vLLM has them).
     documents: list[str] | None = None
+    # How the documents' KV is reused: exact prefix hits only, or blended at any position
+    # (default: the server's --kv-reuse and --blend-recompute-ratio).
+    kv_reuse: Literal["prefix", "blend"] | None = None
+    blend_recompute_ratio: float | None = Field(None, ge=0.0, le=1.0)
     top_k: int = -1
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False

@@ -29,7 +29,14 @@ def usage(
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
-        "ragserve_cache": {"cached_tokens_by_tier": by_tier, "documents": documents or []},
+        "ragserve_cache": {
+            "cached_tokens_by_tier": by_tier,
+            # Reused at a new position (never counted as cached), and tokens of those
+            # documents recomputed instead.
+            "blended_tokens": sum(o.num_blended_tokens for o in outputs),
+            "recomputed_tokens": sum(o.num_recomputed_tokens for o in outputs),
+            "documents": documents or [],
+        },
     }
 
 

@@ -185,3 +185,44 @@ def test_cli_answers_streams_to_jsonl_skips_bad_questions_and_resumes(
         "questions to answer: 0 (3 already done)" in err and "unknown document 'nowhere.txt'" in err
     )
     assert len(read_records(out)) == 3
+
+
+@pytest.mark.slow
+def test_questions_over_several_documents_in_any_order(llm: LLM) -> None:
+    """Each question names its documents in its own order; with blend reuse the later
+    documents come from their segments (computed for the first questions that need them),
+    and with the recompute ratio at 1 every answer equals one-by-one generation without
+    cache."""
+    llm.reset_prefix_cache()
+    documents = [Document(doc_id, text) for doc_id, text in DOCS.items()]
+    orders = [["alpha", "beta", "gamma"], ["gamma", "alpha", "beta"], ["beta", "gamma", "alpha"]]
+    questions = [
+        {"docs": order, "question": "Who owns the bakery?", "id": f"q{n}"}
+        for n, order in enumerate(orders)
+    ]
+
+    def run(ratio: float) -> dict[str, dict[str, Any]]:
+        results = docqa(
+            llm,
+            documents,
+            questions,
+            max_tokens=MAX_TOKENS,
+            use_tqdm=False,
+            kv_reuse="blend",
+            recompute_ratio=ratio,
+            concurrency=1,
+        )
+        return {r["id"]: r for r in results}
+
+    blended = run(0.15)
+    assert blended["q0"]["blended_tokens"] == 0  # nothing to reuse yet
+    assert blended["q1"]["blended_tokens"] > 0 and blended["q2"]["blended_tokens"] > 0
+    exact = run(1.0)
+    prompts = QAPrompts(llm.engine.tokenizer)
+    plain = LLM.from_config(llm.engine.config.__class__(enable_prefix_caching=False))
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    for n, order in enumerate(orders):
+        prompt, _ = prompts.documents_prompt([DOCS[d] for d in order], "Who owns the bakery?")
+        expected = plain.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].text.strip()
+        assert exact[f"q{n}"]["answer"] == expected
+        assert exact[f"q{n}"]["docs"] == order and exact[f"q{n}"]["blended_tokens"] == 0

@@ -40,6 +40,8 @@ def test_usage_splits_cached_tokens_by_tier() -> None:
     assert body["prompt_tokens_details"] == {"cached_tokens": 112}
     assert body["ragserve_cache"] == {
         "cached_tokens_by_tier": {"device": 80, "disk": 32},
+        "blended_tokens": 0,
+        "recomputed_tokens": 0,
         "documents": [],
     }
 

@@ -91,7 +91,12 @@ def test_get_shows_times_tokens_and_kv_places(server: ServerProcess) -> None:
     usage = answer.json()["usage"]
     cached = usage["prompt_tokens_details"]["cached_tokens"]
     assert cached >= doc["prefix_tokens"] // BLOCK_SIZE * BLOCK_SIZE
-    assert usage["ragserve_cache"] == {"cached_tokens_by_tier": {"device": cached}, "documents": []}
+    assert usage["ragserve_cache"] == {
+        "cached_tokens_by_tier": {"device": cached},
+        "blended_tokens": 0,
+        "recomputed_tokens": 0,
+        "documents": [],
+    }
 
 
 @pytest.mark.e2e

@@ -1,0 +1,96 @@
+"""Installs cached K/V rows at new positions in one Triton launch: gather, rotate, scatter.
+
+One program per (token, layer) reads the key and value rows ``[kv_heads, head_dim]`` of
+slot ``source[t]`` of the block-major cache ``[num_blocks, layers, 2, block_size,
+kv_heads, head_dim]``, rotates the key's frequency pairs by the token's angles (float32),
+and writes both rows to slot ``target[t]``. Source and target slots must not overlap.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rerotate_copy_kernel(
+    kv_ptr,
+    src_ptr,
+    dst_ptr,
+    cos_ptr,
+    sin_ptr,
+    stride_block,
+    stride_layer,
+    stride_kind,
+    stride_slot,
+    stride_head,
+    NUM_KV_HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    layer = tl.program_id(1).to(tl.int64)
+    src = tl.load(src_ptr + tok).to(tl.int64)
+    dst = tl.load(dst_ptr + tok).to(tl.int64)
+    offs_h = tl.arange(0, HEADS_PAD)
+    offs_d = tl.arange(0, HALF_PAD)
+    mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HALF)
+    rows = offs_h[:, None] * stride_head + offs_d[None, :]
+    src_base = (
+        kv_ptr
+        + (src // BLOCK_SIZE) * stride_block
+        + layer * stride_layer
+        + (src % BLOCK_SIZE) * stride_slot
+    )
+    dst_base = (
+        kv_ptr
+        + (dst // BLOCK_SIZE) * stride_block
+        + layer * stride_layer
+        + (dst % BLOCK_SIZE) * stride_slot
+    )
+    cos = tl.load(cos_ptr + tok * HALF + offs_d, mask=offs_d < HALF)[None, :]
+    sin = tl.load(sin_ptr + tok * HALF + offs_d, mask=offs_d < HALF)[None, :]
+    x1 = tl.load(src_base + rows, mask=mask).to(tl.float32)
+    x2 = tl.load(src_base + rows + HALF, mask=mask).to(tl.float32)
+    out_ty = kv_ptr.dtype.element_ty
+    tl.store(dst_base + rows, (x1 * cos - x2 * sin).to(out_ty), mask=mask)
+    tl.store(dst_base + rows + HALF, (x2 * cos + x1 * sin).to(out_ty), mask=mask)
+    v1 = tl.load(src_base + stride_kind + rows, mask=mask)
+    v2 = tl.load(src_base + stride_kind + rows + HALF, mask=mask)
+    tl.store(dst_base + stride_kind + rows, v1, mask=mask)
+    tl.store(dst_base + stride_kind + rows + HALF, v2, mask=mask)
+
+
+def rerotate_copy_triton(
+    kv_cache: torch.Tensor,
+    source: torch.Tensor,
+    target: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> None:
+    """``source``/``target``: ``[T]`` int64 slots; ``cos``/``sin``: ``[T, head_dim // 2]``
+    float32 of each token's rotation (see :func:`kernels.rerotate.rotation_angles`)."""
+    _, num_layers, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    if source.numel() == 0:
+        return
+    half = head_dim // 2
+    _rerotate_copy_kernel[(source.numel(), num_layers)](
+        kv_cache,
+        source,
+        target,
+        cos.contiguous(),
+        sin.contiguous(),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        kv_cache.stride(4),
+        NUM_KV_HEADS=num_kv_heads,
+        HALF=half,
+        HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+        HALF_PAD=triton.next_power_of_2(half),
+        BLOCK_SIZE=block_size,
+    )

@@ -1,0 +1,201 @@
+"""Blended reuse of document KV in the engine (float32, CPU, tiny random model)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvstore.segments import make_segment, segment_stored
+from ragserve import LLM, SamplingParams
+from tests.engine.blend_rig import DOCS, TEMPLATE, Driver, prompt, tokens_of
+from tests.model_factory import make_tiny_model
+
+BLOCK = 4
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    path = make_tiny_model(tmp_path_factory.mktemp("blend"), "llama", max_position_embeddings=256)
+    yield str(path)
+    torch.set_num_threads(threads)
+
+
+def engine(model_dir: str, **args: object) -> Driver:
+    return Driver(
+        LLM(
+            model_dir,
+            device="cpu",
+            dtype="float32",
+            block_size=BLOCK,
+            max_num_batched_tokens=32,
+            **args,  # type: ignore[arg-type]
+        )
+    )
+
+
+def test_full_recompute_equals_full_prefill(model_dir: str) -> None:
+    blend, full = (
+        engine(model_dir, kv_reuse="blend"),
+        engine(model_dir, enable_prefix_caching=False),
+    )
+    blend.run(prompt("abc"))  # computes the segments of b and c next to it
+    blend.run(prompt("bac"))  # and of a
+    assert blend.run(prompt("cab"), recompute_ratio=0.0).num_blended_tokens > 0
+    for order, question in (("abc", 1), ("cab", 1), ("bca", 2), ("cba", 0)):
+        got = blend.run(prompt(order, question), recompute_ratio=1.0)
+        assert tokens_of(got) == tokens_of(full.run(prompt(order, question)))
+        assert got.num_blended_tokens == 0
+    blend.engine.block_pool.check_invariants()
+    assert blend.engine.block_pool.num_used == 0
+
+
+def test_one_document_or_cached_order_equals_prefix_caching(model_dir: str) -> None:
+    blend, prefix = (
+        engine(model_dir, kv_reuse="blend", blend_recompute_ratio=0.0),
+        engine(model_dir),
+    )
+    for p in (prompt("b"), prompt("b", 1), prompt("abc"), prompt("abc", 1), prompt("abc", 2)):
+        got, expected = blend.run(p), prefix.run(p)
+        assert tokens_of(got) == tokens_of(expected)
+        assert got.num_cached_tokens == expected.num_cached_tokens
+        assert got.num_blended_tokens == 0
+
+
+def test_blend_installs_rotated_segments_and_counts_them_apart(model_dir: str) -> None:
+    blend, full = (
+        engine(model_dir, kv_reuse="blend"),
+        engine(model_dir, enable_prefix_caching=False),
+    )
+    blend.run(prompt("abc"))  # computes the segments of b and c next to it
+    p = prompt("cab", 1)
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    engine_ = blend.engine
+    engine_.add_request("probe", p.token_ids, params, documents=p.documents, recompute_ratio=0.0)
+    while not (seqs := engine_._requests["probe"].seqs)[0].num_output_tokens:
+        engine_.step()
+    seq = seqs[0]
+    assert seq.blend is not None
+    installed = [(i.start, i.end) for i in seq.blend.installs if i.installed]
+    assert installed, "a and b should come from their segments"
+    # Layer 0's K/V depend on the token and its position alone: the installed rows must
+    # equal those of a full prefill of the same prompt, keys rotated to the new place.
+    reference = full.engine
+    reference.add_request("ref", p.token_ids, params)
+    while not (ref := reference._requests["ref"].seqs[0]).num_output_tokens:
+        reference.step()
+    for start, end in installed:
+        for pos in range(start, end):
+            got = engine_.kv_cache[seq.kv.block_table[pos // BLOCK], 0, :, pos % BLOCK]
+            want = reference.kv_cache[ref.kv.block_table[pos // BLOCK], 0, :, pos % BLOCK]
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    while engine_.has_unfinished_requests():
+        outputs = engine_.step()
+    reference.abort_request("ref")
+    (out,) = outputs
+    assert out.num_blended_tokens == sum(end - start for start, end in installed)
+    # Exact hits only: the template and the leading document, up to a block boundary.
+    assert out.num_cached_tokens <= p.documents[1][0]
+    prompt_len = len(p.token_ids)
+    computed = prompt_len - out.num_cached_tokens - out.num_blended_tokens
+    assert out.num_recomputed_tokens <= computed
+    assert engine_.block_pool.num_used == 0
+
+
+def test_tenants_never_reuse_each_others_segments(model_dir: str) -> None:
+    blend = engine(model_dir, kv_reuse="blend", blend_recompute_ratio=0.0)
+    salt_a, salt_b = blend.engine.salt_for("a"), blend.engine.salt_for("b")
+    blend.run(prompt("abc"), namespace="a")
+    manager = blend.engine.kv_manager
+    for name in "bc":
+        assert segment_stored(manager, make_segment(salt_a, TEMPLATE, DOCS[name], BLOCK))
+        assert not segment_stored(manager, make_segment(salt_b, TEMPLATE, DOCS[name], BLOCK))
+    before = blend.engine.stats.prompt_tokens_computed
+    out = blend.run(prompt("cab"), namespace="b")
+    computed = blend.engine.stats.prompt_tokens_computed - before
+    # b finds none of a's segments: it computes the whole prompt, and its own segments of
+    # a and b next to it (c leads: its segment is not needed).
+    assert out.num_blended_tokens == 0 and out.num_cached_tokens == 0
+    own = sum(len(TEMPLATE) + len(DOCS[name]) for name in "ab")
+    shared = len(TEMPLATE) // BLOCK * BLOCK  # the template's full blocks: one segment's hit
+    assert computed == len(prompt("cab").token_ids) + own - shared
+    for name in "ab":
+        assert segment_stored(manager, make_segment(salt_b, TEMPLATE, DOCS[name], BLOCK))
+    assert blend.run(prompt("bca"), namespace="a").num_blended_tokens > 0
+    assert blend.run(prompt("acb", 1), namespace="b").num_blended_tokens > 0
+
+
+@pytest.mark.parametrize("tier", ["cpu", "disk"])
+def test_segments_from_every_tier_give_the_same_outputs(
+    model_dir: str, tmp_path: Path, tier: str
+) -> None:
+    args = {
+        "cpu": {"kv_cpu_gib": 0.001},
+        "disk": {"kv_disk_dir": str(tmp_path), "kv_disk_gib": 0.01},
+    }[tier]
+    first = engine(model_dir, kv_reuse="blend", blend_recompute_ratio=0.2, **args)
+    first.run(prompt("abc"))
+    first.run(prompt("cab", 1))
+    on_device = first.run(prompt("cab", 1))  # its exact prefix is cached now, too
+    assert on_device.num_blended_tokens > 0
+    first.engine.reset_prefix_cache()  # every cached block demoted to the tier
+    assert first.engine.tiers is not None
+    first.engine.tiers.flush()
+    runs = [first.run(prompt("cab", 1))]
+    assert runs[0].cached_tokens_by_tier[tier] == runs[0].num_cached_tokens > 0
+    if tier == "disk":
+        first.engine.shutdown()
+        restarted = engine(model_dir, kv_reuse="blend", blend_recompute_ratio=0.2, **args)
+        runs.append(restarted.run(prompt("cab", 1)))
+        assert restarted.engine.stats.prompt_tokens_computed < len(prompt("cab", 1).token_ids)
+    for run in runs:
+        assert tokens_of(run) == tokens_of(on_device)
+        assert run.num_blended_tokens == on_device.num_blended_tokens
+        assert run.num_cached_tokens == on_device.num_cached_tokens
+
+
+def test_segments_whose_records_fail_verification_are_recomputed(
+    model_dir: str, tmp_path: Path
+) -> None:
+    tiers = {"kv_disk_dir": str(tmp_path), "kv_disk_gib": 0.01}
+    first = engine(model_dir, kv_reuse="blend", blend_recompute_ratio=0.2, **tiers)
+    first.run(prompt("abc"))
+    first.run(prompt("bca"))
+    assert first.run(prompt("cab", 1)).num_blended_tokens > 0
+    first.engine.reset_prefix_cache()
+    first.engine.shutdown()
+    records = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert records
+    for record in records:  # flip a byte in the middle of every record
+        data = bytearray(record.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        record.write_bytes(bytes(data))
+    restarted = engine(model_dir, kv_reuse="blend", blend_recompute_ratio=0.2, **tiers)
+    got = restarted.run(prompt("cab", 1))
+    assert got.num_blended_tokens == 0 and got.num_cached_tokens == 0
+    full = engine(model_dir, enable_prefix_caching=False)
+    assert tokens_of(got) == tokens_of(full.run(prompt("cab", 1)))
+    assert restarted.engine.tiers is not None
+    assert restarted.engine.tiers.metrics()["disk"].corrupt_records >= 1
+    restarted.engine.block_pool.check_invariants()
+    assert restarted.engine.block_pool.num_used == 0
+
+
+def test_purging_a_document_purges_its_segment(model_dir: str) -> None:
+    blend = engine(model_dir, kv_reuse="blend")
+    blend.run(prompt("abc"))
+    salt = blend.engine.salt_for("")
+    manager = blend.engine.kv_manager
+    segments = {name: make_segment(salt, TEMPLATE, DOCS[name], BLOCK) for name in "bc"}
+    assert all(segment_stored(manager, s) for s in segments.values())
+    removed = blend.engine.purge_prefix(TEMPLATE + DOCS["b"], keep=[TEMPLATE + DOCS["c"]])
+    assert removed["device"] > 0
+    assert not segment_stored(manager, segments["b"])
+    assert segment_stored(manager, segments["c"])  # its blocks, the template's among them, stay
+    # c still blends; b is computed in place (and its segment computed again next to it).
+    assert blend.run(prompt("acb", 1)).num_blended_tokens > 0
+    assert segment_stored(manager, segments["b"])
