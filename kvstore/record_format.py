@@ -98,7 +98,7 @@ def encode_head(
     meta: BlockLike,
     dtype: torch.dtype,
     shape: Sequence[int],
-    payload: bytes | memoryview,
+    payload: bytes | bytearray | memoryview,
     *,
     version: int = FORMAT_VERSION,
     token_digest: bytes | None = None,
@@ -131,7 +131,7 @@ def seal_record(
     shape: Sequence[int],
     payload: bytes | memoryview,
     cipher: RecordCipher,
-) -> tuple[bytes, bytes]:
+) -> tuple[bytes, bytearray]:
     """(head, sealed payload) of an encrypted record; the file is ``head + sealed``."""
     sealed = cipher.seal(
         meta.salt, identity_bytes(meta.block_hash, meta.parent_hash, meta.salt), payload
