@@ -149,11 +149,16 @@ def _aes_256_gcm(lib: ctypes.CDLL) -> int:
     return int(cipher)
 
 
-def _address(buffer: Buffer) -> tuple[int, np.ndarray]:
-    """The address of a contiguous buffer's first byte, and the array that keeps it alive.
+def _address(buffer: Buffer) -> tuple[int, object]:
+    """The address of a contiguous buffer's first byte, and the object that keeps it alive.
 
-    NOTE: numpy takes read-only buffers too (ctypes' from_buffer does not)."""
-    array = np.frombuffer(memoryview(buffer).cast("B"), dtype=np.uint8)
+    NOTE: ctypes' from_buffer is the cheap way (about 1 µs, under the GIL) but needs a
+    writable buffer; numpy takes read-only ones (bytes) too."""
+    view = memoryview(buffer).cast("B")
+    if not view.readonly and view.nbytes:
+        anchor = ctypes.c_char.from_buffer(view)
+        return ctypes.addressof(anchor), anchor
+    array = np.frombuffer(view, dtype=np.uint8)
     return int(array.ctypes.data), array
 
 
