@@ -62,6 +62,13 @@ class AesGcm(Protocol):
         usable bytes (it may hold unauthenticated plaintext: never hand it on)."""
         ...
 
+    def open_in_place(self, nonce: bytes, data: memoryview, tag: bytes, aad: bytes) -> None:
+        """Decrypt the ciphertext ``data`` where it lies (a sealed payload read in parts).
+
+        Raises AuthenticationError as ``open_into`` does; ``data`` then holds no usable
+        bytes."""
+        ...
+
 
 def _check_sizes(sealed_len: int, out_len: int) -> None:
     if sealed_len != out_len + SEAL_OVERHEAD:
@@ -93,6 +100,16 @@ class PyCaAesGcm:
             self._aead.decrypt_into(bytes(view[:NONCE_BYTES]), view[NONCE_BYTES:], aad, out)
         except InvalidTag:
             raise AuthenticationError("authentication failed") from None
+
+    def open_in_place(self, nonce: bytes, data: memoryview, tag: bytes, aad: bytes) -> None:
+        if len(nonce) != NONCE_BYTES or len(tag) != TAG_BYTES:
+            raise AuthenticationError("nonce or tag of the wrong length")
+        # NOTE: AESGCM takes ciphertext and tag as one buffer, not aliasing the output:
+        # one copy here (this is the slow path already).
+        sealed = bytearray(nonce)
+        sealed += data
+        sealed += tag
+        self.open_into(sealed, aad, data)
 
 
 class _Evp:
@@ -195,24 +212,39 @@ class LibcryptoAesGcm:
         return sealed
 
     def open_into(self, sealed: Buffer, aad: bytes, out: memoryview) -> None:
-        evp = self._evp
         view = memoryview(sealed).cast("B")
         _check_sizes(len(view), out.nbytes)
         size = out.nbytes
         in_addr, in_keep = _address(view)
+        nonce, tag = bytes(view[:NONCE_BYTES]), bytes(view[NONCE_BYTES + size :])
+        self._open(nonce, in_addr + NONCE_BYTES, out, tag, aad)
+        del in_keep
+
+    def open_in_place(self, nonce: bytes, data: memoryview, tag: bytes, aad: bytes) -> None:
+        if len(nonce) != NONCE_BYTES or len(tag) != TAG_BYTES:
+            raise AuthenticationError("nonce or tag of the wrong length")
+        data = data.cast("B")
+        addr, keep = _address(data)
+        # NOTE: EVP's GCM decrypts with input and output at the same address.
+        self._open(nonce, addr, data, tag, aad)
+        del keep
+
+    def _open(self, nonce: bytes, in_addr: int, out: memoryview, tag: bytes, aad: bytes) -> None:
+        """Decrypt ``out.nbytes`` bytes at ``in_addr`` into ``out`` and check ``tag``."""
+        evp = self._evp
         out_addr, out_keep = _address(out)
-        ctx = self._context(evp.decrypt_init, bytes(view[:NONCE_BYTES]))
+        ctx = self._context(evp.decrypt_init, nonce)
         try:
             self._aad(evp.decrypt_aad, ctx, aad)
-            _bulk(evp.decrypt_bulk, ctx, out_addr, in_addr + NONCE_BYTES, size)
-            tag = ctypes.create_string_buffer(bytes(view[NONCE_BYTES + size :]), TAG_BYTES)
-            _ok(evp.ctrl(ctx, _CTRL_GCM_SET_TAG, TAG_BYTES, tag), "SET_TAG")
+            _bulk(evp.decrypt_bulk, ctx, out_addr, in_addr, out.nbytes)
+            tag_buffer = ctypes.create_string_buffer(tag, TAG_BYTES)
+            _ok(evp.ctrl(ctx, _CTRL_GCM_SET_TAG, TAG_BYTES, tag_buffer), "SET_TAG")
             written = ctypes.c_int()
             # NOTE: GCM's final writes nothing; the pointer only has to be valid.
-            verified = evp.decrypt_final(ctx, out_addr, ctypes.byref(written))
+            verified = evp.decrypt_final(ctx, tag_buffer, ctypes.byref(written))
         finally:
             evp.ctx_free(ctx)
-        del in_keep, out_keep
+        del out_keep
         if verified <= 0:
             raise AuthenticationError("authentication failed")
 
@@ -291,6 +323,11 @@ def _known_answer(evp: _Evp) -> None:
     ours.open_into(theirs.seal(data, aad), aad, out)
     if bytes(out) != data:
         raise RuntimeError("libcrypto's AES-GCM disagrees with cryptography's")
+    sealed = theirs.seal(data, aad)
+    in_place = memoryview(sealed)[NONCE_BYTES:-TAG_BYTES]
+    ours.open_in_place(bytes(sealed[:NONCE_BYTES]), in_place, bytes(sealed[-TAG_BYTES:]), aad)
+    if bytes(in_place) != data:
+        raise RuntimeError("libcrypto's AES-GCM in place disagrees with cryptography's")
     damaged = ours.seal(data, aad)
     damaged[-1] ^= 1
     try:

@@ -90,6 +90,22 @@ class RecordCipher:
         except AuthenticationError:
             raise CipherError("authentication failed (another key, or damaged)") from None
 
+    def open_in_place(
+        self, salt: bytes, identity: bytes, nonce: bytes, data: memoryview, tag: bytes
+    ) -> None:
+        """Decrypt a sealed payload read in parts (``nonce``, ciphertext ``data``, ``tag``)
+        where ``data`` lies; CipherError as ``open_into``, and then ``data`` is zeroed.
+
+        NOTE: the restore path reads the ciphertext straight into the destination: no
+        scratch buffer, one pass less over every block."""
+        aead, _ = self._aead(salt)
+        try:
+            aead.open_in_place(nonce, data, tag, identity)
+        except AuthenticationError:
+            # NOTE: never leave unauthenticated plaintext behind in a caller's buffer.
+            data.cast("B")[:] = bytes(data.nbytes)
+            raise CipherError("authentication failed (another key, or damaged)") from None
+
 
 def identity_bytes(block_hash: bytes, parent_hash: bytes | None, salt: bytes) -> bytes:
     """The associated data binding a sealed payload to its block."""

@@ -133,3 +133,16 @@ def test_the_cipher_rejects_other_identities_and_salts(name: str) -> None:
             cipher.open_into(salt, other, sealed, out)
     with pytest.raises(CipherError):
         RecordCipher(b"w" * 32, IMPLEMENTATIONS[name]).open_into(SALT, identity, sealed, out)
+
+
+def test_a_failed_open_in_place_leaves_no_plaintext() -> None:
+    cipher = RecordCipher(KEY)
+    payload = random_block(torch.float32, 8).numpy().tobytes()
+    identity = identity_bytes(META.block_hash, None, SALT)
+    sealed = cipher.seal(SALT, identity, payload)
+    nonce, tag = bytes(sealed[:12]), bytearray(sealed[-16:])
+    tag[0] ^= 1
+    data = memoryview(bytearray(sealed[12:-16]))
+    with pytest.raises(CipherError):
+        cipher.open_in_place(SALT, identity, nonce, data, bytes(tag))
+    assert bytes(data) == bytes(len(payload))
