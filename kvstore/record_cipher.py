@@ -8,26 +8,24 @@ is ``nonce (12 bytes) | ciphertext | tag (16 bytes)``, authenticated together wi
 block's identity (hash, parent, salt) as associated data.
 
 Contract: a wrong or missing key never yields bytes: the digest or the tag fails, and
-the record is a miss (``RecordError``).
+the record is a miss (``RecordError``). The AES-GCM itself is ``aes_gcm``'s: libcrypto
+without the GIL where it loads, else the ``cryptography`` package (same bytes either way).
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import hmac
 import os
-from collections.abc import Sequence
+import struct
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-NONCE_BYTES = 12
-TAG_BYTES = 16
-SEAL_OVERHEAD = NONCE_BYTES + TAG_BYTES
+from kvstore.aes_gcm import SEAL_OVERHEAD, AesGcm, AuthenticationError, new_aes_gcm
+
 MIN_MASTER_BYTES = 32
 CIPHER_NAME = "aes-256-gcm"
 
@@ -39,12 +37,14 @@ class CipherError(ValueError):
 class RecordCipher:
     """Seals and opens record payloads; thread-safe (keys are derived once per salt)."""
 
-    def __init__(self, master_key: bytes) -> None:
+    def __init__(self, master_key: bytes, aes_gcm: Callable[[bytes], AesGcm] = new_aes_gcm) -> None:
+        """``aes_gcm`` makes the AEAD for a derived key (tests pick an implementation)."""
         if len(master_key) < MIN_MASTER_BYTES:
             raise ValueError(
                 f"the KV encryption key needs at least {MIN_MASTER_BYTES} bytes, got {len(master_key)}"
             )
         self._master = bytes(master_key)
+        self._new_aes_gcm = aes_gcm
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> RecordCipher:
@@ -53,21 +53,27 @@ class RecordCipher:
         return cls(Path(path).read_bytes().strip())
 
     @functools.lru_cache(maxsize=256)  # noqa: B019 (one cipher per engine, few salts)
-    def _aead(self, salt: bytes) -> tuple[AESGCM, bytes]:
+    def _aead(self, salt: bytes) -> tuple[AesGcm, bytes]:
         key = HKDF(
             algorithm=hashes.SHA256(), length=32, salt=None, info=b"ragserve-kv-record|" + salt
         ).derive(self._master)
-        return AESGCM(key), key
+        return self._new_aes_gcm(key), key
+
+    @property
+    def implementation(self) -> str:
+        """Which AES-GCM seals and opens: "libcrypto" or "cryptography"."""
+        return self._aead(b"")[0].name
 
     def token_digest(self, salt: bytes, token_ids: Sequence[int]) -> bytes:
         _, key = self._aead(salt)
-        data = b"".join(int(t).to_bytes(4, "little") for t in token_ids)
-        return hmac.new(key, data, hashlib.sha256).digest()[:16]
+        # NOTE: one struct.pack and one-shot HMAC: this runs under the GIL for every record.
+        data = struct.pack(f"<{len(token_ids)}I", *token_ids)
+        return hmac.digest(key, data, "sha256")[:16]
 
-    def seal(self, salt: bytes, identity: bytes, payload: bytes | memoryview) -> bytes:
+    def seal(self, salt: bytes, identity: bytes, payload: bytes | memoryview) -> bytearray:
+        """``nonce | ciphertext | tag`` of ``payload``, ``identity`` as associated data."""
         aead, _ = self._aead(salt)
-        nonce = os.urandom(NONCE_BYTES)
-        return nonce + aead.encrypt(nonce, bytes(payload), identity)
+        return aead.seal(payload, identity)
 
     def open_into(
         self, salt: bytes, identity: bytes, sealed: bytes | bytearray | memoryview, out: memoryview
@@ -77,12 +83,27 @@ class RecordCipher:
 
         NOTE: no copies on the way: the restore path reads many large blocks."""
         aead, _ = self._aead(salt)
-        view = memoryview(sealed)
-        if len(view) != len(out) + SEAL_OVERHEAD:
+        if memoryview(sealed).nbytes != out.nbytes + SEAL_OVERHEAD:
             raise CipherError("sealed payload has the wrong length")
         try:
-            aead.decrypt_into(bytes(view[:NONCE_BYTES]), view[NONCE_BYTES:], identity, out)
-        except InvalidTag:
+            aead.open_into(sealed, identity, out)
+        except AuthenticationError:
+            raise CipherError("authentication failed (another key, or damaged)") from None
+
+    def open_in_place(
+        self, salt: bytes, identity: bytes, nonce: bytes, data: memoryview, tag: bytes
+    ) -> None:
+        """Decrypt a sealed payload read in parts (``nonce``, ciphertext ``data``, ``tag``)
+        where ``data`` lies; CipherError as ``open_into``, and then ``data`` is zeroed.
+
+        NOTE: the restore path reads the ciphertext straight into the destination: no
+        scratch buffer, one pass less over every block."""
+        aead, _ = self._aead(salt)
+        try:
+            aead.open_in_place(nonce, data, tag, identity)
+        except AuthenticationError:
+            # NOTE: never leave unauthenticated plaintext behind in a caller's buffer.
+            data.cast("B")[:] = bytes(data.nbytes)
             raise CipherError("authentication failed (another key, or damaged)") from None
 
 

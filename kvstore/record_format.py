@@ -25,7 +25,6 @@ import fcntl
 import os
 import secrets
 import struct
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -34,6 +33,7 @@ import msgpack
 import torch
 import xxhash
 
+from kvstore.aes_gcm import NONCE_BYTES, TAG_BYTES
 from kvstore.record_cipher import (
     CIPHER_NAME,
     SEAL_OVERHEAD,
@@ -98,7 +98,7 @@ def encode_head(
     meta: BlockLike,
     dtype: torch.dtype,
     shape: Sequence[int],
-    payload: bytes | memoryview,
+    payload: bytes | bytearray | memoryview,
     *,
     version: int = FORMAT_VERSION,
     token_digest: bytes | None = None,
@@ -131,7 +131,7 @@ def seal_record(
     shape: Sequence[int],
     payload: bytes | memoryview,
     cipher: RecordCipher,
-) -> tuple[bytes, bytes]:
+) -> tuple[bytes, bytearray]:
     """(head, sealed payload) of an encrypted record; the file is ``head + sealed``."""
     sealed = cipher.seal(
         meta.salt, identity_bytes(meta.block_hash, meta.parent_hash, meta.salt), payload
@@ -285,7 +285,7 @@ def read_record_into(
     One scatter read puts the head in a small buffer and the payload straight into
     ``target`` (a contiguous CPU tensor of ``dtype`` and ``shape``), then everything is
     verified. On ``RecordError`` the contents of ``target`` are unspecified. With
-    ``cipher`` the sealed payload is read, verified and opened, then copied in.
+    ``cipher`` the sealed payload is read into ``target`` and opened there.
     """
     if cipher is not None:
         _read_sealed_into(fd, size, meta, dtype, shape, target, cipher)
@@ -303,20 +303,6 @@ def read_record_into(
     verify_payload(header, payload)
 
 
-_SCRATCH = threading.local()
-
-
-def _scratch(size: int) -> memoryview:
-    """This thread's reusable read buffer of ``size`` bytes.
-
-    NOTE: a fresh bytearray per read is zero-filled first: a whole extra pass over every
-    restored block."""
-    buffer: bytearray | None = getattr(_SCRATCH, "buffer", None)
-    if buffer is None or len(buffer) < size:
-        buffer = _SCRATCH.buffer = bytearray(size)
-    return memoryview(buffer)[:size]
-
-
 def _read_sealed_into(
     fd: int,
     size: int,
@@ -326,12 +312,18 @@ def _read_sealed_into(
     target: torch.Tensor,
     cipher: RecordCipher,
 ) -> None:
+    """One scatter read puts the nonce and tag aside and the ciphertext straight into
+    ``target``, which is then decrypted in place (zeroed when it does not authenticate).
+
+    NOTE: no scratch buffer: a copy less per block, and no thread-sized buffers that
+    push the blocks being restored out of the cache."""
     sealed_len = block_nbytes(shape, dtype) + SEAL_OVERHEAD
     head_len = size - sealed_len
     if not PREFIX.size <= head_len <= PREFIX.size + MAX_HEADER_BYTES:
         raise RecordError("corrupt", f"a file of {size} bytes cannot hold this sealed block")
-    head, sealed = bytearray(head_len), _scratch(sealed_len)
-    got = os.preadv(fd, [head, sealed], 0)
+    head, nonce, tag = bytearray(head_len), bytearray(NONCE_BYTES), bytearray(TAG_BYTES)
+    payload = tensor_bytes(target)
+    got = os.preadv(fd, [head, nonce, payload, tag], 0)
     if got != size:
         raise RecordError("corrupt", f"short read: {got} of {size} bytes")
     header = decode_head(head)
@@ -344,7 +336,7 @@ def _read_sealed_into(
     # written, for tools) is not computed again on this path.
     identity = identity_bytes(meta.block_hash, meta.parent_hash, meta.salt)
     try:
-        cipher.open_into(meta.salt, identity, sealed, tensor_bytes(target))
+        cipher.open_in_place(meta.salt, identity, bytes(nonce), payload, bytes(tag))
     except CipherError as exc:
         raise RecordError("foreign", str(exc)) from None
 

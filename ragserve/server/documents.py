@@ -21,6 +21,10 @@ another server deleted (see :mod:`ragserve.server.document_watch`), and learns a
 use a document another server uploaded (see ``learn``: replicas of one cluster share the
 registry this way). Upload, PATCH and
 DELETE of one document take turns (see :mod:`ragserve.server.document_locks`).
+
+This module holds the lifecycle (upload, ingest, PATCH, DELETE, expiry, purge);
+:mod:`ragserve.server.document_persistence` the registry rows and restore, and
+:mod:`ragserve.server.registered_document` the document itself.
 """
 
 from __future__ import annotations
@@ -29,15 +33,10 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import re
-import sqlite3
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
-
-import xxhash
+from typing import Any, Literal
 
 from ragserve.engine.async_engine import AsyncEngine
 from ragserve.engine.engine_info import KVModel
@@ -46,103 +45,23 @@ from ragserve.server.admission import WorkAdmission
 from ragserve.server.admission_checks import check_work
 from ragserve.server.config import ServerConfig
 from ragserve.server.document_expiry import ExpirySweeper
-from ragserve.server.document_lifecycle import DocumentPatch, expire_time_from, rfc3339
+from ragserve.server.document_lifecycle import DocumentPatch, expire_time_from
 from ragserve.server.document_locks import DocumentLocks
 from ragserve.server.document_orders import DocumentOrders
+from ragserve.server.document_persistence import DocumentPersistence
 from ragserve.server.document_readers import DocumentReaders
 from ragserve.server.document_store import DocumentStore
 from ragserve.server.document_watch import RegistryWatch
 from ragserve.server.errors import APIError, bad_request
 from ragserve.server.prompts import PromptBuilder
 from ragserve.server.purge_plan import purge_plan
-from ragserve.server.stored_document import StoredDocument
+from ragserve.server.registered_document import RegisteredDocument, check_document_id, document_id
 from ragserve.server.tenant_limits import DocumentLimits, check_documents, check_metadata
 
 logger = logging.getLogger(__name__)
 
-DOCUMENT_ID_LENGTH = 32
-_DOCUMENT_ID = re.compile(f"[0-9a-f]{{{DOCUMENT_ID_LENGTH}}}")
-Status = Literal["ingesting", "ready", "failed"]
-_T = TypeVar("_T")
 
-
-def document_id(namespace: str, text: str) -> str:
-    """xxh3-128 of tenant and text: 32 lowercase hex characters."""
-    return xxhash.xxh3_128_hexdigest(namespace.encode() + b"\x00" + text.encode())
-
-
-def check_document_id(value: str, param: str = "id") -> str:
-    if not _DOCUMENT_ID.fullmatch(value):
-        raise bad_request(
-            f"invalid document id {value[:40]!r}: expected {DOCUMENT_ID_LENGTH} lowercase hex characters",
-            param,
-            "invalid_document_id",
-        )
-    return value
-
-
-@dataclass(eq=False)
-class RegisteredDocument:
-    """A document in the server's registry: its tokens, ingestion status and pin.
-
-    Its row on disk is a :class:`StoredDocument`; a batch pipeline's input text is a
-    :class:`pipelines.documents.Document`.
-    """
-
-    id: str
-    namespace: str
-    token_ids: list[int]  # the document in its wrapper
-    prefix_ids: list[int]  # what ingestion prefills and pins: template head + token_ids
-    metadata: dict[str, Any]
-    created: int
-    status: Status = "ingesting"
-    error: str | None = None
-    pinned_tokens: int = 0
-    expire_time: float | None = None  # Unix seconds; None: never expires
-    # The model it was ingested under, while its KV for this model is not computed yet
-    # (see ``DocumentService._adopt``; a failed computation is tried again at the next
-    # question); None otherwise.
-    previous_model: KVModel | None = None
-    # Whether its row was written (or read): one missing later was deleted by another
-    # server on the directory (see ``DocumentService.sync``).
-    saved: bool = False
-    task: asyncio.Task[None] | None = field(default=None, repr=False)
-
-    @property
-    def pin_id(self) -> str:
-        return f"doc-{self.id}"
-
-    def stored(self) -> StoredDocument:
-        return StoredDocument(
-            self.id, self.namespace, self.token_ids, self.metadata, self.created, self.expire_time
-        )
-
-    def expired(self, now: float) -> bool:
-        return self.expire_time is not None and self.expire_time <= now
-
-    def to_json(self, block_size: int, kv: dict[str, int] | None = None) -> dict[str, Any]:
-        """The API's view. ``kv``: full blocks of the document's prefix held now, per place
-        (``device``, then each tier); only ``GET /v1/documents/{id}`` looks them up."""
-        body = {
-            "id": self.id,
-            "object": "document",
-            "created": self.created,
-            "create_time": rfc3339(self.created),
-            "expire_time": rfc3339(self.expire_time),
-            "status": self.status,
-            "tokens": len(self.token_ids),
-            "prefix_tokens": len(self.prefix_ids),
-            "pinned_tokens": self.pinned_tokens,
-            "blocks_pinned": self.pinned_tokens // block_size,
-            "metadata": self.metadata,
-            "error": self.error,
-        }
-        if kv is not None:
-            body["kv_blocks"] = kv
-        return body
-
-
-class DocumentService:
+class DocumentService(DocumentPersistence):
     """Owns every tenant's documents and their ingestion tasks. Event-loop only.
 
     ``admission``: ingestion counts as work there, and an upload that would wait too long
@@ -528,150 +447,6 @@ class DocumentService:
                 continue
             whose = "" if model is None else f" of model {model.fingerprint[:12]}"
             logger.info("document %s: KV%s purged (%s blocks)", doc.id, whose, removed)
-
-    # -- persistence -----------------------------------------------------------------------
-    async def restore(self, tenants: set[str]) -> int:
-        """Open the registry, register and re-ingest the stored documents of ``tenants``;
-        returns how many.
-
-        Never raises for a damaged database or row (see
-        :mod:`ragserve.server.document_store`): what is damaged is reported and dropped.
-        """
-        self.expiry.start()
-        if self.store is None:
-            return 0
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._store_thread, self.store.open)
-        stored = await loop.run_in_executor(self._store_thread, self.store.load)
-        self.watch.start()
-        restored = 0
-        # NOTE: expired rows last, so their purge pairs them with every live document
-        # (see :mod:`ragserve.server.purge_plan`).
-        now = time.time()
-        stored.sort(key=lambda entry: entry.expire_time is not None and entry.expire_time <= now)
-        for entry in stored:
-            if entry.namespace not in tenants or (entry.namespace, entry.id) in self._docs:
-                continue
-            doc = await self._from_row(entry)
-            if doc is not None:
-                doc.saved = True
-                self._register(doc)
-                restored += 1
-        if stored:
-            logger.info(
-                "document registry %s: %d documents restored, %d kept for other tenants",
-                self.store.path, restored, len(stored) - restored,
-            )  # fmt: skip
-        return restored + await self._adopt(tenants)
-
-    async def _adopt(self, tenants: set[str]) -> int:
-        """Take over the documents another model with this tokenizer ingested (see
-        :mod:`ragserve.server.registry_models`): their rows are copied, the other model's
-        rows and KV stay (a server of that model may be running on this directory). They
-        are listed and answer at once; their KV is computed for this model at first use,
-        not now: the other model's documents may be many and rarely used. Until then a
-        response names ``different_model`` as why the document was not cached."""
-        assert self.store is not None
-        loop = asyncio.get_running_loop()
-        try:
-            adopted = await loop.run_in_executor(
-                self._store_thread, self.store.adopt, tenants, self._fits
-            )
-        except sqlite3.Error as exc:
-            logger.warning(
-                "document registry %s: other models' documents: %s", self.store.path, exc
-            )
-            return 0
-        count = 0
-        for entry, model in adopted:
-            doc = await self._from_row(entry)
-            if doc is None or (doc.namespace, doc.id) in self._docs:
-                continue
-            doc.status, doc.previous_model, doc.saved = "ready", model, True
-            self._docs[(doc.namespace, doc.id)] = doc
-            count += 1
-        if adopted:
-            logger.info(
-                "document registry %s: %d documents of other models with this tokenizer taken "
-                "over (copied); their KV is computed again at first use",
-                self.store.path, count,
-            )  # fmt: skip
-        return count
-
-    def _fits(self, entry: StoredDocument) -> bool:
-        """Whether a stored document fits this model (run on the registry thread)."""
-        try:
-            self._check_fits(
-                len(entry.token_ids), len(self.prompts.document_prefix(entry.token_ids))
-            )
-        except APIError as exc:
-            logger.warning("stored document %s not taken over: %s", entry.id, exc.message)
-            return False
-        return True
-
-    async def _from_row(self, entry: StoredDocument) -> RegisteredDocument | None:
-        """The document a stored row describes; None when it expired while no server ran
-        (its row and KV go now) or does not fit this model (its row stays)."""
-        prefix_ids = self.prompts.document_prefix(entry.token_ids)
-        if entry.expire_time is not None and entry.expire_time <= time.time():
-            await self._drop_expired(entry, prefix_ids)
-            return None
-        try:
-            self._check_fits(len(entry.token_ids), len(prefix_ids))
-        except APIError as exc:
-            logger.warning("stored document %s not restored: %s", entry.id, exc.message)
-            return None
-        doc = RegisteredDocument(
-            entry.id, entry.namespace, entry.token_ids, prefix_ids, entry.metadata, entry.created
-        )
-        doc.expire_time = entry.expire_time
-        return doc
-
-    async def _drop_expired(self, entry: StoredDocument, prefix_ids: list[int]) -> None:
-        """A stored document that expired while no server ran: its expired rows go now,
-        with the KV of this model and of each model whose row went."""
-        key = (entry.namespace, entry.id)
-        now = time.time()
-        others = await self._store_call(
-            "deleted", self._delete_expired_rows, entry.namespace, entry.id, now
-        )
-        doc = RegisteredDocument(
-            entry.id, entry.namespace, entry.token_ids, prefix_ids, entry.metadata, entry.created
-        )
-        # NOTE: a live document of the same text keeps this model's blocks.
-        mine: list[KVModel | None] = [] if key in self._docs else [None]
-        await self._purge(doc, [*mine, *(others or [])])
-        logger.info("document %s expired while the server was down; deleted", entry.id)
-
-    def _put_row(self, doc: StoredDocument) -> bool:
-        assert self.store is not None
-        self.store.put(doc)
-        return True
-
-    def _delete_rows(self, namespace: str, doc_id: str) -> list[KVModel]:
-        """Every model's row; returns the other models with this tokenizer (their KV of
-        the document goes too)."""
-        assert self.store is not None
-        self.store.delete(namespace, doc_id)
-        return self.store.sharing_models()
-
-    def _delete_expired_rows(self, namespace: str, doc_id: str, now: float) -> list[KVModel]:
-        assert self.store is not None
-        return self.store.delete_expired(namespace, doc_id, now)
-
-    async def _store_call(self, what: str, call: Callable[..., _T], *args: Any) -> _T | None:
-        """Run a registry write on the registry thread; its result, or None when there is
-        no registry or the write failed (errors are logged, never raised).
-
-        NOTE: an upload or delete whose row could not be written still succeeds in memory:
-        the document is served until the restart that forgets (or restores) it."""
-        if self.store is None:
-            return None
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self._store_thread, call, *args)
-        except (OSError, sqlite3.Error) as exc:
-            logger.warning("document registry %s: document not %s: %s", self.store.path, what, exc)
-            return None
 
     async def close(self) -> None:
         await self.expiry.stop()

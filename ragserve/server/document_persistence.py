@@ -1,0 +1,199 @@
+"""The document registry's persistence glue: restore at start-up, take over other
+models' documents, write and delete rows on the registry thread.
+
+:class:`~ragserve.server.documents.DocumentService` inherits this; it owns the state
+named below and the lifecycle these methods call back into (fit checks, registration,
+KV purge).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sqlite3
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from ragserve.engine.engine_info import KVModel
+from ragserve.server.document_expiry import ExpirySweeper
+from ragserve.server.document_store import DocumentStore
+from ragserve.server.document_watch import RegistryWatch
+from ragserve.server.errors import APIError
+from ragserve.server.prompts import PromptBuilder
+from ragserve.server.registered_document import RegisteredDocument
+from ragserve.server.stored_document import StoredDocument
+
+# NOTE: the registry's log lines keep the logger name they had before this module split off.
+logger = logging.getLogger("ragserve.server.documents")
+
+_T = TypeVar("_T")
+
+
+class DocumentPersistence:
+    """Restores, adopts and writes the registry's rows for ``DocumentService``.
+
+    Contract with the subclass: it sets the attributes declared here and implements
+    ``_check_fits``, ``_register`` and ``_purge``. Event-loop only; registry calls run
+    on ``_store_thread`` (one thread: rows are written in the order asked for).
+    """
+
+    store: DocumentStore | None
+    prompts: PromptBuilder
+    expiry: ExpirySweeper
+    watch: RegistryWatch
+    _docs: dict[tuple[str, str], RegisteredDocument]
+    _store_thread: ThreadPoolExecutor
+
+    def _check_fits(self, num_tokens: int, num_prefix_tokens: int) -> None:
+        raise NotImplementedError
+
+    def _register(self, doc: RegisteredDocument) -> None:
+        raise NotImplementedError
+
+    async def _purge(self, doc: RegisteredDocument, models: Sequence[KVModel | None]) -> None:
+        raise NotImplementedError
+
+    async def restore(self, tenants: set[str]) -> int:
+        """Open the registry, register and re-ingest the stored documents of ``tenants``;
+        returns how many.
+
+        Never raises for a damaged database or row (see
+        :mod:`ragserve.server.document_store`): what is damaged is reported and dropped.
+        """
+        self.expiry.start()
+        if self.store is None:
+            return 0
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._store_thread, self.store.open)
+        stored = await loop.run_in_executor(self._store_thread, self.store.load)
+        self.watch.start()
+        restored = 0
+        # NOTE: expired rows last, so their purge pairs them with every live document
+        # (see :mod:`ragserve.server.purge_plan`).
+        now = time.time()
+        stored.sort(key=lambda entry: entry.expire_time is not None and entry.expire_time <= now)
+        for entry in stored:
+            if entry.namespace not in tenants or (entry.namespace, entry.id) in self._docs:
+                continue
+            doc = await self._from_row(entry)
+            if doc is not None:
+                doc.saved = True
+                self._register(doc)
+                restored += 1
+        if stored:
+            logger.info(
+                "document registry %s: %d documents restored, %d kept for other tenants",
+                self.store.path, restored, len(stored) - restored,
+            )  # fmt: skip
+        return restored + await self._adopt(tenants)
+
+    async def _adopt(self, tenants: set[str]) -> int:
+        """Take over the documents another model with this tokenizer ingested (see
+        :mod:`ragserve.server.registry_models`): their rows are copied, the other model's
+        rows and KV stay (a server of that model may be running on this directory). They
+        are listed and answer at once; their KV is computed for this model at first use,
+        not now: the other model's documents may be many and rarely used. Until then a
+        response names ``different_model`` as why the document was not cached."""
+        assert self.store is not None
+        loop = asyncio.get_running_loop()
+        try:
+            adopted = await loop.run_in_executor(
+                self._store_thread, self.store.adopt, tenants, self._fits
+            )
+        except sqlite3.Error as exc:
+            logger.warning(
+                "document registry %s: other models' documents: %s", self.store.path, exc
+            )
+            return 0
+        count = 0
+        for entry, model in adopted:
+            doc = await self._from_row(entry)
+            if doc is None or (doc.namespace, doc.id) in self._docs:
+                continue
+            doc.status, doc.previous_model, doc.saved = "ready", model, True
+            self._docs[(doc.namespace, doc.id)] = doc
+            count += 1
+        if adopted:
+            logger.info(
+                "document registry %s: %d documents of other models with this tokenizer taken "
+                "over (copied); their KV is computed again at first use",
+                self.store.path, count,
+            )  # fmt: skip
+        return count
+
+    def _fits(self, entry: StoredDocument) -> bool:
+        """Whether a stored document fits this model (run on the registry thread)."""
+        try:
+            self._check_fits(
+                len(entry.token_ids), len(self.prompts.document_prefix(entry.token_ids))
+            )
+        except APIError as exc:
+            logger.warning("stored document %s not taken over: %s", entry.id, exc.message)
+            return False
+        return True
+
+    async def _from_row(self, entry: StoredDocument) -> RegisteredDocument | None:
+        """The document a stored row describes; None when it expired while no server ran
+        (its row and KV go now) or does not fit this model (its row stays)."""
+        prefix_ids = self.prompts.document_prefix(entry.token_ids)
+        if entry.expire_time is not None and entry.expire_time <= time.time():
+            await self._drop_expired(entry, prefix_ids)
+            return None
+        try:
+            self._check_fits(len(entry.token_ids), len(prefix_ids))
+        except APIError as exc:
+            logger.warning("stored document %s not restored: %s", entry.id, exc.message)
+            return None
+        doc = RegisteredDocument(
+            entry.id, entry.namespace, entry.token_ids, prefix_ids, entry.metadata, entry.created
+        )
+        doc.expire_time = entry.expire_time
+        return doc
+
+    async def _drop_expired(self, entry: StoredDocument, prefix_ids: list[int]) -> None:
+        """A stored document that expired while no server ran: its expired rows go now,
+        with the KV of this model and of each model whose row went."""
+        key = (entry.namespace, entry.id)
+        now = time.time()
+        others = await self._store_call(
+            "deleted", self._delete_expired_rows, entry.namespace, entry.id, now
+        )
+        doc = RegisteredDocument(
+            entry.id, entry.namespace, entry.token_ids, prefix_ids, entry.metadata, entry.created
+        )
+        # NOTE: a live document of the same text keeps this model's blocks.
+        mine: list[KVModel | None] = [] if key in self._docs else [None]
+        await self._purge(doc, [*mine, *(others or [])])
+        logger.info("document %s expired while the server was down; deleted", entry.id)
+
+    def _put_row(self, doc: StoredDocument) -> bool:
+        assert self.store is not None
+        self.store.put(doc)
+        return True
+
+    def _delete_rows(self, namespace: str, doc_id: str) -> list[KVModel]:
+        """Every model's row; returns the other models with this tokenizer (their KV of
+        the document goes too)."""
+        assert self.store is not None
+        self.store.delete(namespace, doc_id)
+        return self.store.sharing_models()
+
+    def _delete_expired_rows(self, namespace: str, doc_id: str, now: float) -> list[KVModel]:
+        assert self.store is not None
+        return self.store.delete_expired(namespace, doc_id, now)
+
+    async def _store_call(self, what: str, call: Callable[..., _T], *args: Any) -> _T | None:
+        """Run a registry write on the registry thread; its result, or None when there is
+        no registry or the write failed (errors are logged, never raised).
+
+        NOTE: an upload or delete whose row could not be written still succeeds in memory:
+        the document is served until the restart that forgets (or restores) it."""
+        if self.store is None:
+            return None
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._store_thread, call, *args)
+        except (OSError, sqlite3.Error) as exc:
+            logger.warning("document registry %s: document not %s: %s", self.store.path, what, exc)
+            return None

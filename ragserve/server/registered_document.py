@@ -1,0 +1,95 @@
+"""A document in the server's registry, its id, and the API's view of it."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import xxhash
+
+from ragserve.engine.engine_info import KVModel
+from ragserve.server.document_lifecycle import rfc3339
+from ragserve.server.errors import bad_request
+from ragserve.server.stored_document import StoredDocument
+
+DOCUMENT_ID_LENGTH = 32
+_DOCUMENT_ID = re.compile(f"[0-9a-f]{{{DOCUMENT_ID_LENGTH}}}")
+Status = Literal["ingesting", "ready", "failed"]
+
+
+def document_id(namespace: str, text: str) -> str:
+    """xxh3-128 of tenant and text: 32 lowercase hex characters."""
+    return xxhash.xxh3_128_hexdigest(namespace.encode() + b"\x00" + text.encode())
+
+
+def check_document_id(value: str, param: str = "id") -> str:
+    if not _DOCUMENT_ID.fullmatch(value):
+        raise bad_request(
+            f"invalid document id {value[:40]!r}: expected {DOCUMENT_ID_LENGTH} lowercase hex characters",
+            param,
+            "invalid_document_id",
+        )
+    return value
+
+
+@dataclass(eq=False)
+class RegisteredDocument:
+    """A document in the server's registry: its tokens, ingestion status and pin.
+
+    Its row on disk is a :class:`StoredDocument`; a batch pipeline's input text is a
+    :class:`pipelines.documents.Document`.
+    """
+
+    id: str
+    namespace: str
+    token_ids: list[int]  # the document in its wrapper
+    prefix_ids: list[int]  # what ingestion prefills and pins: template head + token_ids
+    metadata: dict[str, Any]
+    created: int
+    status: Status = "ingesting"
+    error: str | None = None
+    pinned_tokens: int = 0
+    expire_time: float | None = None  # Unix seconds; None: never expires
+    # The model it was ingested under, while its KV for this model is not computed yet
+    # (see ``DocumentService._adopt``; a failed computation is tried again at the next
+    # question); None otherwise.
+    previous_model: KVModel | None = None
+    # Whether its row was written (or read): one missing later was deleted by another
+    # server on the directory (see ``DocumentService.sync``).
+    saved: bool = False
+    task: asyncio.Task[None] | None = field(default=None, repr=False)
+
+    @property
+    def pin_id(self) -> str:
+        return f"doc-{self.id}"
+
+    def stored(self) -> StoredDocument:
+        return StoredDocument(
+            self.id, self.namespace, self.token_ids, self.metadata, self.created, self.expire_time
+        )
+
+    def expired(self, now: float) -> bool:
+        return self.expire_time is not None and self.expire_time <= now
+
+    def to_json(self, block_size: int, kv: dict[str, int] | None = None) -> dict[str, Any]:
+        """The API's view. ``kv``: full blocks of the document's prefix held now, per place
+        (``device``, then each tier); only ``GET /v1/documents/{id}`` looks them up."""
+        body = {
+            "id": self.id,
+            "object": "document",
+            "created": self.created,
+            "create_time": rfc3339(self.created),
+            "expire_time": rfc3339(self.expire_time),
+            "status": self.status,
+            "tokens": len(self.token_ids),
+            "prefix_tokens": len(self.prefix_ids),
+            "pinned_tokens": self.pinned_tokens,
+            "blocks_pinned": self.pinned_tokens // block_size,
+            "metadata": self.metadata,
+            "error": self.error,
+        }
+        if kv is not None:
+            body["kv_blocks"] = kv
+        return body
