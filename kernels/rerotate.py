@@ -27,6 +27,14 @@ def rotation_angles(
     return at_target.to(torch.float64) - at_source.to(torch.float64)
 
 
+def rotation_cos_sin(
+    inv_freq: torch.Tensor, source: torch.Tensor, target: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (float32, ``[T, head_dim // 2]``) of ``rotation_angles``."""
+    angles = rotation_angles(inv_freq, source, target)
+    return angles.cos().to(torch.float32), angles.sin().to(torch.float32)
+
+
 def rerotate_keys(
     keys: torch.Tensor, inv_freq: torch.Tensor, source: torch.Tensor, target: torch.Tensor
 ) -> torch.Tensor:
@@ -37,9 +45,8 @@ def rerotate_keys(
     kept, since a rotation does not change norms). Computed in float32, returned in the
     keys' dtype.
     """
-    angles = rotation_angles(inv_freq, source, target)
-    cos = angles.cos().to(torch.float32)[:, None, :]
-    sin = angles.sin().to(torch.float32)[:, None, :]
+    cos, sin = rotation_cos_sin(inv_freq, source, target)
+    cos, sin = cos[:, None, :], sin[:, None, :]
     x1, x2 = keys.to(torch.float32).chunk(2, dim=-1)
     rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
     return rotated.to(keys.dtype)
@@ -62,9 +69,7 @@ def rerotate_copy(
     if kv_cache.device.type == "cuda":
         from kernels.triton_rerotate import rerotate_copy_triton
 
-        angles = rotation_angles(inv_freq, source_positions, target_positions)
-        cos = angles.cos().to(torch.float32)
-        sin = angles.sin().to(torch.float32)
+        cos, sin = rotation_cos_sin(inv_freq, source_positions, target_positions)
         rerotate_copy_triton(kv_cache, source, target, cos, sin)
         return
     rerotate_copy_torch(kv_cache, source, target, inv_freq, source_positions, target_positions)
