@@ -60,3 +60,15 @@ def test_an_exact_prefix_reaching_into_an_install_drops_it_and_restarts_clean() 
 def test_bad_document_spans_are_refused(docs: list[tuple[int, int]]) -> None:
     with pytest.raises(ValueError):
         check_documents(docs, 41)
+
+
+def test_blend_is_refused_on_an_fp8_cache() -> None:
+    from ragserve.config import EngineConfig
+    from ragserve.engine.blend_requests import BlendRequest
+
+    with pytest.raises(ValueError, match="fp8"):
+        EngineConfig(kv_reuse="blend", kv_cache_dtype="fp8")
+    config = EngineConfig(kv_cache_dtype="fp8")
+    docs = [(4, 36), (36, 68)]
+    with pytest.raises(ValueError, match="fp8"):
+        BlendRequest.make(config, b"salt", list(range(80)), docs, "blend", None)
