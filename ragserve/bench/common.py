@@ -202,9 +202,11 @@ def resolve_peaks(args: Any, device: torch.device) -> bool:
 
 
 def machine_description() -> str:
+    """The host's CPU, and its GPU where one is present (a run may use either)."""
+    cpu = f"{platform.processor() or platform.machine()} CPU, {os.cpu_count()} cores"
     if torch.cuda.is_available():
-        return torch.cuda.get_device_name(0)
-    return f"{platform.processor() or platform.machine()} CPU, {os.cpu_count()} cores"
+        return f"{torch.cuda.get_device_name(0)} GPU; {cpu}"
+    return cpu
 
 
 def write_json(path: str | Path, payload: dict[str, Any], quiet: bool = False) -> Path:
