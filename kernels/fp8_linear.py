@@ -80,7 +80,9 @@ def fp8_matmul_scaled_mm(
     return out if bias is None else out + bias
 
 
-def scaled_mm_usable(device: torch.device, dtype: torch.dtype, in_features: int, out_features: int) -> bool:
+def scaled_mm_usable(
+    device: torch.device, dtype: torch.dtype, in_features: int, out_features: int
+) -> bool:
     """Whether :func:`fp8_matmul_scaled_mm` runs here: CUDA with compute capability >= 8.9,
     bf16 activations (row-wise scaling writes bf16 only), and both matrix dims multiples of
     16 (a ``_scaled_mm`` layout rule)."""

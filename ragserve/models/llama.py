@@ -480,7 +480,9 @@ class LlamaForCausalLM(nn.Module):
             module_name, kind = target.rsplit(".", 1)
             module = modules[module_name]
             if isinstance(module, Fp8Linear) and kind in ("weight", "weight_scale"):
-                start, size = (0, param.shape[0]) if shard is None else self._shard_rows(target, shard)
+                start, size = (
+                    (0, param.shape[0]) if shard is None else self._shard_rows(target, shard)
+                )
                 try:
                     filled = module.load(kind, tensor, start, size)
                 except ValueError as exc:

@@ -38,7 +38,9 @@ def power_of_two_scale(amax: torch.Tensor) -> torch.Tensor:
     return torch.exp2(torch.ceil(torch.log2(amax / 448)))
 
 
-def quantize_projection(weight: torch.Tensor, scale_shape: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_projection(
+    weight: torch.Tensor, scale_shape: tuple
+) -> tuple[torch.Tensor, torch.Tensor]:
     """e4m3 codes and a scale of ``scale_shape``; every row gets one code of +-448, so a
     per-row quantizer given ``codes * scale`` finds the same codes and scales again."""
     per_channel = bool(scale_shape)
@@ -82,7 +84,11 @@ def write_checkpoints(source: Path, root: Path) -> tuple[Path, Path]:
     config = json.loads((source / "config.json").read_text())
     paths = []
     for kind, weights, extra in (
-        ("fp8", fp8, {"quantization_config": {"quant_method": "fp8", "activation_scheme": "static"}}),
+        (
+            "fp8",
+            fp8,
+            {"quantization_config": {"quant_method": "fp8", "activation_scheme": "static"}},
+        ),
         ("dequantized", dequantized, {}),
     ):
         directory = root / kind
@@ -177,7 +183,7 @@ def test_an_fp8_tensor_outside_the_projections_is_refused(tmp_path: Path) -> Non
     tensors["lm_head.weight"] = tensors["lm_head.weight"].to(FP8_DTYPE)
     save_file(tensors, str(directory / "model.safetensors"))
     rewrite_config(directory, {"quant_method": "fp8", "activation_scheme": "dynamic"})
-    with pytest.raises(ValueError, match="'lm_head.weight' is stored in FP8"):
+    with pytest.raises(ValueError, match=r"'lm_head\.weight' is stored in FP8"):
         load_model(directory, device="cpu")
 
 

@@ -69,7 +69,9 @@ def test_dummy_fp8_weights_are_drawn_per_projection_and_weigh_fp8_bytes() -> Non
     projections = [m for m in fp8.model.modules() if isinstance(m, Fp8Linear)]
     assert all(m.weight.float().abs().amax() == 448 for m in projections)
     # Row maxima of 64 to 128 draws of N(0, 0.02): 0.033 to 0.091 here.
-    assert all(0.02 < 448 * m.weight_scale.min() < 448 * m.weight_scale.max() < 0.15 for m in projections)
+    assert all(
+        0.02 < 448 * m.weight_scale.min() < 448 * m.weight_scale.max() < 0.15 for m in projections
+    )
 
     def weight_bytes(model: torch.nn.Module) -> int:
         return sum(p.numel() * p.element_size() for p in model.parameters())
