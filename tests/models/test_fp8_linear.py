@@ -141,3 +141,33 @@ def test_fp8_greedy_outputs_agree_with_float_weights_on_most_tokens(
     got = [t[0] for t in generate(fp8_engine, forced, 1)]
     agreement = sum(a == b for a, b in zip(got, want, strict=True)) / len(want)
     assert agreement >= 0.85, f"FP8 weights agree on {agreement:.1%} of next tokens"
+
+
+def _sm89() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm89(), reason="torch._scaled_mm needs compute capability >= 8.9")
+def test_fp8_engine_on_the_gpu_runs_scaled_mm_and_graphs_give_the_eager_outputs(
+    model_dir: str,
+) -> None:
+    """bf16 on CUDA: every projection takes ``_scaled_mm`` (the tiny model's dims are
+    multiples of 16), decode replays CUDA graphs, and they give the eager tokens."""
+    generator = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 128, (n,), generator=generator).tolist() for n in (1, 9, 17, 40)]
+    outputs = {}
+    for eager in (True, False):
+        with LLM(
+            model_dir,
+            dtype="bfloat16",
+            device="cuda",
+            quantization="fp8",
+            enforce_eager=eager,
+            kv_cache_gib=0.05,
+        ) as llm:
+            model = llm.engine.loaded.model
+            projections = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+            assert projections and all(m.use_scaled_mm for m in projections)
+            outputs[eager] = generate(llm, prompts, NEW)
+    assert outputs[True] == outputs[False]
