@@ -12,6 +12,9 @@ closely and greedy outputs are token-identical.
 
 Parameter names mirror HF checkpoints except for the fused ``qkv_proj`` and ``gate_up_proj``;
 ``load_weights`` takes HF names and writes each shard into its slice of the fused weight.
+With ``quantization="fp8"`` the four projections of each layer are ``Fp8Linear``s
+(``fp8_linear.py``), which take float shards (quantized on arrival) or FP8 shards with their
+``weight_scale``.
 """
 
 from __future__ import annotations
