@@ -253,6 +253,7 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
             "model": config.model or "default",
             "load_format": config.load_format,
             "dtype": str(ours["dtype"]),
+            "quantization": ours["quantization"],
             "input_tokens": in_tokens,
             "output_tokens": sum(output_lens),
             "max_num_seqs": config.max_num_seqs,

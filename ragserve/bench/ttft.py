@@ -380,6 +380,7 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
             "max_num_batched_tokens": config.max_num_batched_tokens,
             "model": config.model or "default",
             "load_format": config.load_format,
+            "quantization": config.quantization,
         },
         "rows": {},
         "errors": [],
