@@ -70,6 +70,36 @@ def test_scaled_mm_is_used_only_where_it_runs() -> None:
         assert not scaled_mm_usable(cuda, torch.bfloat16, 4096, 4104)
 
 
+def _cpu_scaled_mm_error() -> str | None:
+    """Why this torch cannot run row-wise ``_scaled_mm`` on the CPU (None: it can)."""
+    try:
+        torch._scaled_mm(
+            torch.zeros(1, 16, dtype=FP8_DTYPE),
+            torch.zeros(16, 16, dtype=FP8_DTYPE).t(),
+            scale_a=torch.ones(1, 1),
+            scale_b=torch.ones(1, 16),
+            out_dtype=torch.bfloat16,
+        )
+    except (RuntimeError, NotImplementedError) as exc:
+        return str(exc).splitlines()[0]
+    return None
+
+
+@pytest.mark.skipif(_cpu_scaled_mm_error() is not None, reason="no row-wise _scaled_mm on the CPU")
+def test_the_scaled_mm_call_matches_the_reference_on_the_cpu() -> None:
+    """The GPU path's operands (column-major weight, [M, 1] and [1, N] scales) checked where
+    CI runs: torch's CPU ``_scaled_mm`` takes the same call. Swapped scales fail by far."""
+    x = rows_spanning_decades(5, 64, seed=3).to(torch.bfloat16)
+    codes, scale = quantize_rows(torch.randn(48, 64, generator=torch.Generator().manual_seed(4)))
+    want = fp8_matmul_reference(x, codes, scale)
+    got = fp8_matmul_scaled_mm(x, codes, scale)
+    assert got.dtype == torch.bfloat16
+    row_max = want.abs().amax(dim=1, keepdim=True)
+    assert ((got.float() - want).abs() <= 2.0**-7 * row_max).all()  # bf16 output rounding
+    wrong = fp8_matmul_scaled_mm(x, codes, scale.flip(0)).float()
+    assert ((wrong - want).abs() > 2.0**-7 * row_max).any()
+
+
 def _sm89() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 
