@@ -461,6 +461,8 @@ class LlamaForCausalLM(nn.Module):
 
         Raises ValueError on an unknown name, a shape mismatch, or when any parameter (or
         shard of a fused one) was not provided. ``lm_head.weight`` is ignored when tied.
+        An ``Fp8Linear`` takes float shards (quantized as they come) or e4m3 ones with their
+        ``weight_scale``; any other FP8 tensor is refused.
         """
         params = dict(self.named_parameters())
         modules = dict(self.named_modules())
