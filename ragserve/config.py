@@ -10,6 +10,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 # NOTE: the same names as kernels.fp8_kv.KV_CACHE_DTYPES; the config stays free of torch.
 KV_CACHE_DTYPES = ("auto", "fp8")
+# NOTE: the same names as ragserve.models.llama.QUANTIZATIONS, for the same reason.
+QUANTIZATIONS = ("none", "fp8")
 # The disk tier's budget when --kv-disk-dir is given without --kv-disk-gib.
 DEFAULT_DISK_GIB = 16.0
 
@@ -24,6 +26,13 @@ class EngineConfig:
     )
     tokenizer: str | None = option(None, help="tokenizer directory (default: the model's)")
     dtype: str = option("auto", help="weights and activations", choices=DTYPES)
+    quantization: str = option(
+        "none",
+        help="decoder linear weights: none (the model's dtype) or fp8 (e4m3 with a float32 "
+        "scale per output channel, activations scaled per token at run time; embeddings and "
+        "LM head keep the model's dtype); a checkpoint stored in FP8 is always served in FP8",
+        choices=QUANTIZATIONS,
+    )
     device: str = option("auto", help="auto, cpu, cuda or cuda:N")
     load_format: str = option("auto", help="how to read --model", choices=LOAD_FORMATS)
     seed: int = option(0, help="seed of dummy weights and of sampling")

@@ -91,6 +91,22 @@ def test_engine_flags_keep_their_spellings() -> None:
     assert config.enable_prefix_caching
 
 
+def test_quantization_flag_defaults_to_none_and_takes_fp8() -> None:
+    from ragserve.models.llama import QUANTIZATIONS
+
+    parser = parser_for(EngineConfig)
+    assert config_from_args(EngineConfig, parser.parse_args([])).quantization == "none"
+    config = config_from_args(EngineConfig, parser.parse_args(["--quantization", "fp8"]))
+    assert config.quantization == "fp8"
+    assert to_argv(config) == ["--quantization", "fp8"]
+    # The config stays free of torch, so it spells the model's names out: they must agree.
+    assert flags_by_name(EngineConfig)["--quantization"].option.choices == QUANTIZATIONS
+
+
+def flags_by_name(config_type: type[Any]) -> dict[str, Flag]:
+    return {flag.name: flag for flag in flags(config_type)}
+
+
 def test_api_key_repeats() -> None:
     args = parser_for(ServerConfig).parse_args(["--api-key", "a", "--api-key", "b"])
     assert config_from_args(ServerConfig, args).api_keys == ("a", "b")

@@ -55,7 +55,21 @@ TINY_LLAMA: dict[str, Any] = LLAMA_3_1_8B | {
     "rope_scaling": LLAMA_3_1_8B["rope_scaling"] | {"original_max_position_embeddings": 1024},
 }
 
-SHAPES = {"llama-3.1-8b": LLAMA_3_1_8B, "tiny-llama": TINY_LLAMA}
+# Llama-3.1-70B: in FP8 (``--quantization fp8``) its ~70 GB of weights and ~2 GB of bf16
+# embedding and LM head fit one 141 GB H200 with room for KV.
+LLAMA_3_1_70B: dict[str, Any] = LLAMA_3_1_8B | {
+    "hidden_size": 8192,
+    "intermediate_size": 28672,
+    "num_hidden_layers": 80,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+}
+
+SHAPES = {
+    "llama-3.1-8b": LLAMA_3_1_8B,
+    "llama-3.1-70b": LLAMA_3_1_70B,
+    "tiny-llama": TINY_LLAMA,
+}
 
 
 def write_shape_config(name: str, min_model_len: int | None = None) -> str:
@@ -76,17 +90,31 @@ def write_shape_config(name: str, min_model_len: int | None = None) -> str:
     return str(directory)
 
 
+def linear_params(shape: ModelShape) -> int:
+    """Weights of the decoder's projections (q, k, v, o, gate, up, down) in all layers."""
+    q_out = shape.num_heads * shape.head_dim
+    kv_out = shape.num_kv_heads * shape.head_dim
+    attention = shape.hidden_size * (q_out + 2 * kv_out) + q_out * shape.hidden_size
+    mlp = 3 * shape.hidden_size * shape.intermediate_size
+    return shape.num_layers * (attention + mlp)
+
+
+def linear_output_channels(shape: ModelShape) -> int:
+    """Output channels of the decoder's projections in all layers: one FP8 scale each."""
+    q_out = shape.num_heads * shape.head_dim
+    kv_out = shape.num_kv_heads * shape.head_dim
+    attention = q_out + 2 * kv_out + shape.hidden_size
+    mlp = 2 * shape.intermediate_size + shape.hidden_size
+    return shape.num_layers * (attention + mlp)
+
+
 def non_embedding_params(shape: ModelShape) -> int:
     """Parameters of the decoder layers and the final norm: the matrices every token passes.
 
     Excludes the input embedding (a lookup) and the LM head (run for one token per prefill;
     counted separately by the callers that need it).
     """
-    q_out = shape.num_heads * shape.head_dim
-    kv_out = shape.num_kv_heads * shape.head_dim
-    attention = shape.hidden_size * (q_out + 2 * kv_out) + q_out * shape.hidden_size
-    mlp = 3 * shape.hidden_size * shape.intermediate_size
-    return shape.num_layers * (attention + mlp + 2 * shape.hidden_size) + shape.hidden_size
+    return linear_params(shape) + (2 * shape.num_layers + 1) * shape.hidden_size
 
 
 def prefill_flops(shape: ModelShape, tokens: int, context: int = 0) -> float:
@@ -113,13 +141,21 @@ def generate_flops(shape: ModelShape, input_len: int, output_len: int) -> float:
     return prefill_flops(shape, input_len) + steps * per_token + attention
 
 
-def decode_weight_bytes(shape: ModelShape, itemsize: int) -> int:
+def decode_weight_bytes(shape: ModelShape, itemsize: int, quantization: str = "none") -> int:
     """Weight bytes one decode step reads: the decoder layers, the final norm and the LM head.
+
+    With ``quantization="fp8"`` the projections read one byte per weight plus a float32
+    scale per output channel; norms and the LM head stay at ``itemsize``.
 
     NOTE: the input embedding is a lookup of one row per token, so an untied embedding
     table (1.05 GB in Llama-3.1-8B) is not read; a tied one is read as the LM head.
     """
-    return (non_embedding_params(shape) + shape.vocab_size * shape.hidden_size) * itemsize
+    head = shape.vocab_size * shape.hidden_size
+    if quantization == "fp8":
+        norms = non_embedding_params(shape) - linear_params(shape)
+        linear = linear_params(shape) + 4 * linear_output_channels(shape)
+        return linear + (norms + head) * itemsize
+    return (non_embedding_params(shape) + head) * itemsize
 
 
 def decode_floor_s(weight_bytes: int, kv_bytes: int, peak_tbps: float) -> float:

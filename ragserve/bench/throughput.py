@@ -107,6 +107,7 @@ def _run_ragserve(
         "kv_utilisation": kv_utilisation,
         "prompts": prompts,
         "dtype": info.dtype,
+        "quantization": info.quantization,
         "device": info.device,
     }
 
@@ -224,7 +225,7 @@ def _floor(
         generate_flops(run["shape"], i, o) for i, o in zip(input_lens, output_lens, strict=True)
     )
     compute = flops / (args.peak_tflops * 1e12)
-    step_bytes = decode_weight_bytes(run["shape"], run["dtype"].itemsize)
+    step_bytes = decode_weight_bytes(run["shape"], run["dtype"].itemsize, run["quantization"])
     memory = max(output_lens) * step_bytes / (args.peak_tbps * 1e12)
     return {
         "flops": flops,
@@ -252,6 +253,7 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
             "model": config.model or "default",
             "load_format": config.load_format,
             "dtype": str(ours["dtype"]),
+            "quantization": ours["quantization"],
             "input_tokens": in_tokens,
             "output_tokens": sum(output_lens),
             "max_num_seqs": config.max_num_seqs,

@@ -166,7 +166,7 @@ def _record_decode(
             peak_prefill - memory["weights_bytes"] - memory["kv_cache_bytes"]
         )
     kv_bytes = (length + args.decode_tokens) * info.kv_bytes_per_token
-    read_bytes = decode_weight_bytes(info.model_shape, info.dtype.itemsize)
+    read_bytes = decode_weight_bytes(info.model_shape, info.dtype.itemsize, info.quantization)
     results["decode"] = {
         "context": length,
         "tokens": args.decode_tokens,
@@ -380,6 +380,7 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
             "max_num_batched_tokens": config.max_num_batched_tokens,
             "model": config.model or "default",
             "load_format": config.load_format,
+            "quantization": config.quantization,
         },
         "rows": {},
         "errors": [],

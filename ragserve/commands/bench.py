@@ -38,7 +38,8 @@ def add_parser(subparsers: Subparsers, name: str) -> None:
         sub.add_argument(
             "--model-shape",
             default=None,
-            help="random weights of a named shape (llama-3.1-8b, tiny-llama) instead of --model",
+            help="random weights of a named shape (llama-3.1-8b, llama-3.1-70b, tiny-llama) "
+            "instead of --model",
         )
         sub.set_defaults(func=_runner(module))
 

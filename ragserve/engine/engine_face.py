@@ -62,6 +62,7 @@ def make_info(engine: LLMEngine, attention_backend: str) -> EngineInfo:
         disk_tier_bytes=disk.capacity_bytes if disk is not None else None,
         remote_tier_url=tiers.remote_url,
         kv_dtype=engine.kv_format.name,
+        quantization=loaded.quantization,
     )
 
 

@@ -58,7 +58,7 @@ class EngineInfo:
     device: torch.device
     dtype: torch.dtype
     model_shape: ModelShape
-    weight_bytes: int  # the model's parameters (a tied matrix counts once)
+    weight_bytes: int  # the model's parameters as stored: FP8 codes and scales when quantized
     eos_token_ids: tuple[int, ...]
     max_model_len: int
     block_size: int
@@ -77,6 +77,8 @@ class EngineInfo:
     remote_tier_url: str | None = None
     # How KV is stored (``kernels/fp8_kv.KVFormat.name``); the block-hash salt binds it.
     kv_dtype: str = ""
+    # How the decoder's linear weights are stored: "none" (the model's dtype) or "fp8".
+    quantization: str = "none"
 
     @property
     def kv_model(self) -> KVModel:

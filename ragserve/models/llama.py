@@ -12,6 +12,9 @@ closely and greedy outputs are token-identical.
 
 Parameter names mirror HF checkpoints except for the fused ``qkv_proj`` and ``gate_up_proj``;
 ``load_weights`` takes HF names and writes each shard into its slice of the fused weight.
+With ``quantization="fp8"`` the four projections of each layer are ``Fp8Linear``s
+(``fp8_linear.py``), which take float shards (quantized on arrival) or FP8 shards with their
+``weight_scale``.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from torch import nn
 from kernels import cpu_layer_ops
 from kernels.cpu_linear import can_pack, pack_weight, packed_linear
 from ragserve.models.forward_context import OutputRows, get_forward_context
+from ragserve.models.fp8_linear import Fp8Linear
 from ragserve.models.layers import Embedding, Linear, RMSNorm, fused_ops, use_fused_kernels
 from ragserve.models.rotary import RotaryEmbedding, Rotation, compute_inv_freq, rope_parameters
 
@@ -55,6 +59,21 @@ class ModelShape:
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """Bytes of K and V one token occupies across all layers."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype.itemsize
+
+
+# Values of ``--quantization``: how the decoder's linear layers hold their weights.
+QUANTIZATIONS = ("none", "fp8")
+
+
+def linear_class(quantization: str) -> type[Linear] | type[Fp8Linear]:
+    """The decoder's projections: ``Linear`` in the model dtype, or ``Fp8Linear``.
+
+    NOTE: only the decoder's projections; the embedding and LM head stay in the model
+    dtype (one row read per token, and the logits are the most sensitive to rounding).
+    """
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
+    return Fp8Linear if quantization == "fp8" else Linear
 
 
 @dataclass(frozen=True)
@@ -115,8 +134,10 @@ class LlamaAttention(nn.Module):
         *,
         device: torch.device,
         dtype: torch.dtype,
+        quantization: str = "none",
     ) -> None:
         super().__init__()
+        linear = linear_class(quantization)
         self.layer_idx = layer_idx
         self.num_heads = shape.num_heads
         self.num_kv_heads = shape.num_kv_heads
@@ -124,14 +145,14 @@ class LlamaAttention(nn.Module):
         self.q_size = shape.num_heads * shape.head_dim
         self.kv_size = shape.num_kv_heads * shape.head_dim
         self.scale = shape.head_dim**-0.5
-        self.qkv_proj = Linear(
+        self.qkv_proj = linear(
             shape.hidden_size,
             self.q_size + 2 * self.kv_size,
             bias=flags.qkv_bias,
             device=device,
             dtype=dtype,
         )
-        self.o_proj = Linear(
+        self.o_proj = linear(
             self.q_size, shape.hidden_size, bias=flags.o_proj_bias, device=device, dtype=dtype
         )
         self.q_norm: RMSNorm | None = None
@@ -179,18 +200,25 @@ class LlamaAttention(nn.Module):
 
 class LlamaMLP(nn.Module):
     def __init__(
-        self, shape: ModelShape, flags: ArchFlags, *, device: torch.device, dtype: torch.dtype
+        self,
+        shape: ModelShape,
+        flags: ArchFlags,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        quantization: str = "none",
     ) -> None:
         super().__init__()
+        linear = linear_class(quantization)
         self.intermediate_size = shape.intermediate_size
-        self.gate_up_proj = Linear(
+        self.gate_up_proj = linear(
             shape.hidden_size,
             2 * shape.intermediate_size,
             bias=flags.mlp_bias,
             device=device,
             dtype=dtype,
         )
-        self.down_proj = Linear(
+        self.down_proj = linear(
             shape.intermediate_size,
             shape.hidden_size,
             bias=flags.mlp_bias,
@@ -218,13 +246,16 @@ class LlamaDecoderLayer(nn.Module):
         *,
         device: torch.device,
         dtype: torch.dtype,
+        quantization: str = "none",
     ) -> None:
         super().__init__()
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(shape.hidden_size, eps, device=device, dtype=dtype)
-        self.self_attn = LlamaAttention(config, shape, flags, layer_idx, device=device, dtype=dtype)
+        self.self_attn = LlamaAttention(
+            config, shape, flags, layer_idx, device=device, dtype=dtype, quantization=quantization
+        )
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, eps, device=device, dtype=dtype)
-        self.mlp = LlamaMLP(shape, flags, device=device, dtype=dtype)
+        self.mlp = LlamaMLP(shape, flags, device=device, dtype=dtype, quantization=quantization)
 
     def forward(
         self,
@@ -264,13 +295,16 @@ class LlamaModel(nn.Module):
         *,
         device: torch.device,
         dtype: torch.dtype,
+        quantization: str = "none",
     ) -> None:
         super().__init__()
         self.embed_tokens = Embedding(
             shape.vocab_size, shape.hidden_size, device=device, dtype=dtype
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, shape, flags, i, device=device, dtype=dtype)
+            LlamaDecoderLayer(
+                config, shape, flags, i, device=device, dtype=dtype, quantization=quantization
+            )
             for i in range(shape.num_layers)
         )
         self.norm = RMSNorm(shape.hidden_size, config.rms_norm_eps, device=device, dtype=dtype)
@@ -327,6 +361,7 @@ class LlamaForCausalLM(nn.Module):
         device: torch.device,
         dtype: torch.dtype,
         max_model_len: int | None = None,
+        quantization: str = "none",
     ) -> None:
         super().__init__()
         act = getattr(config, "hidden_act", "silu")
@@ -338,8 +373,15 @@ class LlamaForCausalLM(nn.Module):
         self.shape = shape_from_config(config)
         self.flags = self.arch_flags(config)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.quantization = quantization
         self.model = LlamaModel(
-            config, self.shape, self.flags, self.max_model_len, device=device, dtype=dtype
+            config,
+            self.shape,
+            self.flags,
+            self.max_model_len,
+            device=device,
+            dtype=dtype,
+            quantization=quantization,
         )
         self.lm_head: Linear | None = None
         if not self.tie_word_embeddings:
@@ -419,11 +461,18 @@ class LlamaForCausalLM(nn.Module):
 
         Raises ValueError on an unknown name, a shape mismatch, or when any parameter (or
         shard of a fused one) was not provided. ``lm_head.weight`` is ignored when tied.
+        An ``Fp8Linear`` takes float shards (quantized as they come) or e4m3 ones with their
+        ``weight_scale``; any other FP8 tensor is refused.
         """
         params = dict(self.named_parameters())
+        modules = dict(self.named_modules())
         loaded: set[tuple[str, int | None]] = set()
         for name, tensor in weights:
             if name.endswith("rotary_emb.inv_freq"):
+                continue
+            # NOTE: a static activation scale of an FP8 checkpoint is not used: activations
+            # get dynamic per-token scales, which fit each token at least as well.
+            if name.endswith(".input_scale"):
                 continue
             if self.tie_word_embeddings and name == "lm_head.weight":
                 continue
@@ -432,6 +481,23 @@ class LlamaForCausalLM(nn.Module):
             if param is None:
                 raise ValueError(
                     f"checkpoint weight {name!r} has no place in {type(self).__name__}"
+                )
+            module_name, kind = target.rsplit(".", 1)
+            module = modules[module_name]
+            if isinstance(module, Fp8Linear) and kind in ("weight", "weight_scale"):
+                start, size = (
+                    (0, param.shape[0]) if shard is None else self._shard_rows(target, shard)
+                )
+                try:
+                    filled = module.load(kind, tensor, start, size)
+                except ValueError as exc:
+                    raise ValueError(f"weight {name!r} {exc}") from None
+                loaded.update((f"{module_name}.{part}", shard) for part in filled)
+                continue
+            if tensor.dtype == torch.float8_e4m3fn:
+                raise ValueError(
+                    f"weight {name!r} is stored in FP8, but {target} holds the model's dtype "
+                    "(only the decoder's projections may be FP8)"
                 )
             dest = param.data if shard is None else self._shard_view(param.data, target, shard)
             if dest.shape != tensor.shape:
@@ -459,15 +525,17 @@ class LlamaForCausalLM(nn.Module):
                 return name.replace(marker, f".{fused}."), shard
         return name, None
 
-    def _shard_view(self, data: torch.Tensor, target: str, shard: int) -> torch.Tensor:
+    def _shard_rows(self, target: str, shard: int) -> tuple[int, int]:
+        """``(first row, rows)`` of a shard within its fused projection."""
         if ".qkv_proj." in target:
             q_size = self.shape.num_heads * self.shape.head_dim
             kv_size = self.shape.num_kv_heads * self.shape.head_dim
-            start, size = [(0, q_size), (q_size, kv_size), (q_size + kv_size, kv_size)][shard]
-        else:
-            size = self.shape.intermediate_size
-            start = shard * size
-        return data.narrow(0, start, size)
+            return [(0, q_size), (q_size, kv_size), (q_size + kv_size, kv_size)][shard]
+        size = self.shape.intermediate_size
+        return shard * size, size
+
+    def _shard_view(self, data: torch.Tensor, target: str, shard: int) -> torch.Tensor:
+        return data.narrow(0, *self._shard_rows(target, shard))
 
     @staticmethod
     def _expected_slots(params: dict[str, nn.Parameter]) -> list[tuple[str, int | None]]:

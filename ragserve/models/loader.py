@@ -13,6 +13,12 @@ Sources (``load_format``):
 - ``dummy``: random weights (normal, std 0.02; norms 1.0) of the config's shapes, drawn on
   the device; only ``config.json`` (or a GGUF header) is read.
 
+``quantization="fp8"`` builds the decoder's projections as ``Fp8Linear`` (see
+``fp8_linear.py``): float checkpoints are quantized shard by shard as they are read, dummy
+weights are drawn one projection at a time and quantized on the device (a 70B model never
+exists in bf16), and a checkpoint stored in FP8 (``fp8_checkpoint.py``) is served in FP8
+whatever was asked.
+
 ``dtype="auto"`` means float32 on the CPU and bfloat16 on CUDA, whatever the checkpoint
 stores. The tokenizer is optional: a directory without tokenizer files yields ``None``
 (token-id-only use).
@@ -34,7 +40,9 @@ from transformers import AutoConfig, PretrainedConfig, PreTrainedTokenizerBase
 from ragserve.devices import resolve_device, resolve_dtype
 from ragserve.models import gguf_loader
 from ragserve.models.default_model import DEFAULT_MODEL_NAME, default_model_path
-from ragserve.models.llama import LlamaForCausalLM, ModelShape
+from ragserve.models.fp8_checkpoint import resolve_quantization
+from ragserve.models.fp8_linear import Fp8Linear
+from ragserve.models.llama import QUANTIZATIONS, LlamaForCausalLM, ModelShape
 from ragserve.models.registry import model_class_for
 from ragserve.models.tokenizer import has_tokenizer_files, load_gguf_tokenizer, load_hf_tokenizer
 
@@ -50,8 +58,9 @@ class LoadedModel:
     """A model with everything the engine needs to serve it.
 
     ``fingerprint`` is a hex digest of the architecture config, the weights' identity (file
-    names, sizes and mtimes; a GGUF header digest; or the dummy seed) and the dtype: equal
-    fingerprints mean equal KV for equal tokens, so it salts KV block hashes.
+    names, sizes and mtimes; a GGUF header digest; or the dummy seed), the dtype and the
+    weight quantization: equal fingerprints mean equal KV for equal tokens, so it salts KV
+    block hashes. ``quantization`` is the one served ("none" or "fp8").
     """
 
     model: LlamaForCausalLM
@@ -61,6 +70,7 @@ class LoadedModel:
     max_model_len: int
     fingerprint: str
     name: str
+    quantization: str = "none"
 
     @property
     def shape(self) -> ModelShape:
@@ -85,6 +95,7 @@ def load_model_from_config(config: EngineConfig) -> LoadedModel:
         tokenizer=config.tokenizer,
         max_model_len=config.max_model_len,
         seed=config.seed,
+        quantization=config.quantization,
     )
 
 
@@ -97,17 +108,21 @@ def load_model(
     tokenizer: str | Path | None = None,
     max_model_len: int | None = None,
     seed: int = 0,
+    quantization: str = "none",
 ) -> LoadedModel:
     """Load ``model`` (HF directory, ``.gguf`` file, or None for the default model).
 
     ``tokenizer`` overrides where the tokenizer comes from (an HF directory or hub id).
     ``max_model_len`` defaults to the config's ``max_position_embeddings`` and may not
-    exceed it. ``seed`` only matters for ``load_format="dummy"``.
-    Raises ValueError for a missing path, an unsupported architecture or format, sliding
-    window attention, or a checkpoint that does not match the config.
+    exceed it. ``seed`` only matters for ``load_format="dummy"``. ``quantization`` is
+    "none" or "fp8" (the decoder's projections in e4m3).
+    Raises ValueError for a missing path, an unsupported architecture, format or quantized
+    layout, sliding window attention, or a checkpoint that does not match the config.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {list(LOAD_FORMATS)}, got {load_format!r}")
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
     torch_device = resolve_device(device)
     options = _Options(
         device=torch_device,
@@ -116,6 +131,7 @@ def load_model(
         tokenizer=tokenizer,
         max_model_len=max_model_len,
         seed=seed,
+        quantization=quantization,
     )
     path, kind = _locate(model, load_format)
     if kind == "gguf":
@@ -131,6 +147,7 @@ class _Options:
     tokenizer: str | Path | None
     max_model_len: int | None
     seed: int
+    quantization: str
 
 
 def _locate(model: str | Path | None, load_format: str) -> tuple[Path, str]:
@@ -171,7 +188,13 @@ def _max_len(config: PretrainedConfig, requested: int | None) -> int:
 def _build(config: PretrainedConfig, options: _Options) -> tuple[LlamaForCausalLM, int]:
     max_len = _max_len(config, options.max_model_len)
     cls = model_class_for(config)
-    model = cls(config, device=options.device, dtype=options.dtype, max_model_len=max_len)
+    model = cls(
+        config,
+        device=options.device,
+        dtype=options.dtype,
+        max_model_len=max_len,
+        quantization=resolve_quantization(options.quantization, config),
+    )
     return model, max_len
 
 
@@ -201,8 +224,9 @@ def _load_hf_dir(directory: Path, options: _Options) -> LoadedModel:
         tokenizer=tokenizer,
         eos_token_ids=_eos_token_ids(generation_eos, config, tokenizer),
         max_model_len=max_len,
-        fingerprint=compute_fingerprint(config, identity, options.dtype),
+        fingerprint=compute_fingerprint(config, identity, options.dtype, model.quantization),
         name=directory.resolve().name,
+        quantization=model.quantization,
     )
 
 
@@ -231,8 +255,9 @@ def _load_gguf(path: Path, options: _Options, *, is_default: bool) -> LoadedMode
         tokenizer=tokenizer,
         eos_token_ids=_eos_token_ids(None, config, tokenizer),
         max_model_len=max_len,
-        fingerprint=compute_fingerprint(config, identity, options.dtype),
+        fingerprint=compute_fingerprint(config, identity, options.dtype, model.quantization),
         name=DEFAULT_MODEL_NAME if is_default else path.stem,
+        quantization=model.quantization,
     )
 
 
@@ -269,26 +294,53 @@ def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def init_dummy_weights(model: LlamaForCausalLM, seed: int) -> None:
-    """Random weights drawn on the model's device: norms 1.0, everything else N(0, 0.02)."""
+    """Random weights drawn on the model's device: norms 1.0, everything else N(0, 0.02).
+
+    An FP8 projection's weight is drawn in the model dtype and quantized by ``Fp8Linear.load``
+    (its scales with it), one projection at a time: at most one float projection exists.
+    """
     generator = torch.Generator(device=model.device)
     generator.manual_seed(seed)
+    modules = dict(model.named_modules())
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
+            module_name, _, kind = name.rpartition(".")
+            module = modules[module_name]
+            if isinstance(module, Fp8Linear) and kind in ("weight", "weight_scale"):
+                if kind == "weight":
+                    drawn = torch.empty(param.shape, device=param.device, dtype=model.dtype)
+                    drawn.normal_(0.0, _DUMMY_STD, generator=generator)
+                    module.load("weight", drawn, 0, param.shape[0])
+                    del drawn
+            elif name.endswith("norm.weight"):
                 param.fill_(1.0)
             else:
                 param.normal_(0.0, _DUMMY_STD, generator=generator)
     model.pack_cpu_weights()  # the weights changed: refresh any prepacked CPU copies
 
 
-def compute_fingerprint(config: PretrainedConfig, weights_identity: Any, dtype: torch.dtype) -> str:
-    """sha256 over the config (minus bookkeeping keys), the weights' identity and the dtype."""
+def compute_fingerprint(
+    config: PretrainedConfig,
+    weights_identity: Any,
+    dtype: torch.dtype,
+    quantization: str = "none",
+) -> str:
+    """sha256 over the config (minus bookkeeping keys), the weights' identity, the dtype and
+    the weight quantization (FP8 weights compute other KV than the same weights in bf16)."""
     config_dict = {
         key: value
         for key, value in config.to_dict().items()
         if not key.startswith("_") and key != "transformers_version"
     }
-    payload = {"config": config_dict, "weights": weights_identity, "dtype": str(dtype)}
+    payload: dict[str, Any] = {
+        "config": config_dict,
+        "weights": weights_identity,
+        "dtype": str(dtype),
+    }
+    # NOTE: added only when quantized, so unquantized fingerprints (and the KV records
+    # on disk and in remote stores keyed by them) stay what they were.
+    if quantization != "none":
+        payload["quantization"] = quantization
     blob = json.dumps(payload, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()
 

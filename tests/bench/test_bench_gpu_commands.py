@@ -229,6 +229,23 @@ def test_tiers_refuse_a_tier_smaller_than_the_document(tmp_path: Path) -> None:
     assert code == 2  # a ValueError with the sizes, before any measurement
 
 
+def test_throughput_floor_reads_fp8_bytes_with_fp8_weights(tmp_path: Path) -> None:
+    shape = ModelShape(2, 4, 2, 16, 64, 128, 512)  # tiny-llama
+    floors = {}
+    for quantization in ("none", "fp8"):
+        code, result = _bench(
+            tmp_path, "throughput", "--num-prompts", "1", "--input-len", "4", "--output-len",
+            "2", "--skip-transformers", "--peak-tflops", "0.5", "--peak-tbps", "0.01",
+            "--quantization", quantization,
+        )  # fmt: skip
+        assert code == 0
+        floors[quantization] = result["floor"]["weights_read_s"]
+    # float32 on the CPU: 4 bytes a weight, against 1 (plus a float32 scale per channel).
+    want = decode_weight_bytes(shape, 4, "fp8") / decode_weight_bytes(shape, 4)
+    assert floors["fp8"] / floors["none"] == pytest.approx(want)
+    assert want < 0.5
+
+
 def test_floors_of_the_8b_shape_match_the_issue() -> None:
     shape = ModelShape(32, 32, 8, 128, 4096, 14336, 128256)
     assert LLAMA_3_1_8B["hidden_size"] == shape.hidden_size and TINY_LLAMA["num_hidden_layers"] == 2

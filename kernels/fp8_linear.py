@@ -1,0 +1,94 @@
+"""FP8 (e4m3) linear layers: per-output-channel weight scales, per-token activation scales.
+
+``y = x @ w.T`` becomes ``y[m, n] = xs[m] * ws[n] * sum_k xq[m, k] * wq[n, k]`` where
+``wq [N, K]`` holds the e4m3 codes of ``w / ws`` (``ws = amax(|w[n]|) / 448``, fixed at load)
+and ``xq`` those of ``x / xs`` (``xs = amax(|x[m]|) / 448``, computed per call on the device).
+
+Two paths compute it:
+
+- :func:`fp8_matmul_scaled_mm`: ``torch._scaled_mm`` with row-wise scales, on CUDA devices
+  of compute capability 8.9 or more (Ada, Hopper), bf16 out. No host syncs, so it records
+  into CUDA graphs.
+- :func:`fp8_matmul_reference`: the same arithmetic in float32 anywhere (the CPU, tests):
+  the activation fake-quantized exactly as the GPU path quantizes it, the weight
+  dequantized, one float32 matmul. The GPU path is checked against it.
+
+Accuracy: each e4m3 element is within ``2^-4`` of itself (relative, 3 mantissa bits) or
+``2^-10 * scale`` (subnormals) of the original, so each product is within about ``2^-3``
+relative of exact, and ``|y - y_exact| <= 2^-3 * sum_k |x[m, k] * w[n, k]|`` (plus bf16
+rounding of the output on the GPU).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.fp8_kv import FP8_DTYPE, FP8_MAX
+
+# NOTE: below float32's smallest normal a scale loses bits and x / scale can overflow;
+# an all-zero row gets this scale and quantizes to exact zeros.
+_MIN_SCALE = torch.finfo(torch.float32).tiny
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes [R, C] e4m3, scales [R, 1] float32)`` of ``x [R, C]``: one scale per row,
+    ``amax(|row|) / 448``, so every row uses e4m3's whole range without clipping."""
+    # NOTE: the amax is exact in x's own dtype, so only one float32 temporary is made.
+    amax = x.abs().amax(dim=-1, keepdim=True).to(torch.float32)
+    scale = (amax / FP8_MAX).clamp_min(_MIN_SCALE)
+    # NOTE: the clamp only guards rounding at the edge (x / scale is at most 448 in theory).
+    codes = (x.to(torch.float32) / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return codes, scale
+
+
+def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float32 ``codes * scale`` (``scale`` broadcast over each row)."""
+    return codes.to(torch.float32) * scale
+
+
+def fp8_matmul_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """float32 ``quant(x) @ dequant(weight).T + bias`` for ``x [M, K]``, ``weight [N, K]``
+    e4m3 and ``weight_scale [N, 1]`` float32: the arithmetic of the GPU path, exactly."""
+    x_codes, x_scale = quantize_rows(x)
+    out = dequantize_rows(x_codes, x_scale) @ dequantize_rows(weight, weight_scale).t()
+    return out if bias is None else out + bias.to(torch.float32)
+
+
+def fp8_matmul_scaled_mm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``quant(x) @ dequant(weight).T + bias`` by ``torch._scaled_mm``, in ``x``'s dtype (bf16).
+
+    ``weight [N, K]`` is row-major, so ``weight.t()`` is the column-major ``[K, N]`` operand
+    ``_scaled_mm`` wants; no copy. Both scales stay on the device (graph-safe).
+    """
+    x_codes, x_scale = quantize_rows(x)
+    out = torch._scaled_mm(
+        x_codes,
+        weight.t(),
+        scale_a=x_scale,
+        scale_b=weight_scale.view(1, -1),
+        out_dtype=x.dtype,
+    )
+    return out if bias is None else out + bias
+
+
+def scaled_mm_usable(
+    device: torch.device, dtype: torch.dtype, in_features: int, out_features: int
+) -> bool:
+    """Whether :func:`fp8_matmul_scaled_mm` runs here: CUDA with compute capability >= 8.9,
+    bf16 activations (row-wise scaling writes bf16 only), and both matrix dims multiples of
+    16 (a ``_scaled_mm`` layout rule)."""
+    if device.type != "cuda" or dtype != torch.bfloat16:
+        return False
+    if in_features % 16 or out_features % 16:
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
