@@ -99,13 +99,15 @@ def test_llama_70b_in_fp8_fits_one_141_gb_gpu() -> None:
 
 @pytest.fixture(scope="module")
 def float_engine(model_dir: str) -> Iterator[LLM]:
-    with LLM(model_dir, dtype="float32") as llm:
+    # NOTE: an explicit KV budget: on a GPU both engines live at once, and the default
+    # (a share of free device memory) would leave the second one none.
+    with LLM(model_dir, dtype="float32", kv_cache_gib=0.25) as llm:
         yield llm
 
 
 @pytest.fixture(scope="module")
 def fp8_engine(model_dir: str) -> Iterator[LLM]:
-    with LLM(model_dir, dtype="float32", quantization="fp8") as llm:
+    with LLM(model_dir, dtype="float32", quantization="fp8", kv_cache_gib=0.25) as llm:
         yield llm
 
 
