@@ -35,7 +35,10 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     ``amax(|row|) / 448``, so every row uses e4m3's whole range without clipping."""
     # NOTE: the amax is exact in x's own dtype, so only one float32 temporary is made.
     amax = x.abs().amax(dim=-1, keepdim=True).to(torch.float32)
-    scale = (amax / FP8_MAX).clamp_min(_MIN_SCALE)
+    # NOTE: times the float32 reciprocal, not divided: torch's CUDA division by a scalar
+    # multiplies by its reciprocal while its CPU one divides, so this is the one form that
+    # gives the same bits everywhere (within one ulp of amax / 448).
+    scale = (amax * (1.0 / FP8_MAX)).clamp_min(_MIN_SCALE)
     # NOTE: the clamp only guards rounding at the edge (x / scale is at most 448 in theory).
     codes = (x.to(torch.float32) / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return codes, scale

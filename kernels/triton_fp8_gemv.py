@@ -1,0 +1,155 @@
+"""Weight-only FP8 linear for few rows (decode): ``y = x @ dequant(w).T + bias``, one launch.
+
+``y[m, n] = ws[n] * sum_k x[m, k] * float(wq[n, k]) (+ bias[n])`` with ``x`` in bf16/fp16
+as it comes (no activation quantization: at a few rows those extra kernels cost more
+than the GEMM), ``wq [N, K]`` e4m3 and ``ws [N, 1]`` float32. At few rows a linear is a
+read of its weights, so the kernel streams each weight byte once: one program per
+``BLOCK_N`` output channels over the whole of K (no split-K, so no second pass and no
+atomics; small tiles give even N = 4096 hundreds of programs for the 132 SMs of an H200).
+
+Two forms of the inner product, chosen by the row count:
+
+- up to :data:`MAX_FMA_ROWS` rows, products accumulated elementwise in float32 registers
+  (the cross-lane sum happens once, after the K loop);
+- more rows, ``tl.dot`` on the tensor cores with the e4m3 tile widened to ``x``'s dtype.
+
+Accuracy: e4m3 widens exactly to bf16/fp16, and a bf16 times a widened e4m3 is exact in
+float32, so against the float32 reference ``x.float() @ dequant(w).T`` only the summation
+order (float32), the place of the scale multiply and the rounding of ``y`` to ``x``'s
+dtype differ: ``|y - ref| <= 2^-8 |ref| + K * 2^-23 * ws[n] * sum_k |x[m, k] wq[n, k]|``.
+No host syncs, so it records into CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_FMA_ROWS = 4
+# NOTE: past this many rows the weight tile is reused enough that the FP8 tensor-core
+# GEMM with quantized activations (``torch._scaled_mm``) wins; see kernels/bench_fp8_linear.py.
+MAX_ROWS = 64
+
+
+@triton.jit
+def _fp8_gemv_kernel(
+    x_ptr,
+    w_ptr,
+    ws_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    stride_x,
+    stride_out,
+    K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    # NOTE: K is a constexpr: the loop bound is static (fine for the interpreter too) and
+    # the row stride of the contiguous weight is known to the compiler (vector loads).
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * K
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_x
+    if USE_DOT:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    else:
+        acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + offs_k
+        mask_k = ks < K
+        w = tl.load(w_rows + ks[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        x = tl.load(x_rows + ks[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        if USE_DOT:
+            if DOT_FP32:
+                acc = tl.dot(
+                    x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee"
+                )
+            else:
+                acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
+        else:
+            acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+    if not USE_DOT:
+        acc = tl.sum(acc3, axis=2)
+    scale = tl.load(ws_ptr + offs_n, mask=mask_n, other=0.0)
+    y = acc * scale[None, :]
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    out = out_ptr + offs_m.to(tl.int64)[:, None] * stride_out + offs_n[None, :]
+    tl.store(out, y.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+def gemv_config(rows: int, out_features: int) -> tuple[int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps)`` for ``rows`` rows.
+
+    NOTE: the register tile holds ``BLOCK_M * BLOCK_N * BLOCK_K`` float32 partial sums (FMA
+    form), so 8192 of them over 8 warps: 32 registers a thread, and 8 KB of weights in
+    flight per program per step. Narrow N tiles keep N = 4096 at 512 programs (about four
+    per SM); wide layers take 16 channels a program, still thousands of programs.
+    """
+    if rows <= MAX_FMA_ROWS:
+        block_m = triton.next_power_of_2(rows)
+        block_n = 8 if out_features <= 8192 else 16
+        return block_m, block_n, 8192 // (block_m * block_n), 8
+    return max(16, triton.next_power_of_2(rows)), 16, 256, 4
+
+
+def fp8_gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: tuple[int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """``x @ dequant(weight).T + bias`` in ``x``'s dtype for ``x [M, K]`` bf16/fp16 with
+    ``M <= MAX_ROWS``, ``weight [N, K]`` e4m3 (contiguous), ``weight_scale [N, 1]`` float32.
+    ``config`` overrides :func:`gemv_config` (benchmarks)."""
+    rows, in_features = x.shape
+    out_features = weight.shape[0]
+    assert x.dtype in (torch.bfloat16, torch.float16) and x.stride(1) == 1, (x.dtype, x.stride())
+    assert weight.shape[1] == in_features and weight.is_contiguous(), weight.shape
+    assert 0 < rows <= MAX_ROWS, rows
+    out = torch.empty(rows, out_features, device=x.device, dtype=x.dtype)
+    block_m, block_n, block_k, num_warps = config or gemv_config(rows, out_features)
+    _fp8_gemv_kernel[(triton.cdiv(out_features, block_n),)](
+        x,
+        weight,
+        weight_scale,
+        bias if bias is not None else weight_scale,  # NOTE: never read without HAS_BIAS
+        out,
+        rows,
+        out_features,
+        x.stride(0),
+        out.stride(0),
+        K=in_features,
+        HAS_BIAS=bias is not None,
+        USE_DOT=block_m >= 16,
+        # NOTE: triton 3.6's interpreter gets bf16 dots wrong; on the CPU the dot takes
+        # float32 operands (exact here too: both widen exactly, their products fit float32).
+        DOT_FP32=x.device.type == "cpu",
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=num_warps,
+    )
+    return out
+
+
+def fp8_gemv_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """float32 ``x @ dequant(weight).T + bias``: what :func:`fp8_gemv` computes, in float32."""
+    out = x.to(torch.float32) @ (weight.to(torch.float32) * weight_scale).t()
+    return out if bias is None else out + bias.to(torch.float32)
