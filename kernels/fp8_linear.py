@@ -4,7 +4,8 @@
 ``wq [N, K]`` holds the e4m3 codes of ``w / ws`` (``ws = amax(|w[n]|) / 448``, fixed at load)
 and ``xq`` those of ``x / xs`` (``xs = amax(|x[m]|) / 448``, computed per call on the device).
 
-Two paths compute it:
+Two paths compute it (and, for few rows, :func:`fp8_linear_cuda` skips the activation
+quantization: ``kernels/triton_fp8_gemv.py``):
 
 - :func:`fp8_matmul_scaled_mm`: ``torch._scaled_mm`` with row-wise scales, on CUDA devices
   of compute capability 8.9 or more (Ada, Hopper), bf16 out. No host syncs, so it records
@@ -24,6 +25,14 @@ from __future__ import annotations
 import torch
 
 from kernels.fp8_kv import FP8_DTYPE, FP8_MAX
+from kernels.triton_fp8_gemv import MAX_ROWS, fp8_gemv
+from kernels.triton_fp8_quant import MAX_ROW, quantize_rows_triton
+
+# NOTE: the row count up to which the weight-only GEMV beats quantize + ``_scaled_mm``
+# (kernels/bench_fp8_linear.py times both). A captured decode graph has a fixed row count,
+# so the choice is made once per graph, at trace time.
+WEIGHT_ONLY_MAX_ROWS = 16
+assert WEIGHT_ONLY_MAX_ROWS <= MAX_ROWS
 
 # NOTE: below float32's smallest normal a scale loses bits and x / scale can overflow;
 # an all-zero row gets this scale and quantizes to exact zeros.
@@ -74,14 +83,45 @@ def fp8_matmul_scaled_mm(
     ``_scaled_mm`` wants; no copy. Both scales stay on the device (graph-safe).
     """
     x_codes, x_scale = quantize_rows(x)
+    return scaled_mm_quantized(x_codes, x_scale, weight, weight_scale, x.dtype, bias)
+
+
+def scaled_mm_quantized(
+    x_codes: torch.Tensor,
+    x_scale: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The ``torch._scaled_mm`` call of :func:`fp8_matmul_scaled_mm` on an activation
+    already quantized (by :func:`quantize_rows` or its fused Triton twin)."""
     out = torch._scaled_mm(
         x_codes,
         weight.t(),
         scale_a=x_scale,
         scale_b=weight_scale.view(1, -1),
-        out_dtype=x.dtype,
+        out_dtype=out_dtype,
     )
     return out if bias is None else out + bias
+
+
+def fp8_linear_cuda(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The FP8 linear where :func:`scaled_mm_usable`, by row count: up to
+    :data:`WEIGHT_ONLY_MAX_ROWS` rows ``x @ dequant(weight).T + bias`` by the weight-only
+    GEMV (no activation quantization), more rows :func:`fp8_matmul_scaled_mm` with the
+    activation quantized by one fused kernel. ``x [M, K]`` bf16, out bf16."""
+    x = x.contiguous()
+    if x.shape[0] <= WEIGHT_ONLY_MAX_ROWS:
+        return fp8_gemv(x, weight, weight_scale, bias)
+    quantize = quantize_rows_triton if x.shape[1] <= MAX_ROW else quantize_rows
+    x_codes, x_scale = quantize(x)
+    return scaled_mm_quantized(x_codes, x_scale, weight, weight_scale, x.dtype, bias)
 
 
 def scaled_mm_usable(

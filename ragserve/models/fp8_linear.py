@@ -1,9 +1,13 @@
 """A decoder linear layer holding FP8 (e4m3) weights (``--quantization fp8``).
 
 ``weight [out, in]`` holds e4m3 codes and ``weight_scale [out, 1]`` one float32 scale per
-output channel; activations get one scale per token at run time (``kernels/fp8_linear.py``
-has the arithmetic and its accuracy). Both are parameters, so everything that counts the
-model's parameter bytes counts FP8 bytes.
+output channel. Both are parameters, so everything that counts the model's parameter bytes
+counts FP8 bytes. On CUDA (compute capability 8.9+, bf16) the path depends on the row
+count (``kernels.fp8_linear.fp8_linear_cuda``): a few rows (decode) take a weight-only
+Triton GEMV that reads the FP8 weights once and multiplies the bf16 activation as it is;
+more rows get one scale per token from one fused Triton kernel, then ``torch._scaled_mm``.
+Anywhere else the float32 reference computes the second form (``kernels/fp8_linear.py``
+has the arithmetic and its accuracy).
 
 Weights arrive one shard at a time (q/k/v or gate/up into one packed layer) through
 :meth:`Fp8Linear.load`: in a float dtype they are quantized by row there, which equals
@@ -19,15 +23,16 @@ from torch import nn
 
 from kernels.fp8_kv import FP8_DTYPE
 from kernels.fp8_linear import (
+    fp8_linear_cuda,
     fp8_matmul_reference,
-    fp8_matmul_scaled_mm,
     quantize_rows,
     scaled_mm_usable,
 )
 
 
 class Fp8Linear(nn.Module):
-    """``y = quant(x) @ dequant(weight).T + bias``; ``y`` in the model's dtype."""
+    """``y = x @ dequant(weight).T + bias`` (few rows on CUDA) or
+    ``quant(x) @ dequant(weight).T + bias``; ``y`` in the model's dtype."""
 
     def __init__(
         self,
@@ -61,7 +66,7 @@ class Fp8Linear(nn.Module):
         if rows.shape[0] == 0:
             return x.new_empty(*x.shape[:-1], self.out_features)
         if self.use_scaled_mm and x.dtype == torch.bfloat16:
-            out = fp8_matmul_scaled_mm(rows, self.weight, self.weight_scale, self.bias)
+            out = fp8_linear_cuda(rows, self.weight, self.weight_scale, self.bias)
         else:
             out = fp8_matmul_reference(rows, self.weight, self.weight_scale, self.bias)
         return out.to(x.dtype).view(*x.shape[:-1], self.out_features)

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from kernels.fp8_kv import FP8_DTYPE
-from kernels.fp8_linear import dequantize_rows
+from kernels.fp8_linear import WEIGHT_ONLY_MAX_ROWS, dequantize_rows, fp8_matmul_reference
+from kernels.triton_fp8_gemv import fp8_gemv_reference
 from ragserve import LLM, SamplingParams
 from ragserve.bench.shapes import (
     LLAMA_3_1_70B,
@@ -57,7 +58,10 @@ def test_decoder_projections_hold_fp8_and_the_rest_the_model_dtype(model_dir: st
         back = dequantize_rows(module.weight, module.weight_scale)
         assert ((back - original).abs() <= 2.0**-4 * original.abs() + 1e-9).all()
         torch.testing.assert_close(
-            module.weight_scale, original.abs().amax(dim=1, keepdim=True) / 448, rtol=0, atol=0
+            module.weight_scale,
+            original.abs().amax(dim=1, keepdim=True) * (1 / 448),
+            rtol=0,
+            atol=0,
         )
 
 
@@ -154,8 +158,9 @@ def _sm89() -> bool:
 def test_fp8_engine_on_the_gpu_runs_scaled_mm_and_graphs_give_the_eager_outputs(
     model_dir: str,
 ) -> None:
-    """bf16 on CUDA: every projection takes ``_scaled_mm`` (the tiny model's dims are
-    multiples of 16), decode replays CUDA graphs, and they give the eager tokens."""
+    """bf16 on CUDA: every projection takes the CUDA path (the tiny model's dims are
+    multiples of 16): prompts quantize and call ``_scaled_mm``, decode batches of up to 16
+    rows the weight-only GEMV, replayed from CUDA graphs, and they give the eager tokens."""
     generator = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 128, (n,), generator=generator).tolist() for n in (1, 9, 17, 40)]
     outputs = {}
@@ -173,3 +178,27 @@ def test_fp8_engine_on_the_gpu_runs_scaled_mm_and_graphs_give_the_eager_outputs(
             assert projections and all(m.use_scaled_mm for m in projections)
             outputs[eager] = generate(llm, prompts, NEW)
     assert outputs[True] == outputs[False]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm89(), reason="FP8 kernels need compute capability >= 8.9")
+@pytest.mark.parametrize("rows", [1, WEIGHT_ONLY_MAX_ROWS, WEIGHT_ONLY_MAX_ROWS + 1, 300])
+def test_the_layer_takes_the_weight_only_path_for_few_rows_only(rows: int) -> None:
+    """Up to the threshold the activation is not quantized (the weight-only reference),
+    past it it is (the ``_scaled_mm`` reference); each output is near its own only."""
+    device = torch.device("cuda")
+    layer = Fp8Linear(512, 384, bias=True, device=device, dtype=torch.bfloat16)
+    generator = torch.Generator(device=device).manual_seed(rows)
+    layer.load("weight", torch.randn(384, 512, device=device, generator=generator), 0, 384)
+    layer.bias.data.copy_(torch.randn(384, device=device, generator=generator))
+    x = torch.randn(rows, 512, device=device, generator=generator).to(torch.bfloat16)
+    got = layer(x.view(rows, 1, 512)).view(rows, 384).float()
+    args = (x, layer.weight, layer.weight_scale, layer.bias)
+    weight_only, quantized = fp8_gemv_reference(*args), fp8_matmul_reference(*args)
+    want, other = (
+        (weight_only, quantized) if rows <= WEIGHT_ONLY_MAX_ROWS else (quantized, weight_only)
+    )
+    # bf16 output rounding and float32 summation order; the other path is off by ~2^-5.
+    tolerance = 2.0**-7 * want.abs() + 1e-3 * want.abs().max()
+    assert ((got - want).abs() <= tolerance).all()
+    assert ((got - other).abs() > tolerance).any()
