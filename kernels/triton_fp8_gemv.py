@@ -9,9 +9,10 @@ atomics; small tiles give even N = 4096 hundreds of programs for the 132 SMs of 
 
 Two forms of the inner product, chosen by the row count:
 
-- up to :data:`MAX_FMA_ROWS` rows, products accumulated elementwise in float32 registers
-  (the cross-lane sum happens once, after the K loop);
-- more rows, ``tl.dot`` on the tensor cores with the e4m3 tile widened to ``x``'s dtype.
+- up to :data:`MAX_FMA_ROWS` rows, float32 multiply-adds on the CUDA cores, the weight
+  tile widened once and reused by every row;
+- more rows, ``tl.dot`` on the tensor cores with the e4m3 tile widened to ``x``'s dtype
+  (its loads software-pipelined by Triton, ``num_stages`` deep).
 
 Accuracy: e4m3 widens exactly to bf16/fp16, and a bf16 times a widened e4m3 is exact in
 float32, so against the float32 reference ``x.float() @ dequant(w).T`` only the summation
@@ -27,8 +28,8 @@ import triton
 import triton.language as tl
 
 MAX_FMA_ROWS = 4
-# NOTE: past this many rows the weight tile is reused enough that the FP8 tensor-core
-# GEMM with quantized activations (``torch._scaled_mm``) wins; see kernels/bench_fp8_linear.py.
+# NOTE: the dot form holds all rows in one tile; the layer switches to quantized
+# activations and ``torch._scaled_mm`` well before this (kernels/fp8_linear.py).
 MAX_ROWS = 64
 
 
@@ -60,16 +61,13 @@ def _fp8_gemv_kernel(
     # the row stride of the contiguous weight is known to the compiler (vector loads).
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * K
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_x
-    if USE_DOT:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    else:
-        acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + offs_k
         mask_k = ks < K
         w = tl.load(w_rows + ks[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-        x = tl.load(x_rows + ks[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         if USE_DOT:
+            x = tl.load(x_rows + ks[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
             if DOT_FP32:
                 acc = tl.dot(
                     x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee"
@@ -77,9 +75,14 @@ def _fp8_gemv_kernel(
             else:
                 acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
         else:
-            acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-    if not USE_DOT:
-        acc = tl.sum(acc3, axis=2)
+            # NOTE: the weight tile is widened once and used by every row; each row's dot
+            # products are summed along K right away, so registers hold one tile, not
+            # BLOCK_M, and more programs fit on an SM (more weight bytes in flight).
+            wf = w.to(tl.float32)
+            for m in tl.static_range(BLOCK_M):
+                xm = tl.load(x_ptr + m * stride_x + ks, mask=mask_k & (m < M), other=0.0)
+                part = tl.sum(wf * xm.to(tl.float32)[None, :], axis=1)
+                acc += tl.where(offs_m[:, None] == m, part[None, :], 0.0)
     scale = tl.load(ws_ptr + offs_n, mask=mask_n, other=0.0)
     y = acc * scale[None, :]
     if HAS_BIAS:
@@ -88,19 +91,19 @@ def _fp8_gemv_kernel(
     tl.store(out, y.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-def gemv_config(rows: int, out_features: int) -> tuple[int, int, int, int]:
-    """``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps)`` for ``rows`` rows.
+def gemv_config(rows: int, out_features: int) -> tuple[int, int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)`` for ``rows`` rows.
 
-    NOTE: the register tile holds ``BLOCK_M * BLOCK_N * BLOCK_K`` float32 partial sums (FMA
-    form), so 8192 of them over 8 warps: 32 registers a thread, and 8 KB of weights in
-    flight per program per step. Narrow N tiles keep N = 4096 at 512 programs (about four
-    per SM); wide layers take 16 channels a program, still thousands of programs.
+    NOTE: memory-bound, so what counts is weight bytes in flight per SM. A program holds
+    one ``BLOCK_N x BLOCK_K`` e4m3 tile (8 KB) per step; narrow N tiles give even N = 4096
+    512 programs (about four per SM on an H200, all resident at once). Wide layers take
+    16 channels a program, still thousands of programs. The dot form pipelines its loads
+    instead. ``python -m kernels.bench_fp8_linear --sweep`` times the alternatives.
     """
     if rows <= MAX_FMA_ROWS:
-        block_m = triton.next_power_of_2(rows)
         block_n = 8 if out_features <= 8192 else 16
-        return block_m, block_n, 8192 // (block_m * block_n), 8
-    return max(16, triton.next_power_of_2(rows)), 16, 256, 4
+        return triton.next_power_of_2(rows), block_n, 8192 // block_n, 4, 1
+    return max(16, triton.next_power_of_2(rows)), 16, 256, 4, 4
 
 
 def fp8_gemv(
@@ -108,7 +111,7 @@ def fp8_gemv(
     weight: torch.Tensor,
     weight_scale: torch.Tensor,
     bias: torch.Tensor | None = None,
-    config: tuple[int, int, int, int] | None = None,
+    config: tuple[int, int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """``x @ dequant(weight).T + bias`` in ``x``'s dtype for ``x [M, K]`` bf16/fp16 with
     ``M <= MAX_ROWS``, ``weight [N, K]`` e4m3 (contiguous), ``weight_scale [N, 1]`` float32.
@@ -119,7 +122,7 @@ def fp8_gemv(
     assert weight.shape[1] == in_features and weight.is_contiguous(), weight.shape
     assert 0 < rows <= MAX_ROWS, rows
     out = torch.empty(rows, out_features, device=x.device, dtype=x.dtype)
-    block_m, block_n, block_k, num_warps = config or gemv_config(rows, out_features)
+    block_m, block_n, block_k, num_warps, num_stages = config or gemv_config(rows, out_features)
     _fp8_gemv_kernel[(triton.cdiv(out_features, block_n),)](
         x,
         weight,
@@ -140,6 +143,7 @@ def fp8_gemv(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         num_warps=num_warps,
+        num_stages=num_stages,
     )
     return out
 
