@@ -62,6 +62,9 @@ def _fp8_gemv_kernel(
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * K
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_x
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # NOTE: one row (batch-1 decode) sums along K only after the loop: the steps are then
+    # loads and multiply-adds alone, no cross-lane reduction or barrier between them.
+    acc_1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + offs_k
         mask_k = ks < K
@@ -74,6 +77,9 @@ def _fp8_gemv_kernel(
                 )
             else:
                 acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
+        elif BLOCK_M == 1:
+            x1 = tl.load(x_ptr + ks, mask=mask_k, other=0.0)
+            acc_1 += w.to(tl.float32) * x1.to(tl.float32)[None, :]
         else:
             # NOTE: the weight tile is widened once and used by every row; each row's dot
             # products are summed along K right away, so registers hold one tile, not
@@ -83,6 +89,8 @@ def _fp8_gemv_kernel(
                 xm = tl.load(x_ptr + m * stride_x + ks, mask=mask_k & (m < M), other=0.0)
                 part = tl.sum(wf * xm.to(tl.float32)[None, :], axis=1)
                 acc += tl.where(offs_m[:, None] == m, part[None, :], 0.0)
+    if not USE_DOT and BLOCK_M == 1:
+        acc = tl.sum(acc_1, axis=1)[None, :]
     scale = tl.load(ws_ptr + offs_n, mask=mask_n, other=0.0)
     y = acc * scale[None, :]
     if HAS_BIAS:
@@ -95,14 +103,18 @@ def gemv_config(rows: int, out_features: int) -> tuple[int, int, int, int, int]:
     """``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)`` for ``rows`` rows.
 
     NOTE: memory-bound, so what counts is weight bytes in flight per SM. A program holds
-    one ``BLOCK_N x BLOCK_K`` e4m3 tile (8 KB) per step; narrow N tiles give even N = 4096
-    512 programs (about four per SM on an H200, all resident at once). Wide layers take
-    16 channels a program, still thousands of programs. The dot form pipelines its loads
+    one ``BLOCK_N x BLOCK_K`` e4m3 tile (8 KB) per step; at one row narrow N tiles give
+    even N = 4096 512 programs (about four per SM on an H200, all resident at once) and
+    wide layers 16 channels a program, still thousands of programs. The dot form pipelines its loads
     instead. ``python -m kernels.bench_fp8_linear --sweep`` times the alternatives.
     """
-    if rows <= MAX_FMA_ROWS:
+    if rows == 1:
         block_n = 8 if out_features <= 8192 else 16
-        return triton.next_power_of_2(rows), block_n, 8192 // block_n, 4, 1
+        return 1, block_n, 8192 // block_n, 4, 1
+    if rows <= MAX_FMA_ROWS:
+        # NOTE: 512 wide in K is one warp's vector load, so each per-step row sum stays
+        # within a warp (no shared-memory round trip).
+        return triton.next_power_of_2(rows), 16, 512, 4, 1
     return max(16, triton.next_power_of_2(rows)), 16, 256, 4, 4
 
 
