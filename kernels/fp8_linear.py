@@ -25,14 +25,11 @@ from __future__ import annotations
 import torch
 
 from kernels.fp8_kv import FP8_DTYPE, FP8_MAX
-from kernels.triton_fp8_gemv import MAX_ROWS, fp8_gemv
-from kernels.triton_fp8_quant import MAX_ROW, quantize_rows_triton
 
 # NOTE: the row count up to which the weight-only GEMV beats quantize + ``_scaled_mm``
 # (kernels/bench_fp8_linear.py times both). A captured decode graph has a fixed row count,
 # so the choice is made once per graph, at trace time.
-WEIGHT_ONLY_MAX_ROWS = 16
-assert WEIGHT_ONLY_MAX_ROWS <= MAX_ROWS
+WEIGHT_ONLY_MAX_ROWS = 16  # at most kernels.triton_fp8_gemv.MAX_ROWS
 
 # NOTE: below float32's smallest normal a scale loses bits and x / scale can overflow;
 # an all-zero row gets this scale and quantizes to exact zeros.
@@ -116,6 +113,12 @@ def fp8_linear_cuda(
     :data:`WEIGHT_ONLY_MAX_ROWS` rows ``x @ dequant(weight).T + bias`` by the weight-only
     GEMV (no activation quantization), more rows :func:`fp8_matmul_scaled_mm` with the
     activation quantized by one fused kernel. ``x [M, K]`` bf16, out bf16."""
+    # NOTE: imported on first use: Triton is needed on CUDA only (the CPU path and CPU-only
+    # installs do without it), and importing Triton kernels fixes their mode (compiled, or
+    # interpreted in tests).
+    from kernels.triton_fp8_gemv import fp8_gemv
+    from kernels.triton_fp8_quant import MAX_ROW, quantize_rows_triton
+
     x = x.contiguous()
     if x.shape[0] <= WEIGHT_ONLY_MAX_ROWS:
         return fp8_gemv(x, weight, weight_scale, bias)
