@@ -68,16 +68,13 @@ def sweep_configs(rows: int) -> list[tuple[int, int, int, int, int]]:
     if rows <= MAX_FMA_ROWS:
         block_m = gemv_config(rows, 1)[0]
         return [
-            (block_m, block_n, tile // block_n, warps, stages)
-            for block_n, tile, warps, stages in itertools.product(
-                (4, 8, 16, 32), (4096, 8192, 16384), (4, 8), (1, 3)
-            )
-            if tile // block_n >= 128
+            (block_m, block_n, tile // block_n, warps, 1)
+            for block_n, tile, warps in itertools.product((4, 8, 16, 32), (8192, 16384), (4, 8))
         ]
     block_m = gemv_config(rows, 1)[0]
     return [
         (block_m, block_n, block_k, 4, stages)
-        for block_n, block_k, stages in itertools.product((16, 32, 64), (128, 256, 512), (3, 5))
+        for block_n, block_k, stages in itertools.product((16, 32), (128, 256, 512), (3, 5))
     ]
 
 
