@@ -14,6 +14,14 @@ sequences) and has at least
   by log-sum-exp (one Triton kernel, ``attention_merge``), in float32 one SDPA call
   with a bottom-right causal mask.
 
+An FP8 cache (``kernels/fp8_kv.py``) is written and read by the same kernels (quantized
+rows in the KV write, codes and scales dequantized in registers in paged attention). A
+chunk after cached context then always stays in the Triton launch, which reads the
+FP8 cache in place (SDPA would need the context gathered and dequantized into a copy
+first). A whole prompt still goes to SDPA, over its K/V round-tripped through FP8
+(bit-identical to what the KV write stored), so its output is the one the paged path
+would give and outputs do not depend on chunking or on prefix hits.
+
 On the GPU whole prompts and chunks are padded at their end to one of a few lengths
 (``attention_bucket``) whose cuDNN execution plans ``warm_up`` builds at start-up.
 
@@ -30,6 +38,7 @@ import triton
 from torch.nn.attention.bias import causal_lower_right
 
 from kernels.attention_merge import merge_attention_states
+from kernels.fp8_kv import is_fp8_cache, round_trip
 from kernels.interface import AttentionBackend, AttentionMetadata
 from kernels.triton_attention import paged_attention
 from kernels.triton_kv_write import write_kv_triton
@@ -48,6 +57,7 @@ class TritonBackend(AttentionBackend):
 
     name = "triton"
     supports_cuda_graphs = True
+    supports_fp8_kv = True
 
     def __init__(
         self,
@@ -68,7 +78,8 @@ class TritonBackend(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         write_kv_triton(key, value, kv_layer, meta.slot_mapping)
-        first_long = self._first_long_chunk(meta)
+        fp8 = is_fp8_cache(kv_layer)
+        first_long = self._first_long_chunk(meta, fp8)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         starts = [0]
         for query_len in meta.query_lens_host:
@@ -90,7 +101,10 @@ class TritonBackend(AttentionBackend):
             begin, end = starts[seq], starts[seq + 1]
             seq_len = meta.seq_lens_host[seq]
             if end - begin == seq_len:
-                attended = _causal_sdpa(query[begin:end], key[begin:end], value[begin:end], scale)
+                seq_key, seq_value = key[begin:end], value[begin:end]
+                if fp8:
+                    seq_key, seq_value = round_trip(seq_key), round_trip(seq_value)
+                attended = _causal_sdpa(query[begin:end], seq_key, seq_value, scale)
                 if meta.num_seqs == 1:
                     return attended  # the whole batch is this prompt: no copy into out
                 out[begin:end] = attended
@@ -167,17 +181,20 @@ class TritonBackend(AttentionBackend):
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
 
-    def _first_long_chunk(self, meta: AttentionMetadata) -> int:
+    def _first_long_chunk(self, meta: AttentionMetadata, fp8: bool) -> int:
         """Index of the first sequence of the trailing run of chunks that go to SDPA."""
         first = meta.num_seqs
         while first > 0 and self._use_sdpa(
-            meta.query_lens_host[first - 1], meta.seq_lens_host[first - 1]
+            meta.query_lens_host[first - 1], meta.seq_lens_host[first - 1], fp8
         ):
             first -= 1
         return first
 
-    def _use_sdpa(self, query_len: int, seq_len: int) -> bool:
-        limit = self.sdpa_min_tokens if query_len == seq_len else self.sdpa_min_chunk_tokens
+    def _use_sdpa(self, query_len: int, seq_len: int, fp8: bool) -> bool:
+        if query_len == seq_len:
+            limit = self.sdpa_min_tokens
+        else:
+            limit = None if fp8 else self.sdpa_min_chunk_tokens
         return limit is not None and query_len >= limit
 
 
