@@ -126,11 +126,23 @@ def _write_kv_kernel(
 def _store_fp8_rows(x, code_ptrs, scale_ptrs, mask, head_valid):
     """Quantize ``x`` ``[heads, head_dim]`` row by row (``fp8_kv.quantize_rows``) and store."""
     amax = tl.max(tl.abs(x), 1)
-    safe = tl.maximum(tl.div_rn(amax, _FP8_MAX), _MIN_SCALE)
-    scaled = tl.div_rn(x, safe[:, None])
-    scaled = tl.minimum(tl.maximum(scaled, -_FP8_MAX), _FP8_MAX)
-    tl.store(code_ptrs, _e4m3_codes(scaled).to(tl.uint8), mask=mask)
+    safe = _fp8_safe_scale(amax)
+    tl.store(code_ptrs, _fp8_codes(x, safe[:, None]), mask=mask)
     tl.store(scale_ptrs, tl.where(amax > 0, safe, 0.0), mask=head_valid)
+
+
+@triton.jit
+def _fp8_safe_scale(amax):
+    """``amax / 448`` (IEEE division), at least float32's smallest normal."""
+    return tl.maximum(tl.div_rn(amax, _FP8_MAX), _MIN_SCALE)
+
+
+@triton.jit
+def _fp8_codes(x, safe):
+    """The e4m3 bytes (``uint8``) of ``x / safe``, clamped to +-448 first."""
+    scaled = tl.div_rn(x, safe)
+    scaled = tl.minimum(tl.maximum(scaled, -_FP8_MAX), _FP8_MAX)
+    return _e4m3_codes(scaled).to(tl.uint8)
 
 
 def write_kv_triton(
