@@ -16,11 +16,13 @@ sequences) and has at least
 
 An FP8 cache (``kernels/fp8_kv.py``) is written and read by the same kernels (quantized
 rows in the KV write, codes and scales dequantized in registers in paged attention). A
-chunk after cached context then always stays in the Triton launch, which reads the
-FP8 cache in place (SDPA would need the context gathered and dequantized into a copy
-first). A whole prompt still goes to SDPA, over its K/V round-tripped through FP8
-(bit-identical to what the KV write stored), so its output is the one the paged path
-would give and outputs do not depend on chunking or on prefix hits.
+chunk after cached context stays in the Triton launch, which reads the FP8 cache in
+place, unless it has ``sdpa_min_fp8_chunk_tokens`` new tokens (default: never): then
+its context is gathered and dequantized (``gather_fp8_context``, as a plain cache's is
+gathered) for the two fused passes. Whatever goes to SDPA attends over its own new K/V
+round-tripped through FP8 (bit-identical to what the KV write stored), so its output is
+the one the paged path would give and outputs do not depend on chunking or on prefix
+hits.
 
 On the GPU whole prompts and chunks are padded at their end to one of a few lengths
 (``attention_bucket``) whose cuDNN execution plans ``warm_up`` builds at start-up.
@@ -41,7 +43,7 @@ from kernels.attention_merge import merge_attention_states
 from kernels.fp8_kv import is_fp8_cache, round_trip
 from kernels.interface import AttentionBackend, AttentionMetadata
 from kernels.triton_attention import paged_attention
-from kernels.triton_kv_write import write_kv_triton
+from kernels.triton_kv_write import gather_fp8_context, write_kv_triton
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +52,9 @@ logger = logging.getLogger(__name__)
 # chunk and won by 7-12% at 2k-8k chunks.
 DEFAULT_SDPA_MIN_TOKENS = 512
 DEFAULT_SDPA_MIN_CHUNK_TOKENS = 2048
+# NOTE: over an FP8 cache a chunk's context must first be gathered and dequantized
+# (``gather_fp8_context``) before SDPA can read it; the Triton kernel reads it in place.
+DEFAULT_SDPA_MIN_FP8_CHUNK_TOKENS: int | None = None
 
 
 class TritonBackend(AttentionBackend):
@@ -63,10 +68,13 @@ class TritonBackend(AttentionBackend):
         self,
         sdpa_min_tokens: int | None = DEFAULT_SDPA_MIN_TOKENS,
         sdpa_min_chunk_tokens: int | None = DEFAULT_SDPA_MIN_CHUNK_TOKENS,
+        sdpa_min_fp8_chunk_tokens: int | None = DEFAULT_SDPA_MIN_FP8_CHUNK_TOKENS,
     ) -> None:
-        """Shortest whole prompt / chunk over cached context sent to SDPA; None: never."""
+        """Shortest whole prompt / chunk over cached context (plain cache / FP8 cache) sent
+        to SDPA; None: never."""
         self.sdpa_min_tokens = sdpa_min_tokens
         self.sdpa_min_chunk_tokens = sdpa_min_chunk_tokens
+        self.sdpa_min_fp8_chunk_tokens = sdpa_min_fp8_chunk_tokens
 
     def forward(
         self,
@@ -100,25 +108,27 @@ class TritonBackend(AttentionBackend):
         for seq in range(first_long, meta.num_seqs):
             begin, end = starts[seq], starts[seq + 1]
             seq_len = meta.seq_lens_host[seq]
+            seq_key, seq_value = key[begin:end], value[begin:end]
+            if fp8:  # NOTE: the new K/V as the cache holds them (see the module's note)
+                seq_key, seq_value = round_trip(seq_key), round_trip(seq_value)
             if end - begin == seq_len:
-                seq_key, seq_value = key[begin:end], value[begin:end]
-                if fp8:
-                    seq_key, seq_value = round_trip(seq_key), round_trip(seq_value)
                 attended = _causal_sdpa(query[begin:end], seq_key, seq_value, scale)
                 if meta.num_seqs == 1:
                     return attended  # the whole batch is this prompt: no copy into out
                 out[begin:end] = attended
             elif query.dtype != torch.float32:
                 context_key, context_value = _gather_context(
-                    kv_layer, meta.block_tables[seq], seq_len - (end - begin)
+                    kv_layer, meta.block_tables[seq], seq_len - (end - begin), query.dtype
                 )
                 _chunk_after_context(
-                    query[begin:end], context_key, context_value, key[begin:end], value[begin:end],
+                    query[begin:end], context_key, context_value, seq_key, seq_value,
                     scale, out=out[begin:end],
                 )  # fmt: skip
             else:
-                seq_key, seq_value = _gather_context(kv_layer, meta.block_tables[seq], seq_len)
-                out[begin:end] = _causal_sdpa(query[begin:end], seq_key, seq_value, scale)
+                all_key, all_value = _gather_context(
+                    kv_layer, meta.block_tables[seq], seq_len, query.dtype
+                )
+                out[begin:end] = _causal_sdpa(query[begin:end], all_key, all_value, scale)
         return out
 
     def store_kv(
@@ -193,15 +203,20 @@ class TritonBackend(AttentionBackend):
     def _use_sdpa(self, query_len: int, seq_len: int, fp8: bool) -> bool:
         if query_len == seq_len:
             limit = self.sdpa_min_tokens
+        elif fp8:
+            limit = self.sdpa_min_fp8_chunk_tokens
         else:
-            limit = None if fp8 else self.sdpa_min_chunk_tokens
+            limit = self.sdpa_min_chunk_tokens
         return limit is not None and query_len >= limit
 
 
 def _gather_context(
-    kv_layer: torch.Tensor, block_table: torch.Tensor, seq_len: int
+    kv_layer: torch.Tensor, block_table: torch.Tensor, seq_len: int, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of a sequence's first ``seq_len`` tokens, each ``[seq_len, kv_heads, head_dim]``."""
+    """K and V of a sequence's first ``seq_len`` tokens, each ``[seq_len, kv_heads, head_dim]``
+    (an FP8 cache's dequantized into ``dtype``)."""
+    if is_fp8_cache(kv_layer):
+        return gather_fp8_context(kv_layer, block_table, seq_len, dtype)
     _, _, block_size, num_kv_heads, head_dim = kv_layer.shape
     num_blocks = -(-seq_len // block_size)
     blocks = block_table[:num_blocks].long()

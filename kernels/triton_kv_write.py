@@ -193,3 +193,62 @@ def fp8_scale_view(kv_layer: torch.Tensor) -> torch.Tensor:
         (size - 1) * stride for size, stride in zip(kv_layer.shape, kv_layer.stride(), strict=True)
     )
     return kv_layer.as_strided((span,), (1,), offset).view(torch.float32)
+
+
+@triton.jit
+def _gather_fp8_kernel(
+    kv_ptr,
+    scale_ptr,
+    table_ptr,
+    key_ptr,
+    value_ptr,
+    stride_kv_block,
+    stride_kv_kind,
+    stride_kv_slot,
+    stride_kv_head,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    block = tl.load(table_ptr + tok // BLOCK_SIZE).to(tl.int64)
+    offs_h = tl.arange(0, HEADS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    head_valid = offs_h < NUM_KV_HEADS
+    mask = head_valid[:, None] & (offs_d[None, :] < HEAD_DIM)
+    row = block * stride_kv_block + (tok % BLOCK_SIZE) * stride_kv_slot + offs_h * stride_kv_head
+    out = tok * NUM_KV_HEADS * HEAD_DIM + offs_h[:, None] * HEAD_DIM + offs_d[None, :]
+    for kind in tl.static_range(2):
+        base = row + kind * stride_kv_kind
+        codes = tl.load(kv_ptr + base[:, None] + offs_d[None, :], mask=mask)
+        scale = tl.load(scale_ptr + (base + HEAD_DIM) // 4, mask=head_valid)
+        values = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, None]
+        dst = key_ptr if kind == 0 else value_ptr
+        tl.store(dst + out, values.to(dst.dtype.element_ty), mask=mask)
+
+
+def gather_fp8_context(
+    kv_layer: torch.Tensor, block_table: torch.Tensor, num_tokens: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of a sequence's first ``num_tokens`` tokens from an FP8 layer, dequantized
+    (``dequantize_rows``' values) into two new contiguous ``[num_tokens, kv_heads,
+    head_dim]`` tensors of ``dtype``: the working copy fused attention reads, as
+    ``triton_backend`` gathers a plain cache's context."""
+    _, _, block_size, num_kv_heads, row_width = kv_layer.shape
+    head_dim = row_width - SCALE_BYTES
+    shape = (num_tokens, num_kv_heads, head_dim)
+    key = torch.empty(shape, dtype=dtype, device=kv_layer.device)
+    value = torch.empty(shape, dtype=dtype, device=kv_layer.device)
+    if num_tokens == 0:
+        return key, value
+    _gather_fp8_kernel[(num_tokens,)](
+        kv_layer, fp8_scale_view(kv_layer), block_table, key, value,
+        kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+        HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size,
+        num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
+    )  # fmt: skip
+    return key, value

@@ -14,13 +14,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8_kv import FP8_DTYPE, FP8_MAX, quantize_rows
+from kernels.fp8_kv import FP8_DTYPE, FP8_MAX, dequantize_rows, quantize_rows
 from kernels.interface import write_kv
 from kernels.reference import ReferenceBackend
 from kernels.registry import FP8_KV_BACKENDS, choose_backend_name
 from kernels.triton_attention import paged_attention
 from kernels.triton_backend import TritonBackend
-from kernels.triton_kv_write import _e4m3_codes, write_kv_triton
+from kernels.triton_kv_write import _e4m3_codes, gather_fp8_context, write_kv_triton
 from tests.kernels.test_triton_kernels import (  # the interpreter fix comes with it
     CASES,
     CUDA,
@@ -137,21 +137,41 @@ def test_split_k_over_fp8_matches_reference(num_splits: int) -> None:
     torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("fp8_chunk_limit", [None, 8])
 @pytest.mark.parametrize(
     "seqs",
     [
-        [(20, 1), (5, 3), (30, 12), (0, 10)],  # a chunk over context stays in Triton; a prompt
+        [(20, 1), (5, 3), (30, 12), (0, 10)],  # Triton prefix, then a chunk over context + a prompt
         [(0, 37)],  # one whole prompt: SDPA over its FP8 round-tripped K/V
     ],
 )
-def test_long_chunk_routing_over_fp8_matches_reference(seqs: list[tuple[int, int]]) -> None:
+def test_long_chunk_routing_over_fp8_matches_reference(
+    seqs: list[tuple[int, int]], fp8_chunk_limit: int | None
+) -> None:
+    """A chunk over FP8 context stays in Triton (None) or goes to SDPA over its gathered,
+    dequantized context (8)."""
     batch = fp8_batch(seqs, 8, 2, 64, 16, seed=len(seqs))
     ref_out, ref_cache = reference_fp8(batch)
-    out = TritonBackend(sdpa_min_tokens=8, sdpa_min_chunk_tokens=8).forward(
+    backend = TritonBackend(
+        sdpa_min_tokens=8, sdpa_min_chunk_tokens=8, sdpa_min_fp8_chunk_tokens=fp8_chunk_limit
+    )
+    out = backend.forward(
         batch.query, batch.key, batch.value, batch.layer(), batch.meta, batch.scale
     )
     torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-4)
     assert torch.equal(batch.cache, ref_cache)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gather_fp8_context_equals_dequantized_rows(dtype: torch.dtype) -> None:
+    batch = fp8_batch([(37, 1)], 4, 2, 32, 16, seed=3)
+    table = batch.meta.block_tables[0]
+    key, value = gather_fp8_context(batch.layer(), table, 37, dtype)
+    blocks = table[:3].long()
+    for kind, got in ((0, key), (1, value)):
+        rows = batch.layer()[blocks, kind].reshape(-1, 2, 36)[:37]
+        assert got.dtype == dtype and got.is_contiguous()
+        assert torch.equal(got, dequantize_rows(rows, dtype))
 
 
 @pytest.mark.parametrize(
@@ -175,12 +195,13 @@ def test_half_precision_over_fp8_close_to_fp32_reference(dtype: torch.dtype, cas
     assert rel_error(out, ref_out) < 1e-2
 
 
-@pytest.mark.gpu  # cuDNN/flash through SDPA for the whole prompt
-def test_fp8_bf16_default_routing() -> None:
+@pytest.mark.gpu  # cuDNN/flash through SDPA
+@pytest.mark.parametrize("fp8_chunk_limit", [None, 2048])
+def test_fp8_bf16_default_routing(fp8_chunk_limit: int | None) -> None:
     seqs = [(3000, 1), (9000, 1), (700, 100), (12000, 2100), (0, 4000)]
     batch = fp8_batch(seqs, 32, 8, 128, 16, dtype=torch.bfloat16, seed=42)
     ref_out, ref_cache = reference_fp8(batch)
-    out = TritonBackend().forward(
+    out = TritonBackend(sdpa_min_fp8_chunk_tokens=fp8_chunk_limit).forward(
         batch.query, batch.key, batch.value, batch.layer(), batch.meta, batch.scale
     )
     assert torch.equal(batch.cache, ref_cache)
