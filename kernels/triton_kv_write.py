@@ -93,12 +93,16 @@ def _write_kv_kernel(
         + offs_h[:, None] * stride_kv_head
         + offs_d[None, :]
     )
+    # NOTE: padding lanes read 0: an FP8 row's amax must see only its own elements.
     k = tl.load(
-        key_ptr + tok * stride_k_tok + offs_h[:, None] * stride_k_head + offs_d[None, :], mask=mask
+        key_ptr + tok * stride_k_tok + offs_h[:, None] * stride_k_head + offs_d[None, :],
+        mask=mask,
+        other=0.0,
     )
     v = tl.load(
         value_ptr + tok * stride_v_tok + offs_h[:, None] * stride_v_head + offs_d[None, :],
         mask=mask,
+        other=0.0,
     )
     if FP8:
         # NOTE: scale_ptr is the cache as float32: a row's scale is the float32 at byte

@@ -83,7 +83,7 @@ def test_e4m3_rounding_matches_torch_on_every_value_and_tie() -> None:
     assert torch.equal(codes, expected), x[codes != expected]
 
 
-@pytest.mark.parametrize("num_kv_heads,head_dim,block_size", [(3, 32, 4), (1, 128, 16)])
+@pytest.mark.parametrize("num_kv_heads,head_dim,block_size", [(3, 32, 4), (1, 128, 16), (2, 20, 8)])
 def test_write_kernel_is_bit_identical_to_the_torch_quantizer(
     num_kv_heads: int, head_dim: int, block_size: int
 ) -> None:
