@@ -385,7 +385,9 @@ def bench_fp8_kv(rows: Rows) -> None:
         t = {
             "bf16 all-triton": time_us(backend_fn(pools["bf16"], seqs, TritonBackend(None, None))),
             "bf16 default": time_us(backend_fn(pools["bf16"], seqs, TritonBackend())),
-            "fp8 default": time_us(backend_fn(pools["fp8"], seqs, TritonBackend())),
+            "fp8 all-triton": time_us(
+                backend_fn(pools["fp8"], seqs, TritonBackend(None, None, None))
+            ),
             "fp8 gather+SDPA": time_us(
                 backend_fn(pools["fp8"], seqs, TritonBackend(sdpa_min_fp8_chunk_tokens=512))
             ),

@@ -116,7 +116,7 @@ def test_backend_over_fp8_matches_reference_over_fp8(case: int) -> None:
     seqs, heads, kv_heads, head_dim, block_size = CASES[case]
     batch = fp8_batch(seqs, heads, kv_heads, head_dim, block_size, seed=case)
     ref_out, ref_cache = reference_fp8(batch)
-    out = TritonBackend(sdpa_min_tokens=None, sdpa_min_chunk_tokens=None).forward(
+    out = TritonBackend(None, None, None).forward(
         batch.query, batch.key, batch.value, batch.layer(), batch.meta, batch.scale
     )
     assert torch.equal(batch.cache, ref_cache), "FP8 KV write differs from the reference"
@@ -188,7 +188,7 @@ def test_half_precision_over_fp8_close_to_fp32_reference(dtype: torch.dtype, cas
     seqs, heads, kv_heads, head_dim, block_size = CASES[case]
     batch = fp8_batch(seqs, heads, kv_heads, head_dim, block_size, dtype=dtype, seed=7 + case)
     ref_out, _ = reference_fp8(batch)
-    out = TritonBackend(sdpa_min_tokens=None, sdpa_min_chunk_tokens=None).forward(
+    out = TritonBackend(None, None, None).forward(
         batch.query, batch.key, batch.value, batch.layer(), batch.meta, batch.scale
     )
     assert out.dtype == dtype and not out.isnan().any()
