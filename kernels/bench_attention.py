@@ -1,9 +1,12 @@
 """GPU microbenchmarks of the Triton attention, KV-write and block-copy kernels.
 
-Run ``python -m kernels.bench_attention [--sections decode,prefill,...] [--json PATH]``
-on a CUDA machine. Shapes are Llama-3.1-8B attention (32 query heads, 8 KV heads,
-head_dim 128, bf16). Decode times are compared with torch SDPA on contiguous K/V and with
-the memory floor (KV bytes read / 4.25 TB/s); prefill with SDPA and the bf16 matmul rate.
+Run ``python -m kernels.bench_attention [--sections decode,prefill,...] [--json PATH]
+[--kv-cache-dtype auto|fp8]`` on a CUDA machine. Shapes are Llama-3.1-8B attention (32
+query heads, 8 KV heads, head_dim 128, bf16). Decode times are compared with torch SDPA
+on contiguous K/V and with the memory floor (KV bytes read / 4.25 TB/s); prefill with
+SDPA and the bf16 matmul rate. ``--kv-cache-dtype fp8`` runs the paged-cache sections
+over an FP8 cache (``kernels/fp8_kv.py``; floors count its bytes); the ``fp8_kv`` section
+times decode, chunks over cached context and the KV write over both caches side by side.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch.nn.functional as F
 from triton.testing import do_bench, do_bench_cudagraph
 
 from kernels.block_copy import gather_blocks, scatter_blocks
+from kernels.fp8_kv import SCALE_BYTES, quantize_rows
 from kernels.interface import AttentionMetadata, write_kv
 from kernels.triton_attention import (
     DECODE_CONFIG,
@@ -35,6 +39,8 @@ DTYPE = torch.bfloat16
 FLOOR_BYTES_PER_S = 4.25e12
 SCALE = 1.0 / math.sqrt(HEAD_DIM)
 Rows = list[dict[str, object]]
+# ``--kv-cache-dtype``: the paged cache the sections build ("auto": bf16).
+KV_CACHE_DTYPE = ["auto"]
 
 
 def time_us(fn: Callable[[], object]) -> float:
@@ -52,14 +58,22 @@ def graph_us(fn: Callable[[], object]) -> float:
 
 
 class Pool:
-    """One random bf16 block pool; cases take random distinct blocks from it."""
+    """One random block pool (bf16, or its FP8 rows); cases take random distinct blocks."""
 
-    def __init__(self, num_tokens: int, block_size: int = 16) -> None:
+    def __init__(self, num_tokens: int, block_size: int = 16, fp8: bool | None = None) -> None:
         self.block_size = block_size
         self.num_blocks = num_tokens // block_size + 1
-        self.cache = torch.randn(
-            self.num_blocks, 1, 2, block_size, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE
-        )
+        self.fp8 = KV_CACHE_DTYPE[0] == "fp8" if fp8 is None else fp8
+        shape = (self.num_blocks, 1, 2, block_size, KV_HEADS)
+        if not self.fp8:
+            self.cache = torch.randn(*shape, HEAD_DIM, device="cuda", dtype=DTYPE)
+            return
+        self.cache = torch.empty(*shape, HEAD_DIM + SCALE_BYTES, device="cuda", dtype=torch.uint8)
+        step = 4096  # blocks quantized at a time: bounded float32 temporaries
+        for start in range(0, self.num_blocks, step):
+            part = self.cache[start : start + step]
+            values = torch.randn(*part.shape[:-1], HEAD_DIM, device="cuda", dtype=DTYPE)
+            part.copy_(quantize_rows(values))
 
     def layer(self) -> torch.Tensor:
         return self.cache[:, 0]
@@ -139,8 +153,11 @@ def backend_fn(
     return lambda: backend.forward(query, key, value, pool.layer(), attn_meta, SCALE)
 
 
-def kv_bytes(tokens: int) -> int:
-    return tokens * KV_HEADS * HEAD_DIM * 2 * DTYPE.itemsize
+def kv_bytes(tokens: int, fp8: bool | None = None) -> int:
+    """Bytes of K and V for ``tokens`` in the cache format (``--kv-cache-dtype`` by default)."""
+    fp8 = KV_CACHE_DTYPE[0] == "fp8" if fp8 is None else fp8
+    row_bytes = HEAD_DIM + SCALE_BYTES if fp8 else HEAD_DIM * DTYPE.itemsize
+    return tokens * KV_HEADS * row_bytes * 2
 
 
 def sdpa_decode_fn(batch: int, ctx: int) -> Callable[[], torch.Tensor]:
@@ -337,6 +354,67 @@ def bench_kv_write(rows: Rows) -> None:
         print(f"tokens={tokens:5d} triton={t_triton:7.1f}us torch={t_torch:7.1f}us", flush=True)
 
 
+def bench_fp8_kv(rows: Rows) -> None:
+    """Decode, chunks over cached context and KV writes over a bf16 and an FP8 cache."""
+    print("\n== FP8 KV cache against bf16: decode, prefill over context, KV write ==", flush=True)
+    pools = {
+        "bf16": Pool(64 * 32768 + 64 * 16, fp8=False),
+        "fp8": Pool(64 * 32768 + 64 * 16, fp8=True),
+    }
+    for batch, ctx in ((1, 4096), (1, 131072), (4, 131072), (16, 32768), (64, 8192), (64, 32768)):
+        seqs = [(ctx - 1, 1)] * batch
+        times = {name: graph_us(attention_fn(pool, seqs)) for name, pool in pools.items()}
+        floors = {
+            name: kv_bytes(batch * ctx, name == "fp8") / FLOOR_BYTES_PER_S * 1e6 for name in pools
+        }
+        rows.append({
+            "section": "fp8_decode", "batch": batch, "ctx": ctx,
+            "bf16_us": times["bf16"], "fp8_us": times["fp8"],
+            "bf16_floor_us": floors["bf16"], "fp8_floor_us": floors["fp8"],
+        })  # fmt: skip
+        print(
+            f"decode B={batch:3d} ctx={ctx:6d} bf16={times['bf16']:8.1f}us "
+            f"({100 * floors['bf16'] / times['bf16']:3.0f}% of floor) fp8={times['fp8']:8.1f}us "
+            f"({100 * floors['fp8'] / times['fp8']:3.0f}% of floor) "
+            f"speed-up {times['bf16'] / times['fp8']:.2f}x",
+            flush=True,
+        )
+    for ctx, chunk in ((4096, 512), (16384, 2048), (65536, 2048), (131072 - 8192, 8192)):
+        seqs = [(ctx, chunk)]
+        flops = causal_flops(seqs)
+        t = {
+            "bf16 all-triton": time_us(backend_fn(pools["bf16"], seqs, TritonBackend(None, None))),
+            "bf16 default": time_us(backend_fn(pools["bf16"], seqs, TritonBackend())),
+            "fp8 all-triton": time_us(
+                backend_fn(pools["fp8"], seqs, TritonBackend(None, None, None))
+            ),
+            "fp8 gather+SDPA": time_us(
+                backend_fn(pools["fp8"], seqs, TritonBackend(sdpa_min_fp8_chunk_tokens=512))
+            ),
+        }
+        rows.append({"section": "fp8_prefill", "ctx": ctx, "chunk": chunk, **t})
+        print(
+            f"chunk ctx={ctx:6d} chunk={chunk:5d} "
+            + " ".join(f"{k}={v:9.1f}us ({flops / v / 1e6:4.0f} TF/s)" for k, v in t.items()),
+            flush=True,
+        )
+    for tokens in (64, 8192):
+        key = torch.randn(tokens, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+        value = torch.randn_like(key)
+        t = {}
+        for name, pool in pools.items():
+            slots = torch.randperm(pool.num_blocks * pool.block_size, device="cuda")[:tokens]
+            t[name] = graph_us(lambda: write_kv_triton(key, value, pool.layer(), slots))  # noqa: B023
+        rows.append(
+            {"section": "fp8_kv_write", "tokens": tokens, "bf16_us": t["bf16"], "fp8_us": t["fp8"]}
+        )
+        print(
+            f"kv write tokens={tokens:5d} bf16={t['bf16']:7.1f}us fp8={t['fp8']:7.1f}us", flush=True
+        )
+    del pools
+    torch.cuda.empty_cache()
+
+
 def bench_block_copy(rows: Rows) -> None:
     print("\n== block copies: 256 Llama-3.1-8B blocks (32 layers, 2 MiB each) ==", flush=True)
     cache = torch.randn(1024, 32, 2, 16, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
@@ -378,6 +456,7 @@ SECTIONS: dict[str, Callable[[Rows], None]] = {
     "mixed": bench_mixed,
     "kv_write": bench_kv_write,
     "block_copy": bench_block_copy,
+    "fp8_kv": bench_fp8_kv,
 }
 
 
@@ -385,7 +464,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated subset")
     parser.add_argument("--json", default=None, help="write all rows to this file")
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "fp8"],
+        default="auto",
+        help="the paged cache of the other sections: bf16 (auto) or FP8 rows",
+    )
     args = parser.parse_args()
+    KV_CACHE_DTYPE[0] = args.kv_cache_dtype
     if not torch.cuda.is_available():
         raise SystemExit("bench_attention needs a CUDA device")
     props = torch.cuda.get_device_properties(0)

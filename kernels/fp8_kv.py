@@ -92,7 +92,10 @@ def quantize_rows(x: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"head_dim must be divisible by 4, got {head_dim}")
     values = x.float()
     amax = values.abs().amax(dim=-1, keepdim=True)
-    scale = amax / FP8_MAX
+    # NOTE: divided by a tensor, not the Python number: on CUDA torch divides by a host
+    # scalar as a product with its reciprocal, one rounding away from IEEE division, and
+    # the bytes would depend on the device (the Triton KV write divides exactly).
+    scale = amax / torch.full_like(amax, FP8_MAX)
     safe = scale.clamp(min=_MIN_SCALE)
     # NOTE: clamp before the cast: x / scale may round just past 448, and casts of
     # out-of-range values to e4m3fn are NaN on some devices.

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.fp8_kv import dequantize_rows, is_fp8_cache, quantize_rows
+
 
 def rotation_angles(
     inv_freq: torch.Tensor, source: torch.Tensor, target: torch.Tensor
@@ -63,7 +65,9 @@ def rerotate_copy(
     """Copy every layer's K/V of cache slots ``source`` to slots ``target`` (``[T]`` int64,
     not overlapping), keys rotated from ``source_positions`` to ``target_positions``.
 
-    ``kv_cache``: ``[num_blocks, layers, 2, block_size, kv_heads, head_dim]``. On CUDA one
+    ``kv_cache``: ``[num_blocks, layers, 2, block_size, kv_heads, head_dim]``, or an FP8
+    cache (``kernels/fp8_kv.py``), whose keys are dequantized, rotated and quantized
+    again, each row under its own new scale. On CUDA one
     Triton launch (:mod:`kernels.triton_rerotate`); elsewhere torch indexing.
     """
     if kv_cache.device.type == "cuda":
@@ -88,9 +92,13 @@ def rerotate_copy_torch(
     rows = kv_cache[source // size, :, :, source % size]  # [T, layers, 2, kv_heads, dim]
     keys = rows[:, :, 0]
     n, layers, heads, dim = keys.shape
-    moved = rerotate_keys(
-        keys.reshape(n, layers * heads, dim), inv_freq, source_positions, target_positions
-    )
+    flat = keys.reshape(n, layers * heads, dim)
+    fp8 = is_fp8_cache(kv_cache)
+    if fp8:  # NOTE: dequantize, rotate in float32, quantize under the rotated row's scale
+        flat = dequantize_rows(flat, torch.float32)
+    moved = rerotate_keys(flat, inv_freq, source_positions, target_positions)
+    if fp8:
+        moved = quantize_rows(moved)
     # NOTE: every layer of a token moves by the same angle: one rotation of all heads.
     kv_cache[target // size, :, 0, target % size] = moved.view(n, layers, heads, dim)
     kv_cache[target // size, :, 1, target % size] = rows[:, :, 1]

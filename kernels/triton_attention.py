@@ -28,6 +28,16 @@ programs. Each writes its unnormalised partial output with its running max and s
 fp32 scratch, and ``_merge_splits_kernel`` combines them per (token, head).
 
 Output rows past ``query_start_loc[B]`` (padding tokens) are not written.
+
+FP8 cache (``kernels/fp8_kv.py``, a constexpr branch; the plain path compiles as before):
+K and V tiles are loaded as e4m3 codes (``uint8`` bitcast to ``float8e4nv``) and converted
+to the query's dtype in registers, exactly (e4m3 fits in bf16, fp16 and fp32); each
+token's float32 scale is loaded beside them. The scales are applied outside the dots,
+where they are per-column factors: a key's scale multiplies its column of ``q @ k``
+(folded into ``qk_scale``), a value's scale multiplies its column of ``p`` before
+``p @ v``. Mathematically this is attention over the dequantized cache; the rounding
+differs from dequantize-then-attend only in where the half-precision roundings fall.
+Nothing dequantized is ever written to memory.
 """
 
 from __future__ import annotations
@@ -37,6 +47,9 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from kernels.fp8_kv import SCALE_BYTES, is_fp8_cache
+from kernels.triton_kv_write import fp8_scale_view
 
 LOG2_E = 1.4426950408889634
 
@@ -114,6 +127,7 @@ def _attend_tile(
     q,
     q_pos,
     kv_ptr,
+    scale_ptr,
     table_ptr,
     tile,
     kv_end,
@@ -124,10 +138,12 @@ def _attend_tile(
     offs_d,
     d_valid,
     qk_scale,
+    HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
     MASKED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     """One online-softmax step of a q-block over context tokens ``[tile * TILE_N, +TILE_N)``."""
     offs_n = tile * TILE_N + tl.arange(0, TILE_N)
@@ -149,7 +165,23 @@ def _attend_tile(
     k = tl.load(kv_ptr + slots[None, :] + offs_d[:, None], mask=k_mask, other=0.0)  # [D, N]
     v = tl.load(kv_ptr + stride_kv_kind + slots[:, None] + offs_d[None, :], mask=v_mask, other=0.0)
 
-    qk = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale  # [M, N]
+    if FP8:
+        # NOTE: scale_ptr is the cache as float32; slots are byte offsets, multiples of 4.
+        # Masked tokens get scale 0: their scores are masked and their p is 0 anyway.
+        if MASKED:
+            k_scale = tl.load(scale_ptr + (slots + HEAD_DIM) // 4, mask=n_valid, other=0.0)
+            v_scale = tl.load(
+                scale_ptr + (slots + stride_kv_kind + HEAD_DIM) // 4, mask=n_valid, other=0.0
+            )
+        else:
+            k_scale = tl.load(scale_ptr + (slots + HEAD_DIM) // 4)
+            v_scale = tl.load(scale_ptr + (slots + stride_kv_kind + HEAD_DIM) // 4)
+        k = k.to(tl.float8e4nv, bitcast=True)
+        v = v.to(tl.float8e4nv, bitcast=True)
+        qk = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION)
+        qk = qk * (k_scale * qk_scale)[None, :]  # [M, N]
+    else:
+        qk = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale  # [M, N]
     if MASKED:
         visible = n_valid[None, :] & (offs_n[None, :] <= q_pos[:, None])
         qk = tl.where(visible, qk, float("-inf"))
@@ -160,6 +192,8 @@ def _attend_tile(
     p = tl.exp2(qk - m_sub[:, None])
     alpha = tl.exp2(m_i - m_sub)
     l_i = l_i * alpha + tl.sum(p, 1)
+    if FP8:
+        p = p * v_scale[None, :]
     acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
     return acc, m_new, l_i
 
@@ -171,6 +205,7 @@ def _paged_attention_kernel(
     out_ptr,
     q_ptr,
     kv_ptr,
+    scale_ptr,
     block_tables_ptr,
     seq_lens_ptr,
     query_start_ptr,
@@ -199,6 +234,7 @@ def _paged_attention_kernel(
     TILE_N: tl.constexpr,
     SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     """Attention of one q-block and one kv head over (one split of) its paged context."""
     q_block = tl.program_id(0)
@@ -244,15 +280,15 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     for tile in range(tile_begin, tl.minimum(tile_end, full_tiles)):
         acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, q_pos, kv_ptr, table_ptr, tile, kv_end, head_off,
+            acc, m_i, l_i, q, q_pos, kv_ptr, scale_ptr, table_ptr, tile, kv_end, head_off,
             stride_kv_block, stride_kv_kind, stride_kv_slot, offs_d, d_valid, qk_scale,
-            BLOCK_SIZE, TILE_N, False, DOT_PRECISION,
+            HEAD_DIM, BLOCK_SIZE, TILE_N, False, DOT_PRECISION, FP8,
         )  # fmt: skip
     for tile in range(tl.maximum(tile_begin, full_tiles), tile_end):
         acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, q_pos, kv_ptr, table_ptr, tile, kv_end, head_off,
+            acc, m_i, l_i, q, q_pos, kv_ptr, scale_ptr, table_ptr, tile, kv_end, head_off,
             stride_kv_block, stride_kv_kind, stride_kv_slot, offs_d, d_valid, qk_scale,
-            BLOCK_SIZE, TILE_N, True, DOT_PRECISION,
+            HEAD_DIM, BLOCK_SIZE, TILE_N, True, DOT_PRECISION, FP8,
         )  # fmt: skip
 
     if SPLIT:
@@ -340,7 +376,8 @@ def paged_attention(
 
     ``query`` is ``[T, num_heads, head_dim]`` (any token and head strides, unit stride on
     the last dim); ``kv_layer`` is ``[num_blocks, 2, block_size, num_kv_heads, head_dim]``
-    with any strides but a unit last one (a layer view of the engine's cache). The other
+    with any strides but a unit last one (a layer view of the engine's cache), or an FP8
+    layer, ``uint8`` with a last dim of ``head_dim + 4`` (``kernels/fp8_kv.py``). The other
     tensors are those of ``AttentionMetadata``; ``max_query_len`` and ``max_seq_len``
     only pick tile shapes and the split count. ``num_splits`` forces the split-K degree.
     Returns ``out`` (allocated when None), ``[T, num_heads, head_dim]`` in ``query.dtype``.
@@ -354,7 +391,9 @@ def paged_attention(
         raise ValueError(
             f"kv_layer must be [num_blocks, 2, block_size, kv_heads, head_dim], got {tuple(kv_layer.shape)}"
         )
-    _, _, block_size, num_kv_heads, kv_head_dim = kv_layer.shape
+    _, _, block_size, num_kv_heads, row_width = kv_layer.shape
+    fp8 = is_fp8_cache(kv_layer)
+    kv_head_dim = row_width - SCALE_BYTES if fp8 else row_width
     if kv_head_dim != head_dim:
         raise ValueError(f"query head_dim {head_dim} != kv cache head_dim {kv_head_dim}")
     if num_heads % num_kv_heads:
@@ -392,7 +431,7 @@ def paged_attention(
         part_acc = part_max = part_sum = out  # unused
 
     _paged_attention_kernel[(num_q_blocks, num_kv_heads, num_splits)](
-        out, query, kv_layer, block_tables, seq_lens, query_start_loc,
+        out, query, kv_layer, fp8_scale_view(kv_layer) if fp8 else kv_layer, block_tables, seq_lens, query_start_loc,
         part_acc, part_max, part_sum,
         scale * LOG2_E, num_seqs, num_splits,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
@@ -402,7 +441,7 @@ def paged_attention(
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=config.tile_n,
         SPLIT=split,
         # NOTE: fp32 inputs get exact fp32 dots (the test oracle); tf32 would cost ~1e-3.
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", FP8=fp8,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     if split:

@@ -5,6 +5,18 @@ One program per token copies its ``[num_kv_heads, head_dim]`` key and value rows
 layer view ``[num_blocks, 2, block_size, num_kv_heads, head_dim]``, through strides, so
 the non-contiguous per-layer view of the block-major cache is written in place.
 A negative slot marks a padding token (e.g. CUDA-graph padding) and is skipped.
+
+Into an FP8 cache (``kernels/fp8_kv.py``: ``uint8`` rows of ``head_dim`` e4m3 codes and a
+float32 scale) each (token, kv head) row is quantized in registers with the same rules as
+``quantize_rows``, and the result is bit-identical to it:
+
+- ``scale = amax / 448`` and ``x / scale`` are IEEE divisions (``tl.div_rn``; Triton's
+  ``/`` is an approximate division on the GPU), the scale clamped to float32's smallest
+  normal before dividing, and stored as 0 for an all-zero row;
+- the float32 -> e4m3 rounding (to nearest, ties to even, after clamping to +-448) is
+  done on the float32 bits with integer arithmetic, not by a cast: the triton 3.6
+  interpreter's float -> fp8 cast rounds wrongly (it drops the mantissa carry), and the
+  integer version gives the same bytes on the GPU and in the interpreter.
 """
 
 from __future__ import annotations
@@ -13,12 +25,44 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.fp8_kv import _MIN_SCALE as _TORCH_MIN_SCALE
+from kernels.fp8_kv import FP8_MAX, SCALE_BYTES, is_fp8_cache
+
+# NOTE: fp8_kv's constants, as constexprs so the kernels may read them.
+_FP8_MAX = tl.constexpr(FP8_MAX)
+_MIN_SCALE = tl.constexpr(float(_TORCH_MIN_SCALE))
+
+
+@triton.jit
+def _e4m3_codes(v):
+    """float32 ``v`` (already within +-448) -> its e4m3fn bytes (int32 0..255), rounded to
+    nearest, ties to even, exactly as ``torch.Tensor.to(torch.float8_e4m3fn)``."""
+    bits = v.to(tl.int32, bitcast=True)
+    sign = (bits >> 31) & 1
+    mag = bits & 0x7FFFFFFF
+    # Normal e4m3 (|v| >= 2**-6): keep 3 of the 23 mantissa bits, rounding on the whole
+    # bit pattern so a carry moves into the exponent; then rebias 127 -> 7 (120 << 3).
+    kept = (mag + 0x7FFFF + ((mag >> 20) & 1)) >> 20
+    normal = kept - (120 << 3)
+    # Subnormal e4m3 (multiples of 2**-9 below 2**-6): round mantissa * 2**(exp - 23 + 9)
+    # to an integer. shift >= 21 there; past 25 every mantissa rounds to 0 anyway.
+    exponent = mag >> 23
+    mantissa = (mag & 0x7FFFFF) | 0x800000
+    shift = tl.minimum(tl.maximum(127 + 14 - exponent, 1), 25)
+    quotient = mantissa >> shift
+    rest = mantissa & ((1 << shift) - 1)
+    half = 1 << (shift - 1)
+    sub = quotient + ((rest > half) | ((rest == half) & ((quotient & 1) == 1))).to(tl.int32)
+    code = tl.where(mag >= 0x3C800000, normal, sub)  # 0x3C800000: 2**-6 in float32
+    return code | (sign << 7)
+
 
 @triton.jit
 def _write_kv_kernel(
     key_ptr,
     value_ptr,
     kv_ptr,
+    scale_ptr,
     slot_ptr,
     stride_k_tok,
     stride_k_head,
@@ -33,6 +77,7 @@ def _write_kv_kernel(
     HEADS_PAD: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
@@ -48,15 +93,60 @@ def _write_kv_kernel(
         + offs_h[:, None] * stride_kv_head
         + offs_d[None, :]
     )
+    # NOTE: padding lanes read 0: an FP8 row's amax must see only its own elements.
     k = tl.load(
-        key_ptr + tok * stride_k_tok + offs_h[:, None] * stride_k_head + offs_d[None, :], mask=mask
+        key_ptr + tok * stride_k_tok + offs_h[:, None] * stride_k_head + offs_d[None, :],
+        mask=mask,
+        other=0.0,
     )
     v = tl.load(
         value_ptr + tok * stride_v_tok + offs_h[:, None] * stride_v_head + offs_d[None, :],
         mask=mask,
+        other=0.0,
     )
-    tl.store(dst, k.to(kv_ptr.dtype.element_ty), mask=mask)
-    tl.store(dst + stride_kv_kind, v.to(kv_ptr.dtype.element_ty), mask=mask)
+    if FP8:
+        # NOTE: scale_ptr is the cache as float32: a row's scale is the float32 at byte
+        # offset (row start + HEAD_DIM); every offset here is a multiple of 4 bytes.
+        rows = (
+            (slot // BLOCK_SIZE) * stride_kv_block
+            + (slot % BLOCK_SIZE) * stride_kv_slot
+            + offs_h * stride_kv_head
+            + HEAD_DIM
+        ) // 4
+        _store_fp8_rows(k.to(tl.float32), dst, scale_ptr + rows, mask, offs_h < NUM_KV_HEADS)
+        _store_fp8_rows(
+            v.to(tl.float32),
+            dst + stride_kv_kind,
+            scale_ptr + rows + stride_kv_kind // 4,
+            mask,
+            offs_h < NUM_KV_HEADS,
+        )
+    else:
+        tl.store(dst, k.to(kv_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst + stride_kv_kind, v.to(kv_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _store_fp8_rows(x, code_ptrs, scale_ptrs, mask, head_valid):
+    """Quantize ``x`` ``[heads, head_dim]`` row by row (``fp8_kv.quantize_rows``) and store."""
+    amax = tl.max(tl.abs(x), 1)
+    safe = _fp8_safe_scale(amax)
+    tl.store(code_ptrs, _fp8_codes(x, safe[:, None]), mask=mask)
+    tl.store(scale_ptrs, tl.where(amax > 0, safe, 0.0), mask=head_valid)
+
+
+@triton.jit
+def _fp8_safe_scale(amax):
+    """``amax / 448`` (IEEE division), at least float32's smallest normal."""
+    return tl.maximum(tl.div_rn(amax, _FP8_MAX), _MIN_SCALE)
+
+
+@triton.jit
+def _fp8_codes(x, safe):
+    """The e4m3 bytes (``uint8``) of ``x / safe``, clamped to +-448 first."""
+    scaled = tl.div_rn(x, safe)
+    scaled = tl.minimum(tl.maximum(scaled, -_FP8_MAX), _FP8_MAX)
+    return _e4m3_codes(scaled).to(tl.uint8)
 
 
 def write_kv_triton(
@@ -65,14 +155,17 @@ def write_kv_triton(
     """Store ``key``/``value`` (``[T, num_kv_heads, head_dim]``) at ``slot_mapping`` (``[T]``).
 
     Same contract as ``kernels.interface.write_kv``, plus: negative slots are skipped.
-    Values are cast to the cache dtype. Slots must be distinct (no ordering between tokens).
+    Values are cast to the cache dtype, or quantized into an FP8 cache (``uint8`` rows of
+    ``head_dim + 4`` bytes). Slots must be distinct (no ordering between tokens).
     """
+    fp8 = is_fp8_cache(kv_layer)
     if key.shape != value.shape:
         raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} differ in shape")
     num_tokens, num_kv_heads, head_dim = key.shape
-    if kv_layer.dim() != 5 or tuple(kv_layer.shape[3:]) != (num_kv_heads, head_dim):
+    row_width = head_dim + SCALE_BYTES if fp8 else head_dim
+    if kv_layer.dim() != 5 or tuple(kv_layer.shape[3:]) != (num_kv_heads, row_width):
         raise ValueError(
-            f"kv_layer {tuple(kv_layer.shape)} does not hold [*, 2, block_size, {num_kv_heads}, {head_dim}] rows"
+            f"kv_layer {tuple(kv_layer.shape)} does not hold [*, 2, block_size, {num_kv_heads}, {row_width}] rows"
         )
     if slot_mapping.shape != (num_tokens,):
         raise ValueError(
@@ -83,12 +176,83 @@ def write_kv_triton(
     if num_tokens == 0:
         return
     _write_kv_kernel[(num_tokens,)](
-        key, value, kv_layer, slot_mapping,
+        key, value, kv_layer, fp8_scale_view(kv_layer) if fp8 else kv_layer, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
-        BLOCK_SIZE=kv_layer.shape[2],
+        BLOCK_SIZE=kv_layer.shape[2], FP8=fp8,
         num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
     )  # fmt: skip
+
+
+def fp8_scale_view(kv_layer: torch.Tensor) -> torch.Tensor:
+    """The FP8 layer's bytes as float32, the kernels' handle on the row scales: the scale
+    of the row at byte offset ``o`` is element ``(o + head_dim) // 4``."""
+    offset = kv_layer.storage_offset()
+    if offset % 4 or any(stride % 4 for stride in kv_layer.stride()[:-1]):
+        raise ValueError("an FP8 KV layer needs 4-byte aligned rows (head_dim divisible by 4)")
+    span = 1 + sum(
+        (size - 1) * stride for size, stride in zip(kv_layer.shape, kv_layer.stride(), strict=True)
+    )
+    return kv_layer.as_strided((span,), (1,), offset).view(torch.float32)
+
+
+@triton.jit
+def _gather_fp8_kernel(
+    kv_ptr,
+    scale_ptr,
+    table_ptr,
+    key_ptr,
+    value_ptr,
+    stride_kv_block,
+    stride_kv_kind,
+    stride_kv_slot,
+    stride_kv_head,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    block = tl.load(table_ptr + tok // BLOCK_SIZE).to(tl.int64)
+    offs_h = tl.arange(0, HEADS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    head_valid = offs_h < NUM_KV_HEADS
+    mask = head_valid[:, None] & (offs_d[None, :] < HEAD_DIM)
+    row = block * stride_kv_block + (tok % BLOCK_SIZE) * stride_kv_slot + offs_h * stride_kv_head
+    out = tok * NUM_KV_HEADS * HEAD_DIM + offs_h[:, None] * HEAD_DIM + offs_d[None, :]
+    for kind in tl.static_range(2):
+        base = row + kind * stride_kv_kind
+        codes = tl.load(kv_ptr + base[:, None] + offs_d[None, :], mask=mask)
+        scale = tl.load(scale_ptr + (base + HEAD_DIM) // 4, mask=head_valid)
+        values = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, None]
+        dst = key_ptr if kind == 0 else value_ptr
+        tl.store(dst + out, values.to(dst.dtype.element_ty), mask=mask)
+
+
+def gather_fp8_context(
+    kv_layer: torch.Tensor, block_table: torch.Tensor, num_tokens: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of a sequence's first ``num_tokens`` tokens from an FP8 layer, dequantized
+    (``dequantize_rows``' values) into two new contiguous ``[num_tokens, kv_heads,
+    head_dim]`` tensors of ``dtype``: the working copy fused attention reads, as
+    ``triton_backend`` gathers a plain cache's context."""
+    _, _, block_size, num_kv_heads, row_width = kv_layer.shape
+    head_dim = row_width - SCALE_BYTES
+    shape = (num_tokens, num_kv_heads, head_dim)
+    key = torch.empty(shape, dtype=dtype, device=kv_layer.device)
+    value = torch.empty(shape, dtype=dtype, device=kv_layer.device)
+    if num_tokens == 0:
+        return key, value
+    _gather_fp8_kernel[(num_tokens,)](
+        kv_layer, fp8_scale_view(kv_layer), block_table, key, value,
+        kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+        HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size,
+        num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
+    )  # fmt: skip
+    return key, value

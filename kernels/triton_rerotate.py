@@ -4,6 +4,10 @@ One program per (token, layer) reads the key and value rows ``[kv_heads, head_di
 slot ``source[t]`` of the block-major cache ``[num_blocks, layers, 2, block_size,
 kv_heads, head_dim]``, rotates the key's frequency pairs by the token's angles (float32),
 and writes both rows to slot ``target[t]``. Source and target slots must not overlap.
+
+In an FP8 cache (``kernels/fp8_kv.py``) the key row is dequantized (codes times its
+scale, float32), rotated, and quantized again under its own new scale exactly as the KV
+write does (``kernels/triton_kv_write.py``); the value row moves as it is, scale included.
 """
 
 from __future__ import annotations
@@ -12,10 +16,14 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.fp8_kv import SCALE_BYTES, is_fp8_cache
+from kernels.triton_kv_write import _fp8_codes, _fp8_safe_scale, fp8_scale_view
+
 
 @triton.jit
 def _rerotate_copy_kernel(
     kv_ptr,
+    scale_ptr,
     src_ptr,
     dst_ptr,
     cos_ptr,
@@ -30,6 +38,7 @@ def _rerotate_copy_kernel(
     HEADS_PAD: tl.constexpr,
     HALF_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     layer = tl.program_id(1).to(tl.int64)
@@ -39,25 +48,41 @@ def _rerotate_copy_kernel(
     offs_d = tl.arange(0, HALF_PAD)
     mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HALF)
     rows = offs_h[:, None] * stride_head + offs_d[None, :]
-    src_base = (
-        kv_ptr
-        + (src // BLOCK_SIZE) * stride_block
-        + layer * stride_layer
-        + (src % BLOCK_SIZE) * stride_slot
+    src_off = (
+        (src // BLOCK_SIZE) * stride_block + layer * stride_layer + (src % BLOCK_SIZE) * stride_slot
     )
-    dst_base = (
-        kv_ptr
-        + (dst // BLOCK_SIZE) * stride_block
-        + layer * stride_layer
-        + (dst % BLOCK_SIZE) * stride_slot
+    dst_off = (
+        (dst // BLOCK_SIZE) * stride_block + layer * stride_layer + (dst % BLOCK_SIZE) * stride_slot
     )
+    src_base = kv_ptr + src_off
+    dst_base = kv_ptr + dst_off
     cos = tl.load(cos_ptr + tok * HALF + offs_d, mask=offs_d < HALF)[None, :]
     sin = tl.load(sin_ptr + tok * HALF + offs_d, mask=offs_d < HALF)[None, :]
-    x1 = tl.load(src_base + rows, mask=mask).to(tl.float32)
-    x2 = tl.load(src_base + rows + HALF, mask=mask).to(tl.float32)
-    out_ty = kv_ptr.dtype.element_ty
-    tl.store(dst_base + rows, (x1 * cos - x2 * sin).to(out_ty), mask=mask)
-    tl.store(dst_base + rows + HALF, (x2 * cos + x1 * sin).to(out_ty), mask=mask)
+    x1 = tl.load(src_base + rows, mask=mask)
+    x2 = tl.load(src_base + rows + HALF, mask=mask)
+    if FP8:
+        # NOTE: scale_ptr is the cache as float32; a row's scale follows its 2 * HALF codes.
+        head_valid = offs_h < NUM_KV_HEADS
+        src_scale = (src_off + offs_h * stride_head + 2 * HALF) // 4
+        dst_scale = (dst_off + offs_h * stride_head + 2 * HALF) // 4
+        key_scale = tl.load(scale_ptr + src_scale, mask=head_valid, other=0.0)[:, None]
+        x1 = x1.to(tl.float8e4nv, bitcast=True).to(tl.float32) * key_scale
+        x2 = x2.to(tl.float8e4nv, bitcast=True).to(tl.float32) * key_scale
+        r1 = tl.where(mask, x1 * cos - x2 * sin, 0.0)
+        r2 = tl.where(mask, x2 * cos + x1 * sin, 0.0)
+        amax = tl.maximum(tl.max(tl.abs(r1), 1), tl.max(tl.abs(r2), 1))
+        safe = _fp8_safe_scale(amax)
+        tl.store(dst_base + rows, _fp8_codes(r1, safe[:, None]), mask=mask)
+        tl.store(dst_base + rows + HALF, _fp8_codes(r2, safe[:, None]), mask=mask)
+        tl.store(scale_ptr + dst_scale, tl.where(amax > 0, safe, 0.0), mask=head_valid)
+        value_scale = tl.load(scale_ptr + src_scale + stride_kind // 4, mask=head_valid)
+        tl.store(scale_ptr + dst_scale + stride_kind // 4, value_scale, mask=head_valid)
+    else:
+        x1 = x1.to(tl.float32)
+        x2 = x2.to(tl.float32)
+        out_ty = kv_ptr.dtype.element_ty
+        tl.store(dst_base + rows, (x1 * cos - x2 * sin).to(out_ty), mask=mask)
+        tl.store(dst_base + rows + HALF, (x2 * cos + x1 * sin).to(out_ty), mask=mask)
     v1 = tl.load(src_base + stride_kind + rows, mask=mask)
     v2 = tl.load(src_base + stride_kind + rows + HALF, mask=mask)
     tl.store(dst_base + stride_kind + rows, v1, mask=mask)
@@ -73,12 +98,15 @@ def rerotate_copy_triton(
 ) -> None:
     """``source``/``target``: ``[T]`` int64 slots; ``cos``/``sin``: ``[T, head_dim // 2]``
     float32 of each token's rotation (see :func:`kernels.rerotate.rotation_angles`)."""
-    _, num_layers, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    _, num_layers, _, block_size, num_kv_heads, row_width = kv_cache.shape
     if source.numel() == 0:
         return
+    fp8 = is_fp8_cache(kv_cache)
+    head_dim = row_width - SCALE_BYTES if fp8 else row_width
     half = head_dim // 2
     _rerotate_copy_kernel[(source.numel(), num_layers)](
         kv_cache,
+        fp8_scale_view(kv_cache) if fp8 else kv_cache,
         source,
         target,
         cos.contiguous(),
@@ -93,4 +121,5 @@ def rerotate_copy_triton(
         HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         HALF_PAD=triton.next_power_of_2(half),
         BLOCK_SIZE=block_size,
+        FP8=fp8,
     )

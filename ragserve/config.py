@@ -135,8 +135,6 @@ class EngineConfig:
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
         check_choices(self)
-        if self.kv_reuse == "blend" and self.kv_cache_dtype == "fp8":
-            raise ValueError("kv_reuse 'blend' needs a KV cache in the model's dtype, not fp8")
         if not 0.0 <= self.blend_recompute_ratio <= 1.0:
             raise ValueError(
                 f"blend_recompute_ratio must be in [0, 1], got {self.blend_recompute_ratio}"

@@ -52,9 +52,6 @@ class BlendRequest:
         check_documents(documents, len(token_ids))
         if mode != "blend" or not config.enable_prefix_caching:
             return None
-        if config.kv_cache_dtype == "fp8":
-            # NOTE: re-rotation works on keys in the model's dtype, not on quantized rows.
-            raise ValueError("kv_reuse 'blend' needs a KV cache in the model's dtype, not fp8")
         ratio = config.blend_recompute_ratio if recompute_ratio is None else recompute_ratio
         plan = plan_blend(salt, token_ids, documents, ratio, config.block_size)
         return None if plan is None else cls(plan)

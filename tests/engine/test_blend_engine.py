@@ -54,6 +54,22 @@ def test_full_recompute_equals_full_prefill(model_dir: str) -> None:
     assert blend.engine.block_pool.num_used == 0
 
 
+def test_blend_over_an_fp8_cache(model_dir: str) -> None:
+    """Rotated FP8 segments are installed and read; full recompute equals a full prefill
+    over the same FP8 cache."""
+    blend, full = (
+        engine(model_dir, kv_reuse="blend", kv_cache_dtype="fp8"),
+        engine(model_dir, enable_prefix_caching=False, kv_cache_dtype="fp8"),
+    )
+    blend.run(prompt("abc"))
+    blend.run(prompt("bac"))
+    assert blend.run(prompt("cab"), recompute_ratio=0.0).num_blended_tokens > 0
+    got = blend.run(prompt("cba", 1), recompute_ratio=1.0)
+    assert tokens_of(got) == tokens_of(full.run(prompt("cba", 1)))
+    blend.engine.block_pool.check_invariants()
+    assert blend.engine.block_pool.num_used == 0
+
+
 def test_one_document_or_cached_order_equals_prefix_caching(model_dir: str) -> None:
     blend, prefix = (
         engine(model_dir, kv_reuse="blend", blend_recompute_ratio=0.0),

@@ -1,0 +1,244 @@
+"""The Triton KV write and paged attention over an FP8 cache (``kernels/fp8_kv.py``).
+
+The write must store the bytes ``quantize_rows`` stores; attention must match the
+reference backend reading the same FP8 cache (both attend over the same dequantized
+values, so the tolerance is the plain path's). Without CUDA the kernels run under
+``TRITON_INTERPRET=1`` on small shapes; on a GPU the same tests take larger shapes, in
+float32 and bf16, plus a CUDA graph capture.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from kernels.fp8_kv import FP8_DTYPE, FP8_MAX, dequantize_rows, quantize_rows
+from kernels.interface import write_kv
+from kernels.reference import ReferenceBackend
+from kernels.registry import FP8_KV_BACKENDS, choose_backend_name
+from kernels.triton_attention import paged_attention
+from kernels.triton_backend import TritonBackend
+from kernels.triton_kv_write import _e4m3_codes, gather_fp8_context, write_kv_triton
+from tests.kernels.test_triton_kernels import (  # the interpreter fix comes with it
+    CASES,
+    CUDA,
+    DEVICE,
+    LAYER,
+    Batch,
+    rel_error,
+)
+
+
+def fp8_batch(
+    seqs: list[tuple[int, int]],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> Batch:
+    """A ``Batch`` whose cache is the FP8 rows of its random values."""
+    batch = Batch(seqs, num_heads, num_kv_heads, head_dim, block_size, dtype=dtype, seed=seed)
+    batch.cache = quantize_rows(batch.cache)
+    return batch
+
+
+def reference_fp8(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output (float32) and cache of the reference backend over a copy of the FP8 cache."""
+    cache = batch.cache.clone()
+    out = ReferenceBackend().forward(
+        batch.query.float(),
+        batch.key.float(),
+        batch.value.float(),
+        cache[:, LAYER],
+        batch.meta,
+        batch.scale,
+    )
+    return out, cache
+
+
+@triton.jit
+def _codes_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n)
+    tl.store(out_ptr + offs, _e4m3_codes(x).to(tl.uint8), mask=offs < n)
+
+
+def test_e4m3_rounding_matches_torch_on_every_value_and_tie() -> None:
+    """Every e4m3 value, the midpoints between neighbours (ties to even), values just
+    either side of them, subnormals and the float32 denormals all round as torch does."""
+    values = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).float()
+    finite = values[~values.isnan() & (values >= 0)].sort().values
+    mids = (finite[1:] + finite[:-1]) / 2
+    around = torch.cat([mids, mids.nextafter(torch.tensor(0.0)), mids.nextafter(torch.tensor(1e9))])
+    tiny = torch.tensor([1e-45, 1e-40, 2.0**-10, 2.0**-10 * 1.0001, 2.0**-126, 3 * 2.0**-11])
+    x = torch.cat([finite, around, tiny, torch.tensor([0.0, FP8_MAX])])
+    x = torch.cat([x, -x]).clamp(-FP8_MAX, FP8_MAX).to(DEVICE)
+    codes = torch.empty(x.shape, dtype=torch.uint8, device=DEVICE)
+    _codes_kernel[(triton.cdiv(x.numel(), 1024),)](x, codes, x.numel(), BLOCK=1024)
+    expected = x.to(FP8_DTYPE).view(torch.uint8)
+    assert torch.equal(codes, expected), x[codes != expected]
+
+
+@pytest.mark.parametrize("num_kv_heads,head_dim,block_size", [(3, 32, 4), (1, 128, 16), (2, 20, 8)])
+def test_write_kernel_is_bit_identical_to_the_torch_quantizer(
+    num_kv_heads: int, head_dim: int, block_size: int
+) -> None:
+    """Rows of magnitudes 1e-30..1e30, outliers, zero, denormal and negative-zero rows,
+    into a non-contiguous layer view; negative slots are skipped."""
+    gen = torch.Generator().manual_seed(head_dim)
+    num_tokens, num_blocks = 24, 20
+    x = torch.randn(num_tokens, 2 * num_kv_heads, head_dim, generator=gen)
+    x *= torch.pow(10.0, torch.randint(-30, 31, (num_tokens, 2 * num_kv_heads, 1), generator=gen))
+    x[0] = 0.0
+    x[1, 0] = 1e-41
+    x[2, -1] = -0.0
+    x[3, :, ::5] *= 60.0
+    cache = torch.randint(0, 256, (num_blocks, 2, 2, block_size, num_kv_heads, head_dim + 4),
+                          dtype=torch.uint8, generator=gen)  # fmt: skip
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[5] = -1
+    expected = cache.clone()
+    key, value = x[:, :num_kv_heads], x[:, num_kv_heads:]
+    kept = slots >= 0
+    write_kv(key[kept], value[kept], expected[:, 1], slots[kept])
+    cache = cache.to(DEVICE)
+    write_kv_triton(key.to(DEVICE), value.to(DEVICE), cache[:, 1], slots.to(DEVICE))
+    assert torch.equal(cache.cpu(), expected)
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_backend_over_fp8_matches_reference_over_fp8(case: int) -> None:
+    """Decodes, mixed batches and chunks over context, several GQA ratios and block sizes."""
+    seqs, heads, kv_heads, head_dim, block_size = CASES[case]
+    batch = fp8_batch(seqs, heads, kv_heads, head_dim, block_size, seed=case)
+    ref_out, ref_cache = reference_fp8(batch)
+    out = TritonBackend(None, None, None).forward(
+        batch.query, batch.key, batch.value, batch.layer(), batch.meta, batch.scale
+    )
+    assert torch.equal(batch.cache, ref_cache), "FP8 KV write differs from the reference"
+    torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_split_k_over_fp8_matches_reference(num_splits: int) -> None:
+    seqs = [(300, 1), (70, 1), (1, 1), (120, 13)] if CUDA else [(45, 1), (1, 1), (30, 5)]
+    batch = fp8_batch(seqs, 6, 2, 32, 16, seed=num_splits)
+    ref_out, _ = reference_fp8(batch)
+    write_kv_triton(batch.key, batch.value, batch.layer(), batch.meta.slot_mapping)
+    out = paged_attention(
+        batch.query, batch.layer(), batch.meta.block_tables, batch.meta.seq_lens,
+        batch.meta.query_start_loc, scale=batch.scale, max_query_len=batch.meta.max_query_len,
+        max_seq_len=batch.meta.max_seq_len, num_splits=num_splits,
+    )  # fmt: skip
+    torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("fp8_chunk_limit", [None, 8])
+@pytest.mark.parametrize(
+    "seqs",
+    [
+        [(20, 1), (5, 3), (30, 12), (0, 10)],  # Triton prefix, then a chunk over context + a prompt
+        [(0, 37)],  # one whole prompt: SDPA over its FP8 round-tripped K/V
+    ],
+)
+def test_long_chunk_routing_over_fp8_matches_reference(
+    seqs: list[tuple[int, int]], fp8_chunk_limit: int | None
+) -> None:
+    """A chunk over FP8 context stays in Triton (None) or goes to SDPA over its gathered,
+    dequantized context (8)."""
+    batch = fp8_batch(seqs, 8, 2, 64, 16, seed=len(seqs))
+    ref_out, ref_cache = reference_fp8(batch)
+    backend = TritonBackend(
+        sdpa_min_tokens=8, sdpa_min_chunk_tokens=8, sdpa_min_fp8_chunk_tokens=fp8_chunk_limit
+    )
+    out = backend.forward(
+        batch.query, batch.key, batch.value, batch.layer(), batch.meta, batch.scale
+    )
+    torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-4)
+    assert torch.equal(batch.cache, ref_cache)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gather_fp8_context_equals_dequantized_rows(dtype: torch.dtype) -> None:
+    batch = fp8_batch([(37, 1)], 4, 2, 32, 16, seed=3)
+    table = batch.meta.block_tables[0]
+    key, value = gather_fp8_context(batch.layer(), table, 37, dtype)
+    blocks = table[:3].long()
+    for kind, got in ((0, key), (1, value)):
+        rows = batch.layer()[blocks, kind].reshape(-1, 2, 36)[:37]
+        assert got.dtype == dtype and got.is_contiguous()
+        assert torch.equal(got, dequantize_rows(rows, dtype))
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        # NOTE: only on a GPU: the triton 3.6 interpreter dots bf16 bits as ints.
+        pytest.param(torch.bfloat16, marks=pytest.mark.gpu),
+        torch.float16,
+    ],
+)
+@pytest.mark.parametrize("case", [0, 1] if not CUDA else range(len(CASES)))
+def test_half_precision_over_fp8_close_to_fp32_reference(dtype: torch.dtype, case: int) -> None:
+    """Tensor-core tile shapes: codes converted to bf16/fp16, scales outside the dots."""
+    seqs, heads, kv_heads, head_dim, block_size = CASES[case]
+    batch = fp8_batch(seqs, heads, kv_heads, head_dim, block_size, dtype=dtype, seed=7 + case)
+    ref_out, _ = reference_fp8(batch)
+    out = TritonBackend(None, None, None).forward(
+        batch.query, batch.key, batch.value, batch.layer(), batch.meta, batch.scale
+    )
+    assert out.dtype == dtype and not out.isnan().any()
+    assert rel_error(out, ref_out) < 1e-2
+
+
+@pytest.mark.gpu  # cuDNN/flash through SDPA
+@pytest.mark.parametrize("fp8_chunk_limit", [None, 2048])
+def test_fp8_bf16_default_routing(fp8_chunk_limit: int | None) -> None:
+    seqs = [(3000, 1), (9000, 1), (700, 100), (12000, 2100), (0, 4000)]
+    batch = fp8_batch(seqs, 32, 8, 128, 16, dtype=torch.bfloat16, seed=42)
+    ref_out, ref_cache = reference_fp8(batch)
+    out = TritonBackend(sdpa_min_fp8_chunk_tokens=fp8_chunk_limit).forward(
+        batch.query, batch.key, batch.value, batch.layer(), batch.meta, batch.scale
+    )
+    assert torch.equal(batch.cache, ref_cache)
+    assert not out.isnan().any()
+    assert rel_error(out, ref_out) < 1e-2
+
+
+@pytest.mark.gpu
+def test_fp8_decode_under_a_cuda_graph_replays_new_inputs() -> None:
+    """Capture write + attention once (no host sync inside), replay for other inputs."""
+    seqs = [(1000, 1), (37, 1), (4000, 1), (250, 1)]
+    batch = fp8_batch(seqs, 32, 8, 128, 16, dtype=torch.bfloat16, seed=5)
+    backend = TritonBackend()
+    query, key, value = (t.clone() for t in (batch.query, batch.key, batch.value))
+    layer = batch.layer()
+    backend.forward(query, key, value, layer, batch.meta, batch.scale)  # compile outside
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backend.forward(query, key, value, layer, batch.meta, batch.scale)
+    # New inputs in the captured buffers, same slots and block tables.
+    batch.cache.copy_(quantize_rows(torch.randn(batch.cache.shape[:-1] + (128,), device=DEVICE)))
+    for buffer in (query, key, value):
+        buffer.copy_(torch.randn_like(buffer))
+    batch.query, batch.key, batch.value = query, key, value
+    ref_out, ref_cache = reference_fp8(batch)
+    graph.replay()
+    assert torch.equal(batch.cache, ref_cache)
+    assert rel_error(out, ref_out) < 1e-2
+
+
+def test_fp8_backend_selection() -> None:
+    """FP8 on CUDA: Triton; on the CPU: the reference (the native kernels read plain caches)."""
+    assert choose_backend_name(None, "cuda", ["triton", "reference"], fp8_kv=True) == "triton"
+    assert choose_backend_name(None, "cuda", ["reference"], fp8_kv=True) == "reference"
+    assert choose_backend_name(None, "cpu", ["cpu", "reference"], fp8_kv=True) == "reference"
+    assert choose_backend_name(None, "cpu", ["cpu", "reference"]) == "cpu"
+    assert choose_backend_name("cpu", "cpu", ["cpu", "reference"], fp8_kv=True) == "cpu"
+    assert set(FP8_KV_BACKENDS) == {"triton", "reference"}
+    TritonBackend().check_kv_cache(torch.zeros((2, 1, 2, 4, 1, 20), dtype=torch.uint8))
