@@ -38,7 +38,6 @@ from ragserve.server.prompts import PromptBuilder
 from ragserve.server.registry_cipher import RegistryCipher
 from ragserve.server.registry_models import ModelRecord
 from ragserve.server.request_context import REQUEST_ID
-from ragserve.server.store_registry import StoreRegistry
 from ragserve.server.state import (
     ADMISSION,
     CONFIG,
@@ -51,6 +50,7 @@ from ragserve.server.state import (
     REQUESTS_IN_FLIGHT,
     STARTED_AT,
 )
+from ragserve.server.store_registry import StoreRegistry
 from ragserve.server.tenant_limits import DocumentLimits, RequestsInFlight
 from ragserve.server.tokenizer_identity import tokenizer_fingerprint
 

@@ -20,7 +20,6 @@ from typing import Any, Literal, TypeVar
 import redis
 
 from kvstore.remote_store import StoreUnavailable
-
 from ragserve.engine.engine_info import KVModel
 from ragserve.server.document_expiry import ExpirySweeper
 from ragserve.server.document_locks import DocumentLocks

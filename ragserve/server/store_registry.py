@@ -92,6 +92,10 @@ def unpack_row(value: bytes) -> Row:
     return (0, model, namespace, doc_id, blob, metadata, created, expire, digest)
 
 
+def _raw(value: bytes | str) -> bytes:
+    return value if isinstance(value, bytes) else value.encode()
+
+
 class StoreRegistry:
     """Publishes this server's rows of ``model`` to ``store`` and reads other servers'.
 
@@ -191,12 +195,16 @@ class StoreRegistry:
         def write(client: redis.Redis) -> None:
             if value is None:
                 pipe = client.pipeline(transaction=True)
-                pipe.set(key, _GONE, ex=TOMBSTONE_TTL_S).srem(ids, doc_id).execute()
+                pipe.set(key, _GONE, ex=TOMBSTONE_TTL_S)
+                pipe.srem(ids, doc_id)
+                pipe.execute()
             elif retry:
                 self._script(keys=[key, ids], args=[value, _GONE, "0", doc_id], client=client)
             else:
                 pipe = client.pipeline(transaction=True)
-                pipe.set(key, value).sadd(ids, doc_id).execute()
+                pipe.set(key, value)
+                pipe.sadd(ids, doc_id)
+                pipe.execute()
 
         try:
             self.store.call(write)
@@ -256,7 +264,7 @@ class StoreRegistry:
             if value is None or value == _GONE:
                 continue
             try:
-                found[doc_id] = self._verify(namespace, doc_id, value)
+                found[doc_id] = self._verify(namespace, doc_id, _raw(value))
             except RowError as exc:
                 self._count("rejected")
                 logger.warning("shared document registry: row of %s ignored: %s", doc_id[:32], exc)

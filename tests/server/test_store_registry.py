@@ -67,7 +67,9 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     # NOTE: started side by side, each with the thread settings it would otherwise
     # restart itself to get (a second interpreter start, a third of the time on two cores).
     with ThreadPoolExecutor(2) as pool:
-        starting = [pool.submit(_start, flags(name), root / f"{name}.log") for name in ("one", "two")]
+        starting = [
+            pool.submit(_start, flags(name), root / f"{name}.log") for name in ("one", "two")
+        ]
         wait(starting)
     try:
         one, two = (future.result() for future in starting)
@@ -92,7 +94,7 @@ def listed(url: str, headers: dict[str, str] = AUTH) -> set[str]:
 
 
 def ask(url: str, doc_id: str) -> requests.Response:
-    body = {
+    body: dict[str, Any] = {
         "messages": [{"role": "user", "content": "Which entry reads 40?"}],
         "documents": [doc_id],
         "max_tokens": 1,
@@ -146,7 +148,7 @@ def test_tenants_never_see_each_others_rows(pair: Pair) -> None:
 def test_the_store_holds_no_token_ids_in_the_clear(pair: Pair) -> None:
     model = model_of_rows(pair)
     value = pair.store.client().get(row_key(model, tenant_name(KEY), pair.doc["id"]))
-    assert value is not None
+    assert isinstance(value, bytes)
     cipher = RegistryCipher.from_file(pair.key_file)
     tokens = decode_row(unpack_row(value), cipher).token_ids
     assert len(tokens) == pair.doc["tokens"]
@@ -163,6 +165,7 @@ def test_values_that_do_not_verify_are_ignored_and_counted(pair: Pair) -> None:
     namespace = tenant_name(KEY)
     client = pair.store.client()
     genuine = client.get(row_key(model, namespace, pair.doc["id"]))
+    assert isinstance(genuine, bytes)
     garbage, moved = "ab" * 16, "cd" * 16
     client.set(row_key(model, namespace, garbage), b"ragserve-row-v1\n[garbage" + os.urandom(64))
     client.set(row_key(model, namespace, moved), genuine)  # a real row under another id
