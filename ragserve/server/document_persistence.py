@@ -203,7 +203,7 @@ class DocumentPersistence:
         if self.store is not None:
             others = self.store.delete_expired(namespace, doc_id, now)
         if self.shared is not None:
-            self.shared.publish_gone(namespace, doc_id)
+            self.shared.publish_expired(namespace, doc_id, now)
         return others
 
     # -- the registry shared through the store -------------------------------------------

@@ -167,6 +167,25 @@ class StoreRegistry:
         """Replace the document's row by a tombstone (DELETE, expiry)."""
         return self._write(namespace, doc_id, None, retry=False)
 
+    def publish_expired(self, namespace: str, doc_id: str, now: float) -> bool:
+        """A tombstone for a document that expired here, unless the store's row says it
+        lives on (a PATCH on another server moved its expiry, as its own registry row
+        decides for a shared directory). False when the store could not be read or written."""
+        key = row_key(self.model, namespace, doc_id, self.prefix)
+        try:
+            value = self.store.call(lambda c: c.get(key))
+        except _FAILED:
+            value = None  # NOTE: expired here: the tombstone is written when it can be
+        if value is not None and value != _GONE:
+            try:
+                expire = self._verify(namespace, doc_id, _raw(value)).expire_time
+            except RowError:
+                expire = None  # NOTE: unreadable: nothing says it lives on
+            else:
+                if expire is None or expire > now:
+                    return True
+        return self.publish_gone(namespace, doc_id)
+
     def retry(self, holding: Iterable[StoredDocument] = ()) -> int:
         """Write what is pending; after an outage (or at the first call) also offer the
         rows of ``holding`` (every document this server serves) where the store lacks
