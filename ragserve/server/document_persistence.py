@@ -187,6 +187,12 @@ class DocumentPersistence:
             self.shared.publish(doc)
         return True
 
+    def _copy_row(self, doc: StoredDocument) -> bool:
+        """A row learned from the store, into this server's own registry only."""
+        assert self.store is not None
+        self.store.put(doc)
+        return True
+
     def _delete_rows(self, namespace: str, doc_id: str) -> list[KVModel]:
         """Every model's row; returns the other models with this tokenizer (their KV of
         the document goes too)."""

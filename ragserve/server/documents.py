@@ -149,13 +149,13 @@ class DocumentService(DocumentPersistence):
                 doc = await self._from_row(entry) if entry is not None else None
                 if doc is None or (namespace, doc_id) in self._docs:
                     continue
+                saved = True
                 if adopted:
                     assert self.shared is not None and entry is not None
                     if local:  # NOTE: this server's durable copy (restored after a restart)
-                        assert self.store is not None
-                        await self._store_call("saved", self.store.put, entry)
+                        saved = bool(await self._store_call("saved", self._copy_row, entry))
                     self.shared.adopted()
-                doc.status, doc.saved = "ready", True
+                doc.status, doc.saved = "ready", saved
                 self._docs[(namespace, doc_id)] = doc
             logger.info("document %s: learned from the shared registry", doc_id)
             learned += 1
@@ -400,7 +400,7 @@ class DocumentService(DocumentPersistence):
             return forgotten
         keys = await self._store_call("read", self.store.keys)
         if keys is None:
-            return 0
+            return forgotten
         fresh: dict[str, list[str]] = {}
         for namespace, doc_id in keys - self._docs.keys():
             fresh.setdefault(namespace, []).append(doc_id)
