@@ -26,8 +26,10 @@ handles, i.e. Ray's own transport instead of the real HTTP server, and the handl
 need a second, non-aiohttp front. Routing in the ingress keeps one server code path and
 streams over plain HTTP.
 
-Replicas share the document registry (the SQLite file in the disk tier's directory, one
-machine) and the remote KV tier (``--kv-remote-url``): a document uploaded through one
-replica is learned by another at first use, which then loads its blocks from the store
-instead of computing them.
+Replicas share the document registry through the remote KV tier's store
+(``--kv-remote-url``: each replica publishes its rows there, see
+:mod:`ragserve.server.store_registry`), or through a ``--registry-dir`` they all open (one
+machine, or a shared filesystem), and share the KV in that store: a document uploaded
+through one replica is learned by another at first use (or when listed), which then loads
+its blocks from the store instead of computing them.
 """

@@ -2,7 +2,7 @@
 ``build_app``, the application ``ragserve cluster`` runs and ``serve run`` can import:
 
     serve run ragserve.cluster.deployments:build_app replicas=2 \\
-        serve_args="--kv-disk-dir /shared/kv --kv-remote-url redis://store:6379/0"
+        serve_args="--kv-remote-url redis://store:6379/0"
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from starlette.responses import Response
 import ragserve
 from ragserve.cluster.forwarder import Forwarder
 from ragserve.cluster.replica_server import ReplicaServer
-from ragserve.cluster.settings import ClusterSettings
+from ragserve.cluster.settings import ClusterSettings, document_sharing
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +102,11 @@ def build_app(args: Mapping[str, Any]) -> serve.Application:
 
 
 def application(settings: ClusterSettings) -> serve.Application:
+    if settings.replicas > 1 and document_sharing(settings.serve_args) is None:
+        logger.warning(
+            "the replicas share no document registry (neither --kv-remote-url nor "
+            "--registry-dir): a document is known only to the replica it was uploaded to"
+        )
     code = code_env()
     options = {
         "num_cpus": settings.replica_cpus,

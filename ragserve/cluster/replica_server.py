@@ -72,7 +72,7 @@ class ReplicaServer:
         engine_config, server_config, _ = replica_configs(self._serve_args, self._host)
         engine = AsyncEngine(engine_config)
         try:
-            app = create_app(engine, server_config)
+            app = create_app(engine, server_config, engine_config)
         except BaseException:
             await engine.shutdown()
             raise

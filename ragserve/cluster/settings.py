@@ -87,6 +87,20 @@ def replica_configs(
     return engine_config_from_args(args), server, keys
 
 
+def document_sharing(serve_args: Sequence[str]) -> Literal["store", "directory"] | None:
+    """How the replicas of ``serve_args`` share their documents: ``store`` with
+    ``--kv-remote-url`` (rows published to the store: replicas on any machine, with or
+    without ``--registry-dir``), ``directory`` with ``--registry-dir`` alone (one folder:
+    one machine, or a filesystem all of them share), None when not at all."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--kv-remote-url", default=None)
+    parser.add_argument("--registry-dir", default=None)
+    known, _ = parser.parse_known_args(list(serve_args))
+    if known.kv_remote_url:
+        return "store"
+    return "directory" if known.registry_dir else None
+
+
 def report_keys(serve_args: Sequence[str]) -> frozenset[str]:
     """The keys that open the cluster's own reports (``/cluster/stats``, ``/metrics``): the
     replicas' API keys and metrics key. Empty: the replicas have no keys, nor do reports."""

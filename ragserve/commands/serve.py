@@ -70,9 +70,10 @@ def run(args: argparse.Namespace) -> int:
     if args.api_key_file:
         api_keys += read_api_key_file(args.api_key_file)
     config = config_from_args(ServerConfig, args, api_keys=tuple(api_keys))
-    engine = AsyncEngine(engine_config_from_args(args))
+    engine_config = engine_config_from_args(args)
+    engine = AsyncEngine(engine_config)
     try:
-        app = create_app(engine, config)
+        app = create_app(engine, config, engine_config)
     except BaseException:
         asyncio.run(engine.shutdown())
         raise

@@ -22,6 +22,7 @@ from typing import Any
 
 from aiohttp import web
 
+from ragserve.config import EngineConfig
 from ragserve.engine.async_engine import AsyncEngine
 from ragserve.engine.engine_info import EngineInfo
 from ragserve.server import document_routes, openai_routes, ops_routes, pipeline_routes
@@ -49,6 +50,7 @@ from ragserve.server.state import (
     REQUESTS_IN_FLIGHT,
     STARTED_AT,
 )
+from ragserve.server.store_registry import StoreRegistry
 from ragserve.server.tenant_limits import DocumentLimits, RequestsInFlight
 from ragserve.server.tokenizer_identity import tokenizer_fingerprint
 
@@ -70,7 +72,13 @@ async def request_id_middleware(request: web.Request, handler: Any) -> web.Strea
     return response
 
 
-def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> web.Application:
+def create_app(
+    engine: AsyncEngine,
+    config: ServerConfig | None = None,
+    engine_config: EngineConfig | None = None,
+) -> web.Application:
+    """``engine_config``: the engine's flags, read for the remote tier's store (the
+    document registry is shared through it too); None: no shared registry."""
     config = config or ServerConfig()
     metrics = ServerMetrics()
     app = web.Application(
@@ -105,6 +113,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> web.A
         ),
         config.document_ttl,
         DocumentLimits.from_config(config),
+        store_registry(engine_config, engine.info.model_fingerprint),
     )
     app[MODEL_NAME] = config.served_model_name or engine.model_name
     app[STARTED_AT] = int(time.time())
@@ -143,6 +152,25 @@ def document_store(
         cipher = RegistryCipher.from_file(info.disk_tier_key_file)
     record = ModelRecord(info.kv_model, tokenizer) if tokenizer is not None else None
     return DocumentStore(directory, info.model_fingerprint, cipher, record)
+
+
+def store_registry(config: EngineConfig | None, model_fingerprint: str) -> StoreRegistry | None:
+    """The registry shared through the remote tier's store, when the engine has one. Its
+    rows are sealed under the tier's key file when there is one, so the store never holds
+    document text in the clear then."""
+    if config is None or not config.kv_remote_url:
+        return None
+    cipher = None
+    if config.kv_encryption_key_file:
+        # NOTE: the engine already read this file at start-up; it is readable and long enough.
+        cipher = RegistryCipher.from_file(config.kv_encryption_key_file)
+    return StoreRegistry.connect(
+        config.kv_remote_url,
+        model_fingerprint,
+        cipher,
+        config.kv_remote_timeout_s,
+        config.kv_remote_retry_s,
+    )
 
 
 async def _engine_lifecycle(app: web.Application) -> AsyncIterator[None]:

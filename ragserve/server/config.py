@@ -32,7 +32,8 @@ class ServerConfig:
         None,
         help="folder of the document registry (default: the disk tier's; without either, "
         "documents last as long as the server); servers and cluster replicas on one machine "
-        "that share it share their documents",
+        "that share it share their documents (with --kv-remote-url they share them through "
+        "the store, on any machine, whatever their folders)",
     )
     served_model_name: str | None = option(
         None, help="the model name clients use (default: the engine's)"

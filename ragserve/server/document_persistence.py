@@ -1,5 +1,6 @@
 """The document registry's persistence glue: restore at start-up, take over other
-models' documents, write and delete rows on the registry thread.
+models' documents, write and delete rows on the registry thread, and share them through
+the store (see :mod:`ragserve.server.store_registry`) when there is one.
 
 :class:`~ragserve.server.documents.DocumentService` inherits this; it owns the state
 named below and the lifecycle these methods call back into (fit checks, registration,
@@ -14,15 +15,20 @@ import sqlite3
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
+import redis
+
+from kvstore.remote_store import StoreUnavailable
 from ragserve.engine.engine_info import KVModel
 from ragserve.server.document_expiry import ExpirySweeper
+from ragserve.server.document_locks import DocumentLocks
 from ragserve.server.document_store import DocumentStore
 from ragserve.server.document_watch import RegistryWatch
 from ragserve.server.errors import APIError
 from ragserve.server.prompts import PromptBuilder
 from ragserve.server.registered_document import RegisteredDocument
+from ragserve.server.store_registry import StoreRegistry
 from ragserve.server.stored_document import StoredDocument
 
 # NOTE: the registry's log lines keep the logger name they had before this module split off.
@@ -40,9 +46,11 @@ class DocumentPersistence:
     """
 
     store: DocumentStore | None
+    shared: StoreRegistry | None
     prompts: PromptBuilder
     expiry: ExpirySweeper
     watch: RegistryWatch
+    locks: DocumentLocks
     _docs: dict[tuple[str, str], RegisteredDocument]
     _store_thread: ThreadPoolExecutor
 
@@ -64,6 +72,8 @@ class DocumentPersistence:
         """
         self.expiry.start()
         if self.store is None:
+            if self.shared is not None:
+                self.watch.start()
             return 0
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._store_thread, self.store.open)
@@ -168,7 +178,17 @@ class DocumentPersistence:
         await self._purge(doc, [*mine, *(others or [])])
         logger.info("document %s expired while the server was down; deleted", entry.id)
 
+    # NOTE: the local row is committed first; publishing to the store never raises (a
+    # failed publish stays pending in ``shared``), so a store outage fails no upload.
     def _put_row(self, doc: StoredDocument) -> bool:
+        if self.store is not None:
+            self.store.put(doc)
+        if self.shared is not None:
+            self.shared.publish(doc)
+        return True
+
+    def _copy_row(self, doc: StoredDocument) -> bool:
+        """A row learned from the store, into this server's own registry only."""
         assert self.store is not None
         self.store.put(doc)
         return True
@@ -176,13 +196,85 @@ class DocumentPersistence:
     def _delete_rows(self, namespace: str, doc_id: str) -> list[KVModel]:
         """Every model's row; returns the other models with this tokenizer (their KV of
         the document goes too)."""
-        assert self.store is not None
-        self.store.delete(namespace, doc_id)
-        return self.store.sharing_models()
+        others: list[KVModel] = []
+        if self.store is not None:
+            self.store.delete(namespace, doc_id)
+            others = self.store.sharing_models()
+        if self.shared is not None:
+            self.shared.publish_gone(namespace, doc_id)
+        return others
 
     def _delete_expired_rows(self, namespace: str, doc_id: str, now: float) -> list[KVModel]:
-        assert self.store is not None
-        return self.store.delete_expired(namespace, doc_id, now)
+        others: list[KVModel] = []
+        if self.store is not None:
+            others = self.store.delete_expired(namespace, doc_id, now)
+        if self.shared is not None:
+            self.shared.publish_expired(namespace, doc_id, now)
+        return others
+
+    # -- the registry shared through the store -------------------------------------------
+    async def _from_shared(self, namespace: str, doc_ids: list[str]) -> dict[str, StoredDocument]:
+        """The verified rows the store holds for ``doc_ids`` (one round trip); {} without
+        a store or when it cannot be reached."""
+        if self.shared is None or not doc_ids:
+            return {}
+        found = await self._shared_call(self.shared.fetch, namespace, doc_ids)
+        return found or {}
+
+    async def learn_listed(self, namespace: str) -> None:
+        """Learn the tenant's documents the store lists and this server does not know
+        (for a listing): one round trip for the ids, one for the unknown rows."""
+        if self.shared is None:
+            return
+        ids = await self._shared_call(self.shared.listed, namespace)
+        unknown = sorted(doc_id for doc_id in ids or () if (namespace, doc_id) not in self._docs)
+        if unknown:
+            await self.learn(namespace, unknown)
+
+    async def learn(self, namespace: str, doc_ids: Sequence[str]) -> int:
+        raise NotImplementedError
+
+    async def _sync_shared(self) -> int:
+        """A watch round on the store: write what is pending (offering every row after an
+        outage), then forget the documents whose row another server replaced by a
+        tombstone. Returns how many were forgotten."""
+        assert self.shared is not None
+        holding = [doc.stored() for doc in self._docs.values()]
+        await self._shared_call(self.shared.retry, holding)
+        gone = await self._shared_call(self.shared.gone, sorted(self._docs))
+        forgotten = 0
+        for namespace, doc_id in sorted(gone or ()):
+            doc = self._docs.get((namespace, doc_id))
+            if doc is None:
+                continue
+            async with self.locks.hold(namespace, doc_id):
+                # NOTE: checked again under the lock: an upload of this text may have
+                # replaced it (and published its row) since the store was read.
+                if self._docs.get((namespace, doc_id)) is not doc:
+                    continue
+                still = await self._shared_call(self.shared.gone, [(namespace, doc_id)])
+                if not still:
+                    continue
+                if self.store is not None:  # NOTE: or the local watch would learn it back
+                    await self._store_call("deleted", self.store.delete, namespace, doc_id)
+                await self._remove(doc, rows="none")
+            logger.info("document %s was deleted by another server (store); forgotten", doc_id)
+            forgotten += 1
+        return forgotten
+
+    async def _remove(
+        self, doc: RegisteredDocument, rows: Literal["all", "expired", "none"] = "all"
+    ) -> RegisteredDocument:
+        raise NotImplementedError
+
+    async def _shared_call(self, call: Callable[..., _T], *args: Any) -> _T | None:
+        """Run a store call on the registry thread (after the row writes asked for
+        earlier); None when the store cannot be reached (it is logged by its breaker)."""
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._store_thread, call, *args)
+        except (StoreUnavailable, redis.RedisError) as exc:
+            logger.debug("shared document registry: %s", exc)
+            return None
 
     async def _store_call(self, what: str, call: Callable[..., _T], *args: Any) -> _T | None:
         """Run a registry write on the registry thread; its result, or None when there is
@@ -190,10 +282,11 @@ class DocumentPersistence:
 
         NOTE: an upload or delete whose row could not be written still succeeds in memory:
         the document is served until the restart that forgets (or restores) it."""
-        if self.store is None:
+        if self.store is None and self.shared is None:
             return None
         try:
             return await asyncio.get_running_loop().run_in_executor(self._store_thread, call, *args)
         except (OSError, sqlite3.Error) as exc:
-            logger.warning("document registry %s: document not %s: %s", self.store.path, what, exc)
+            where = self.store.path if self.store is not None else "(store)"
+            logger.warning("document registry %s: document not %s: %s", where, what, exc)
             return None

@@ -53,6 +53,7 @@ async def upload_document(request: web.Request) -> web.Response:
 
 async def list_documents(request: web.Request) -> web.Response:
     docs = request.app[DOCUMENTS]
+    await docs.learn_listed(tenant(request))  # uploaded through a server on another machine
     data = [doc.to_json(docs.block_size) for doc in docs.list_for(tenant(request))]
     return web.json_response({"object": "list", "data": data})
 

@@ -19,8 +19,10 @@ directory: a start copies the other models' documents (see ``_adopt``), a DELETE
 every model's row and KV, and a server forgets within seconds a document whose row
 another server deleted (see :mod:`ragserve.server.document_watch`), and learns at first
 use a document another server uploaded (see ``learn``: replicas of one cluster share the
-registry this way). Upload, PATCH and
-DELETE of one document take turns (see :mod:`ragserve.server.document_locks`).
+registry this way). Servers that share no directory share the registry through the
+remote tier's store instead (see :mod:`ragserve.server.store_registry`): their rows are
+published there, ``learn`` and the listing read them, the watch reads tombstones. Upload,
+PATCH and DELETE of one document take turns (see :mod:`ragserve.server.document_locks`).
 
 This module holds the lifecycle (upload, ingest, PATCH, DELETE, expiry, purge);
 :mod:`ragserve.server.document_persistence` the registry rows and restore, and
@@ -56,6 +58,7 @@ from ragserve.server.errors import APIError, bad_request
 from ragserve.server.prompts import PromptBuilder
 from ragserve.server.purge_plan import purge_plan
 from ragserve.server.registered_document import RegisteredDocument, check_document_id, document_id
+from ragserve.server.store_registry import StoreRegistry
 from ragserve.server.tenant_limits import DocumentLimits, check_documents, check_metadata
 
 logger = logging.getLogger(__name__)
@@ -78,11 +81,13 @@ class DocumentService(DocumentPersistence):
         store: DocumentStore | None = None,
         default_ttl: float | None = None,
         limits: DocumentLimits | None = None,
+        shared: StoreRegistry | None = None,
     ) -> None:
         self.engine = engine
         self.prompts = prompts
         self.admission = admission
         self.store = store
+        self.shared = shared
         self.limits = limits or DocumentLimits.from_config(ServerConfig())
         self.block_size = engine.info.block_size
         self.default_ttl = default_ttl
@@ -107,28 +112,50 @@ class DocumentService(DocumentPersistence):
 
     async def learn(self, namespace: str, doc_ids: Sequence[str]) -> int:
         """Register the documents of ``doc_ids`` that this server does not know but whose
-        row another server on the registry wrote; returns how many. Ids that are malformed
-        or absent stay unknown (``get`` answers them).
+        row another server on the registry (its directory, else the store) wrote; returns
+        how many. Ids that are malformed or absent stay unknown (``get`` answers them). A
+        row read from the store is copied into this server's own registry.
 
         NOTE: a learned document is not ingested here: its KV is found at first use in a
         shared tier (the remote store) or computed by that first question, so a cluster
         computes each document once, on the replica the router sent it to."""
-        if self.store is None or not self.store.is_open:
+        local = self.store is not None and self.store.is_open
+        if not local and self.shared is None:
             return 0
+        unknown = [
+            doc_id
+            for doc_id in doc_ids
+            if isinstance(doc_id, str) and (namespace, doc_id) not in self._docs
+        ]
+        # NOTE: one round trip for all of them, whether or not this server's own registry
+        # has them (most often it has none: the document was uploaded elsewhere).
+        shared = await self._from_shared(namespace, unknown)
         learned = 0
-        for doc_id in doc_ids:
-            if not isinstance(doc_id, str) or (namespace, doc_id) in self._docs:
+        for doc_id in unknown:
+            if (namespace, doc_id) in self._docs:
                 continue
             # NOTE: under the lock a DELETE holds until its row is gone: a document being
             # deleted here is never learned back from its row.
             async with self.locks.hold(namespace, doc_id):
                 if (namespace, doc_id) in self._docs:
                     continue
-                entry = await self._store_call("read", self.store.find, namespace, doc_id)
+                entry = None
+                if local:
+                    assert self.store is not None
+                    entry = await self._store_call("read", self.store.find, namespace, doc_id)
+                adopted = entry is None and doc_id in shared
+                if adopted:
+                    entry = shared[doc_id]
                 doc = await self._from_row(entry) if entry is not None else None
                 if doc is None or (namespace, doc_id) in self._docs:
                     continue
-                doc.status, doc.saved = "ready", True
+                saved = True
+                if adopted:
+                    assert self.shared is not None and entry is not None
+                    if local:  # NOTE: this server's durable copy (restored after a restart)
+                        saved = bool(await self._store_call("saved", self._copy_row, entry))
+                    self.shared.adopted()
+                doc.status, doc.saved = "ready", saved
                 self._docs[(namespace, doc_id)] = doc
             logger.info("document %s: learned from the shared registry", doc_id)
             learned += 1
@@ -368,18 +395,18 @@ class DocumentService(DocumentPersistence):
         and forget those whose row another server deleted (see
         :mod:`ragserve.server.document_watch`): unpinned, this model's KV purged here.
         Returns how many were forgotten."""
+        forgotten = await self._sync_shared() if self.shared is not None else 0
         if self.store is None or not self.store.is_open:
-            return 0
+            return forgotten
         keys = await self._store_call("read", self.store.keys)
         if keys is None:
-            return 0
+            return forgotten
         fresh: dict[str, list[str]] = {}
         for namespace, doc_id in keys - self._docs.keys():
             fresh.setdefault(namespace, []).append(doc_id)
         for namespace, ids in fresh.items():  # uploaded through another server
             await self.learn(namespace, ids)
         missing = [doc for key, doc in self._docs.items() if doc.saved and key not in keys]
-        forgotten = 0
         for doc in missing:
             async with self.locks.hold(doc.namespace, doc.id):
                 # NOTE: checked again under the lock: an upload of this text may have
@@ -457,4 +484,6 @@ class DocumentService(DocumentPersistence):
         await asyncio.gather(*tasks, return_exceptions=True)
         if self.store is not None:
             await asyncio.get_running_loop().run_in_executor(self._store_thread, self.store.close)
+        if self.shared is not None:
+            await asyncio.get_running_loop().run_in_executor(self._store_thread, self.shared.close)
         self._store_thread.shutdown(wait=False)

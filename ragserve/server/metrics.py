@@ -39,6 +39,7 @@ class _EngineCollector(Collector):
         self.snapshot: EngineSnapshot | None = None
         self.active_requests = 0
         self.documents: Mapping[str, int] = {}
+        self.shared_registry: Mapping[str, int] | None = None
 
     def collect(self) -> Iterator[Metric]:
         alive = self.snapshot is not None
@@ -92,6 +93,8 @@ class _EngineCollector(Collector):
             docs.add_metric([status], count)
         yield docs
         yield from _tier_families(snap.tier_metrics)
+        if self.shared_registry is not None:
+            yield from _shared_registry_families(self.shared_registry)
 
 
 _NO_ENGINE = EngineSnapshot(
@@ -147,6 +150,25 @@ def _tier_families(tiers: Mapping[str, TierMetrics]) -> Iterator[Metric]:
         for name, metrics in sorted(tiers.items()):
             family.add_metric([name], float(getattr(metrics, attribute)))
         yield family
+
+
+# The registry shared through the store (ragserve.server.store_registry): count name, help.
+_SHARED_REGISTRY = (
+    ("published", "Rows and tombstones this server wrote to the store"),
+    ("adopted", "Documents learned from rows another server published to the store"),
+    ("publish_failures", "Writes to the store that failed (each is retried)"),
+    ("rejected", "Store values that did not verify (damaged, foreign, wrong key): ignored"),
+)
+
+
+def _shared_registry_families(counts: Mapping[str, int]) -> Iterator[Metric]:
+    for name, doc in _SHARED_REGISTRY:
+        yield _counter(f"ragserve_registry_store_{name}", doc, counts.get(name, 0))
+    yield _gauge(
+        "ragserve_registry_store_pending",
+        "Writes to the store waiting for their retry",
+        counts.get("pending", 0),
+    )
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -266,13 +288,19 @@ class ServerMetrics:
         self.completion_tokens.labels(endpoint).inc(sum(len(c.token_ids) for c in output.outputs))
 
     def render(
-        self, snapshot: EngineSnapshot | None, active_requests: int, documents: Mapping[str, int]
+        self,
+        snapshot: EngineSnapshot | None,
+        active_requests: int,
+        documents: Mapping[str, int],
+        shared_registry: Mapping[str, int] | None = None,
     ) -> bytes:
         """The Prometheus text of every metric. ``snapshot``: the engine's, None when it did
-        not answer; ``active_requests``: engine requests in flight; ``documents``: by status."""
+        not answer; ``active_requests``: engine requests in flight; ``documents``: by status;
+        ``shared_registry``: the store registry's counts (None: the server has none)."""
         self._engine.snapshot = snapshot
         self._engine.active_requests = active_requests
         self._engine.documents = documents
+        self._engine.shared_registry = shared_registry
         return generate_latest(self.registry)
 
 

@@ -1,5 +1,6 @@
 """Two engine replicas on a real local Ray instance behind Ray Serve's proxy, sharing a real
-valkey-server (the remote KV tier) and one document registry, driven over real HTTP:
+valkey-server (the remote KV tier, and the document registry through it: no shared
+folder, as on several machines), driven over real HTTP:
 a document's questions stay on one replica; a fallback replica serves the document from
 the store; a replica killed under load is restarted by Ray and no other request fails."""
 
@@ -65,8 +66,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             # NOTE: one thread per replica on a shared machine: no admission time budget.
             "--max-queue-seconds",
             "0",
-            "--registry-dir",
-            str(directory / "registry"),
             "--kv-remote-url",
             store.url,
         ),
@@ -238,8 +237,8 @@ def test_a_replica_killed_under_load_is_restarted_and_nothing_else_fails(
     answer = ask(cluster, question(docs[victim]["id"], "And after the restart?"))
     assert answer.status_code == 200, answer.text
     assert int(answer.headers[REPLICA]) == victim
-    # The new process started empty: the registry named the document (restored at start,
-    # as a restarted server does) and the store gave back its blocks.
+    # The new process started empty: the registry in the store named the document (learned
+    # at this question) and the store gave back its blocks.
     full = docs[victim]["prefix_tokens"] // BLOCK_SIZE * BLOCK_SIZE
     assert answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= full
     metrics = parse_metrics(requests.get(f"{cluster.url}/metrics", timeout=TIMEOUT).text)

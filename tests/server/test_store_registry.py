@@ -1,0 +1,212 @@
+"""Two real servers with separate registries (no shared directory) and one real
+valkey-server: the document registry is shared through the store alone.
+
+A document uploaded on one is listed and answered on the other (its blocks from the
+remote tier), a delete on one is forgotten by the other, values that do not verify are
+ignored and counted, tenants never see each other's rows, the store never holds token
+ids in the clear (the servers have a key), and an upload while the store is down reaches
+the other server once the store is back. The tests run in order on one pair of servers.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from array import array
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor, wait
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+
+from ragserve.commands.serve import CPU_THREAD_ENV
+from ragserve.server.auth import tenant_name
+from ragserve.server.registry_cipher import RegistryCipher
+from ragserve.server.registry_rows import decode_row
+from ragserve.server.store_registry import PREFIX, ids_key, row_key, unpack_row
+from tests.server.server_fixtures import BASE_ARGS, ServerProcess, wait_for, wait_ready
+from tests.valkey_server import ValkeyServer
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+KEY, OTHER_KEY = "sk-store-registry", "sk-store-registry-other"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+OTHER = {"Authorization": f"Bearer {OTHER_KEY}"}
+TEXT = " ".join(f"In the harbour ledger, entry {i} reads {i * 7 % 97}." for i in range(40))
+
+
+class Pair:
+    def __init__(self, store: ValkeyServer, one: ServerProcess, two: ServerProcess, key: Path):
+        self.store, self.one, self.two, self.key_file = store, one, two, key
+        self.doc: dict[str, Any] = {}
+        self.model = ""
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    root = tmp_path_factory.mktemp("store-registry")
+    (root / "store").mkdir()
+    store = ValkeyServer(root / "store")
+    store.start()
+    key_file = root / "key"
+    key_file.write_bytes(os.urandom(32).hex().encode())
+    key_file.chmod(0o600)
+
+    def flags(name: str) -> tuple[str, ...]:
+        return (
+            "--registry-dir", str(root / name),
+            "--kv-remote-url", store.url,
+            "--kv-remote-retry-s", "1",
+            "--kv-encryption-key-file", str(key_file),
+            "--api-key", KEY,
+            "--api-key", OTHER_KEY,
+        )  # fmt: skip
+
+    # NOTE: started side by side, each with the thread settings it would otherwise
+    # restart itself to get (a second interpreter start, a third of the time on two cores).
+    with ThreadPoolExecutor(2) as pool:
+        starting = [
+            pool.submit(_start, flags(name), root / f"{name}.log") for name in ("one", "two")
+        ]
+        wait(starting)
+    try:
+        one, two = (future.result() for future in starting)
+        yield Pair(store, one, two, key_file)
+    finally:
+        for future in starting:
+            if future.exception() is None:
+                future.result().stop()
+        store.stop()
+
+
+def _start(flags: tuple[str, ...], log: Path) -> ServerProcess:
+    server = ServerProcess([*BASE_ARGS, *flags], log, env=CPU_THREAD_ENV, start_timeout=180)
+    server.scrape_headers = AUTH
+    return server.start()
+
+
+def listed(url: str, headers: dict[str, str] = AUTH) -> set[str]:
+    response = requests.get(f"{url}/v1/documents", headers=headers, timeout=30)
+    assert response.status_code == 200, response.text
+    return {doc["id"] for doc in response.json()["data"]}
+
+
+def ask(url: str, doc_id: str) -> requests.Response:
+    body: dict[str, Any] = {
+        "messages": [{"role": "user", "content": "Which entry reads 40?"}],
+        "documents": [doc_id],
+        "max_tokens": 1,
+        "temperature": 0,
+    }
+    return requests.post(f"{url}/v1/chat/completions", json=body, headers=AUTH, timeout=120)
+
+
+def counter(server: ServerProcess, name: str) -> float:
+    return server.metrics().get(f"ragserve_registry_store_{name}_total", 0.0)
+
+
+def model_of_rows(pair: Pair) -> str:
+    """The model fingerprint in the store's row keys (both servers run one model)."""
+    if not pair.model:
+        keys = list(pair.store.client().scan_iter(match=f"{PREFIX}:*:ids"))
+        assert keys, "no row was published"
+        pair.model = keys[0].decode().split(":")[3]
+    return pair.model
+
+
+def test_a_document_uploaded_on_one_is_listed_and_answered_on_the_other(pair: Pair) -> None:
+    uploaded = requests.post(
+        f"{pair.one.url}/v1/documents", json={"text": TEXT}, headers=AUTH, timeout=120
+    )
+    assert uploaded.status_code == 202, uploaded.text
+    pair.doc = uploaded.json()
+    wait_ready(pair.one.url, pair.doc["id"], AUTH)
+    assert pair.doc["id"] in listed(pair.two.url)  # the other server never saw the upload
+    answered = ask(pair.two.url, pair.doc["id"])
+    assert answered.status_code == 200, answered.text
+    usage = answered.json()["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] > 0
+    assert usage["ragserve_cache"]["cached_tokens_by_tier"].get("remote", 0) > 0
+    assert counter(pair.one, "published") >= 1
+    assert counter(pair.two, "adopted") == 1
+
+
+def test_tenants_never_see_each_others_rows(pair: Pair) -> None:
+    assert pair.doc["id"] not in listed(pair.two.url, OTHER)
+    response = requests.get(
+        f"{pair.two.url}/v1/documents/{pair.doc['id']}", headers=OTHER, timeout=30
+    )
+    assert response.status_code == 404, response.text
+    model = model_of_rows(pair)
+    client = pair.store.client()
+    assert client.get(row_key(model, tenant_name(OTHER_KEY), pair.doc["id"])) is None
+    assert client.smembers(ids_key(model, tenant_name(OTHER_KEY))) == set()
+
+
+def test_the_store_holds_no_token_ids_in_the_clear(pair: Pair) -> None:
+    model = model_of_rows(pair)
+    value = pair.store.client().get(row_key(model, tenant_name(KEY), pair.doc["id"]))
+    assert isinstance(value, bytes)
+    cipher = RegistryCipher.from_file(pair.key_file)
+    tokens = decode_row(unpack_row(value), cipher).token_ids
+    assert len(tokens) == pair.doc["tokens"]
+    for start in range(0, len(tokens) - 4, 4):
+        packed = array("I", tokens[start : start + 4])
+        if sys.byteorder == "big":
+            packed.byteswap()
+        assert packed.tobytes() not in value
+    assert TEXT[:20].encode() not in value
+
+
+def test_values_that_do_not_verify_are_ignored_and_counted(pair: Pair) -> None:
+    model = model_of_rows(pair)
+    namespace = tenant_name(KEY)
+    client = pair.store.client()
+    genuine = client.get(row_key(model, namespace, pair.doc["id"]))
+    assert isinstance(genuine, bytes)
+    garbage, moved = "ab" * 16, "cd" * 16
+    client.set(row_key(model, namespace, garbage), b"ragserve-row-v1\n[garbage" + os.urandom(64))
+    client.set(row_key(model, namespace, moved), genuine)  # a real row under another id
+    client.sadd(ids_key(model, namespace), garbage, moved)
+    before = counter(pair.two, "rejected")
+    assert listed(pair.two.url) == {pair.doc["id"]}
+    for doc_id in (garbage, moved):
+        response = ask(pair.two.url, doc_id)
+        assert response.status_code == 404, response.text
+    assert counter(pair.two, "rejected") >= before + 4  # the listing's two, the questions'
+    client.delete(row_key(model, namespace, garbage), row_key(model, namespace, moved))
+    client.srem(ids_key(model, namespace), garbage, moved)
+
+
+def test_a_delete_on_one_is_forgotten_by_the_other(pair: Pair) -> None:
+    deleted = requests.delete(
+        f"{pair.one.url}/v1/documents/{pair.doc['id']}", headers=AUTH, timeout=60
+    )
+    assert deleted.status_code == 200, deleted.text
+    # Within a watch round (2 s): the listing reads no tombstone, the watch does.
+    two = pair.two
+    assert wait_for(lambda: pair.doc["id"] not in listed(two.url), 10, interval=0.2)
+    assert ask(two.url, pair.doc["id"]).status_code == 404
+    model = model_of_rows(pair)
+    ttl = pair.store.client().ttl(row_key(model, tenant_name(KEY), pair.doc["id"]))
+    assert 0 < ttl <= 24 * 3600  # a tombstone, kept a day
+
+
+def test_an_upload_while_the_store_is_down_reaches_the_other_once_it_is_back(
+    pair: Pair,
+) -> None:
+    pair.store.kill()
+    text = TEXT + " Addendum written while the store was down."
+    uploaded = requests.post(
+        f"{pair.one.url}/v1/documents", json={"text": text}, headers=AUTH, timeout=120
+    )
+    assert uploaded.status_code == 202, uploaded.text  # committed to its own registry
+    doc_id = uploaded.json()["id"]
+    assert wait_for(lambda: counter(pair.one, "publish_failures") >= 1, 10)
+    assert doc_id not in listed(pair.two.url)
+    pair.store.start()  # back, and empty (nothing is persisted)
+    # The first server retries at its watch rounds once its breaker lets it (1 s).
+    assert wait_for(lambda: doc_id in listed(pair.two.url), 20, interval=0.5)
+    assert pair.one.metrics()["ragserve_registry_store_pending"] == 0

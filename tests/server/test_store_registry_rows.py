@@ -1,0 +1,123 @@
+"""The registry's rows in a real valkey-server, without a model: what one server
+publishes another reads back verified; tombstones, tampered and foreign values, tenants,
+an outage and a store that comes back empty."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from kvstore.remote_store import StoreUnavailable
+from ragserve.server.registry_cipher import RegistryCipher
+from ragserve.server.store_registry import StoreRegistry, row_key
+from ragserve.server.stored_document import StoredDocument
+from tests.valkey_server import ValkeyServer
+
+MODEL = "model-fingerprint"
+TENANT, OTHER = "tenant-a", "tenant-b"
+
+
+def doc(doc_id: str = "ab" * 16, namespace: str = TENANT, **fields: object) -> StoredDocument:
+    values: dict[str, object] = {"token_ids": [7, 70000, 3], "metadata": {"k": "v"}}
+    values |= fields
+    return StoredDocument(doc_id, namespace, created=1_700_000_000, **values)  # type: ignore[arg-type]
+
+
+def registry(url: str, cipher: RegistryCipher | None = None, retry_s: float = 0.1) -> StoreRegistry:
+    return StoreRegistry.connect(url, MODEL, cipher, timeout_s=0.5, retry_s=retry_s)
+
+
+@pytest.fixture
+def cipher() -> RegistryCipher:
+    return RegistryCipher(os.urandom(32))
+
+
+def test_a_published_row_is_read_back_by_another_server(
+    valkey: ValkeyServer, cipher: RegistryCipher
+) -> None:
+    one, two = registry(valkey.url, cipher), registry(valkey.url, cipher)
+    assert one.publish(doc(expire_time=2e9))
+    assert two.listed(TENANT) == {"ab" * 16}
+    assert two.fetch(TENANT, ["ab" * 16, "cd" * 16]) == {"ab" * 16: doc(expire_time=2e9)}
+    assert two.listed(OTHER) == set() and two.fetch(OTHER, ["ab" * 16]) == {}
+    assert one.counts["published"] == 1 and two.counts["rejected"] == 0
+    value = valkey.client().get(row_key(MODEL, TENANT, "ab" * 16))
+    assert isinstance(value, bytes) and (70000).to_bytes(4, "little") not in value
+
+
+def test_values_that_do_not_verify_are_counted_and_never_returned(
+    valkey: ValkeyServer, cipher: RegistryCipher
+) -> None:
+    one = registry(valkey.url, cipher)
+    one.publish(doc())
+    client = valkey.client()
+    genuine = client.get(row_key(MODEL, TENANT, "ab" * 16))
+    assert isinstance(genuine, bytes)
+    client.set(row_key(MODEL, TENANT, "01" * 16), b"garbage")
+    client.set(row_key(MODEL, TENANT, "02" * 16), genuine)  # moved to another id
+    client.set(row_key(MODEL, OTHER, "ab" * 16), genuine)  # moved to another tenant
+    client.set(row_key(MODEL, TENANT, "03" * 16), genuine[:-1] + bytes([genuine[-1] ^ 1]))
+    plain = registry(valkey.url)  # a server without the key: sealed rows are not served
+    assert plain.fetch(TENANT, ["ab" * 16]) == {}
+    assert one.fetch(TENANT, ["01" * 16, "02" * 16, "03" * 16]) == {}
+    assert one.fetch(OTHER, ["ab" * 16]) == {}
+    other_key = registry(valkey.url, RegistryCipher(os.urandom(32)))
+    assert other_key.fetch(TENANT, ["ab" * 16]) == {}
+    registry(valkey.url).publish(doc("04" * 16))  # in the clear, where rows are sealed
+    assert one.fetch(TENANT, ["04" * 16]) == {}
+    assert one.counts["rejected"] == 5
+    assert plain.counts["rejected"] == 1 and other_key.counts["rejected"] == 1
+
+
+def test_a_tombstone_is_seen_and_expires_after_a_day(valkey: ValkeyServer) -> None:
+    one, two = registry(valkey.url), registry(valkey.url)
+    one.publish(doc())
+    assert two.gone([(TENANT, "ab" * 16)]) == set()
+    assert one.publish_gone(TENANT, "ab" * 16)
+    assert two.gone([(TENANT, "ab" * 16), (TENANT, "cd" * 16)]) == {(TENANT, "ab" * 16)}
+    assert two.fetch(TENANT, ["ab" * 16]) == {} and two.listed(TENANT) == set()
+    assert 0 < valkey.client().ttl(row_key(MODEL, TENANT, "ab" * 16)) <= 24 * 3600
+    one.publish(doc())  # uploaded again: the row replaces the tombstone
+    assert two.fetch(TENANT, ["ab" * 16]) == {"ab" * 16: doc()}
+
+
+def test_an_expiry_leaves_no_tombstone_when_the_store_row_lives_on(valkey: ValkeyServer) -> None:
+    one, two = registry(valkey.url), registry(valkey.url)
+    one.publish(doc(expire_time=time.time() + 3600))  # PATCHed elsewhere: lives an hour more
+    two.publish_expired(TENANT, "ab" * 16, time.time())
+    assert two.gone([(TENANT, "ab" * 16)]) == set()
+    one.publish(doc(expire_time=time.time() - 1))
+    two.publish_expired(TENANT, "ab" * 16, time.time())
+    assert two.gone([(TENANT, "ab" * 16)]) == {(TENANT, "ab" * 16)}
+
+
+def test_an_outage_keeps_writes_pending_and_a_store_back_empty_gets_every_row(
+    valkey: ValkeyServer,
+) -> None:
+    one, two = registry(valkey.url), registry(valkey.url)
+    deleted_elsewhere, deleted_here, held = doc("01" * 16), doc("02" * 16), doc("05" * 16)
+    for entry in (deleted_elsewhere, deleted_here, held):
+        assert one.publish(entry)
+    one.retry([deleted_elsewhere, deleted_here, held])  # the first round: nothing missing
+    valkey.kill()
+    late = doc("04" * 16)
+    assert not one.publish(late)  # the store is down (the caller's row is committed locally)
+    assert not one.publish_gone(TENANT, "02" * 16)
+    with pytest.raises(StoreUnavailable):  # a third failure opens the breaker
+        one.listed(TENANT)
+    assert one.counts["pending"] == 2 and one.counts["publish_failures"] == 2
+    valkey.start()  # back, and empty
+    two.publish_gone(TENANT, "01" * 16)  # deleted through another server meanwhile
+    deadline = time.monotonic() + 10
+    while one.retry([deleted_elsewhere, held, late]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert one.counts["pending"] == 0
+    assert two.listed(TENANT) == {"04" * 16, "05" * 16}
+    found = two.fetch(TENANT, ["01" * 16, "02" * 16, "04" * 16, "05" * 16])
+    assert found == {"04" * 16: late, "05" * 16: held}
+    assert two.gone([(TENANT, "01" * 16), (TENANT, "02" * 16)]) == {
+        (TENANT, "01" * 16),
+        (TENANT, "02" * 16),
+    }
