@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -127,9 +128,25 @@ def cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "ragserve", "--log-level", "WARNING", *args]
 
 
+def _sigint_default_in_child() -> None:
+    # NOTE: a child inherits an ignored SIGINT, and Python then installs no KeyboardInterrupt
+    # handler; the worker running this file may have had SIGINT ignored by a library.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@pytest.fixture
+def default_sigint() -> Iterator[None]:
+    """Python's own SIGINT handler for the test, whatever the worker process had."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 @pytest.mark.e2e
 def test_ctrl_c_then_resume_gives_the_full_run_and_bad_files_are_skipped(
-    llm: LLM, tmp_path: Path
+    llm: LLM, tmp_path: Path, default_sigint: None
 ) -> None:
     folder = tmp_path / "docs"
     bad = make_inputs(folder)
@@ -165,6 +182,7 @@ def test_ctrl_c_then_resume_gives_the_full_run_and_bad_files_are_skipped(
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=_sigint_default_in_child,
     )
     deadline = time.monotonic() + 120
     while not (out.exists() and out.read_bytes().count(b"\n") >= 1):
@@ -248,7 +266,7 @@ def test_resume_cuts_a_torn_last_line_and_refuses_a_damaged_one(tmp_path: Path) 
     assert out.read_bytes() == b""
 
 
-def test_ctrl_c_is_held_back_until_the_line_is_written() -> None:
+def test_ctrl_c_is_held_back_until_the_line_is_written(default_sigint: None) -> None:
     steps = []
     with pytest.raises(KeyboardInterrupt):
         with sigint_deferred():
