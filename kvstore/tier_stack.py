@@ -38,7 +38,6 @@ from kvstore.block_pool import BlockIdentity, BlockPool
 from kvstore.cpu_tier import CpuTier
 from kvstore.disk_tier import DiskTier
 from kvstore.record_cipher import RecordCipher
-from kvstore.remote_tier import RemoteTier
 from kvstore.tier import BlockLike, EvictCallback, KVTier, TierMetrics
 
 GIB = 1 << 30
@@ -138,6 +137,10 @@ class TierStack:
         if disk_gib > 0:
             tiers.append(DiskTier(block_shape, dtype, int(disk_gib * GIB), disk_dir, cipher=cipher))
         if remote_url:
+            # NOTE: imported here: the store's client (redis-py) costs about 0.3 s of
+            # start-up, paid only by engines that have a remote tier.
+            from kvstore.remote_tier import RemoteTier
+
             remote = RemoteTier(
                 block_shape,
                 dtype,
