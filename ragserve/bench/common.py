@@ -106,6 +106,8 @@ class RequestTiming:
     ttft_s: float
     token_times_s: list[float] = field(default_factory=list)  # since submission, one per token
     num_cached_tokens: int = 0
+    num_blended_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)  # the answer
 
     @property
     def decode_ms_per_token(self) -> float | None:
@@ -124,19 +126,20 @@ def time_request(
     request_id: str,
     persist: bool = False,
     on_first_token: Callable[[], None] | None = None,
+    **request_options: Any,
 ) -> RequestTiming:
     """Submit one greedy request (EOS ignored) and step the engine until it finishes.
 
     Each engine step ends with the sampled tokens on the host (one sync), so the clock
     read after a step that produced a token is when that token exists.
     ``on_first_token`` runs right after the first token (e.g. to read peak device memory
-    before decoding starts).
+    before decoding starts). ``request_options`` go to ``add_request`` (e.g. ``documents``).
     """
     from ragserve import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     started = time.perf_counter()
-    engine.add_request(request_id, prompt, params, persist=persist)
+    engine.add_request(request_id, prompt, params, persist=persist, **request_options)
     timing = RequestTiming(ttft_s=0.0)
     while engine.has_unfinished_requests():
         for output in engine.step():
@@ -149,9 +152,11 @@ def time_request(
             if produced and not timing.token_times_s:
                 timing.ttft_s = now
                 timing.num_cached_tokens = output.num_cached_tokens
+                timing.num_blended_tokens = output.num_blended_tokens
                 if on_first_token is not None:
                     on_first_token()
             timing.token_times_s.extend([now] * (produced - len(timing.token_times_s)))
+            timing.token_ids = list(output.outputs[0].token_ids)
     return timing
 
 

@@ -10,13 +10,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from ragserve.bench.common import load_transformers_model, write_json
+from ragserve.bench.common import load_transformers_model, time_request, write_json
 from ragserve.bench.rag_quality import BlendEmulator, score
 from ragserve.bench.rag_workload import (
     RagQuestion,
@@ -54,30 +53,21 @@ class Answer:
 def ask(
     llm: Any, request_id: str, question: RagQuestion, answer_tokens: int, **reuse: Any
 ) -> Answer:
-    from ragserve import SamplingParams
-
-    engine = llm.engine
-    params = SamplingParams(temperature=0.0, max_tokens=answer_tokens, ignore_eos=True)
     before = llm.snapshot().prompt_tokens_computed
-    started = time.perf_counter()
-    engine.add_request(request_id, question.token_ids, params, documents=question.spans, **reuse)
-    ttft, last = None, None
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.request_id != request_id:
-                continue
-            if output.error:
-                raise RuntimeError(f"request {request_id} failed: {output.error}")
-            if ttft is None and output.outputs[0].token_ids:
-                ttft = time.perf_counter() - started
-            last = output
-    assert last is not None and ttft is not None
+    timing = time_request(
+        llm.engine,
+        question.token_ids,
+        answer_tokens,
+        request_id=request_id,
+        documents=question.spans,
+        **reuse,
+    )
     return Answer(
-        list(last.outputs[0].token_ids),
-        ttft,
+        timing.token_ids,
+        timing.ttft_s,
         llm.snapshot().prompt_tokens_computed - before,
-        last.num_cached_tokens,
-        last.num_blended_tokens,
+        timing.num_cached_tokens,
+        timing.num_blended_tokens,
     )
 
 
