@@ -173,6 +173,9 @@ def release_device_memory() -> None:
 # One NVIDIA H200: bf16 dense matmul ceiling and device copy bandwidth.
 H200_PEAK_TFLOPS = 791.0
 H200_PEAK_TBPS = 4.25
+# Its FP8 (e4m3) matmul ceiling: ``torch._scaled_mm`` with row-wise scales, 8192^3, measured
+# on an NVIDIA H200 (1,347 TFLOP/s; bf16 769 in the same run).
+H200_PEAK_FP8_TFLOPS = 1347.0
 
 
 def add_peak_arguments(parser: Any) -> None:
@@ -182,6 +185,13 @@ def add_peak_arguments(parser: Any) -> None:
         type=float,
         default=None,
         help=f"matmul ceiling, TFLOP/s (on CUDA default {H200_PEAK_TFLOPS:g}, one H200)",
+    )
+    parser.add_argument(
+        "--peak-fp8-tflops",
+        type=float,
+        default=None,
+        help="FP8 matmul ceiling for --quantization fp8 runs' projections, TFLOP/s "
+        f"(on CUDA default {H200_PEAK_FP8_TFLOPS:g}, one H200)",
     )
     parser.add_argument(
         "--peak-tbps",
@@ -200,8 +210,9 @@ def resolve_peaks(args: Any, device: torch.device) -> bool:
     if device.type == "cuda":
         args.peak_tflops = args.peak_tflops or H200_PEAK_TFLOPS
         args.peak_tbps = args.peak_tbps or H200_PEAK_TBPS
+        args.peak_fp8_tflops = getattr(args, "peak_fp8_tflops", None) or H200_PEAK_FP8_TFLOPS
     if args.peak_tflops is None or args.peak_tbps is None:
-        args.peak_tflops = args.peak_tbps = None
+        args.peak_tflops = args.peak_tbps = args.peak_fp8_tflops = None
         return False
     return True
 

@@ -141,6 +141,21 @@ def generate_flops(shape: ModelShape, input_len: int, output_len: int) -> float:
     return prefill_flops(shape, input_len) + steps * per_token + attention
 
 
+def linear_flops(shape: ModelShape, tokens: float) -> float:
+    """The decoder projections' share of the FLOPs of ``tokens`` tokens: the matmuls that
+    FP8 weights run at the FP8 rate (attention and the LM head stay in the model's dtype)."""
+    return 2.0 * linear_params(shape) * tokens
+
+
+def compute_floor_s(
+    flops: float, fp8_flops: float, peak_tflops: float, fp8_peak_tflops: float | None
+) -> float:
+    """``flops`` at the matmul ceiling, of which ``fp8_flops`` at the FP8 one (when given)."""
+    if fp8_peak_tflops is None:
+        return flops / (peak_tflops * 1e12)
+    return (flops - fp8_flops) / (peak_tflops * 1e12) + fp8_flops / (fp8_peak_tflops * 1e12)
+
+
 def decode_weight_bytes(shape: ModelShape, itemsize: int, quantization: str = "none") -> int:
     """Weight bytes one decode step reads: the decoder layers, the final norm and the LM head.
 

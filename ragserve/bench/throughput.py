@@ -20,7 +20,12 @@ from ragserve.bench.common import (
     transformers_generate_batch,
     write_json,
 )
-from ragserve.bench.shapes import decode_weight_bytes, generate_flops
+from ragserve.bench.shapes import (
+    compute_floor_s,
+    decode_weight_bytes,
+    generate_flops,
+    linear_flops,
+)
 from ragserve.config import EngineConfig
 from ragserve.table import print_table
 
@@ -224,7 +229,11 @@ def _floor(
     flops = sum(
         generate_flops(run["shape"], i, o) for i, o in zip(input_lens, output_lens, strict=True)
     )
-    compute = flops / (args.peak_tflops * 1e12)
+    fp8_flops = 0.0
+    if run["quantization"] == "fp8":
+        tokens = sum(i + max(0, o - 1) for i, o in zip(input_lens, output_lens, strict=True))
+        fp8_flops = linear_flops(run["shape"], tokens)
+    compute = compute_floor_s(flops, fp8_flops, args.peak_tflops, args.peak_fp8_tflops)
     step_bytes = decode_weight_bytes(run["shape"], run["dtype"].itemsize, run["quantization"])
     memory = max(output_lens) * step_bytes / (args.peak_tbps * 1e12)
     return {
@@ -282,7 +291,11 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
         _floor(ours, input_lens, output_lens, args) if resolve_peaks(args, ours["device"]) else None
     )
     if floor is not None:
-        results["floor"] = floor | {"peak_tflops": args.peak_tflops, "peak_tbps": args.peak_tbps}
+        results["floor"] = floor | {
+            "peak_tflops": args.peak_tflops,
+            "peak_fp8_tflops": args.peak_fp8_tflops if ours["quantization"] == "fp8" else None,
+            "peak_tbps": args.peak_tbps,
+        }
     rows: list[list[Any]] = [
         [
             "ragserve",

@@ -21,8 +21,10 @@ from ragserve.bench.common import (
     write_json,
 )
 from ragserve.bench.shapes import (
+    compute_floor_s,
     decode_floor_s,
     decode_weight_bytes,
+    linear_flops,
     non_embedding_params,
     prefill_flops,
 )
@@ -307,6 +309,11 @@ def _print_tables(results: dict[str, Any], args: argparse.Namespace) -> None:
         "tokens, each engine's second run at the length (first runs on the right); "
         + (
             f"floor = prefill FLOPs / {args.peak_tflops:g} TFLOP/s"
+            + (
+                f" (projections / {args.peak_fp8_tflops:g} FP8)"
+                if results["workload"].get("quantization") == "fp8"
+                else ""
+            )
             if args.peak_tflops
             else no_floor
         ),
@@ -398,7 +405,10 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
             results["rows"].setdefault(str(length), {"length": length})
             results["rows"][str(length)]["flops"] = flops
             if args.peak_tflops is not None:
-                results["rows"][str(length)]["floor_s"] = flops / (args.peak_tflops * 1e12)
+                fp8 = linear_flops(shape, length) if config.quantization == "fp8" else 0.0
+                results["rows"][str(length)]["floor_s"] = compute_floor_s(
+                    flops, fp8, args.peak_tflops, args.peak_fp8_tflops
+                )
         write_json(args.out, results, quiet=True)
         if not args.skip_transformers:
             try:

@@ -22,6 +22,7 @@ BENCHMARKS = {
     "startup": "ragserve.bench.startup",
     "cluster": "ragserve.bench.cluster",
     "rag": "ragserve.bench.rag",
+    "fp8-quality": "ragserve.bench.fp8_quality",
 }
 
 

@@ -85,7 +85,7 @@ class ModelRunner:
             (max_num_tokens, shape.num_heads, shape.head_dim),
             shape.num_kv_heads,
             max_context_len,
-            self.kv_cache.dtype,
+            self.model.dtype,  # NOTE: the activations', not an FP8 cache's
             self.device,
         )
 

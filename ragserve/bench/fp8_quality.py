@@ -1,0 +1,137 @@
+"""``ragserve bench fp8-quality``: how far FP8 KV, FP8 weights and both move a real model's
+next-token distributions from the same engine in the model's dtype.
+
+Prompts are RAG questions over 1 to 8 documents of the pool (1k to 8k tokens with the
+default sizes). The baseline engine answers each greedily; every variant is then
+teacher-forced along the baseline's answer: step ``t`` asks for one token after the prompt
+plus the first ``t`` answer tokens (prefix caching keeps that to the new tokens, computed
+through the variant's own KV, as decoding would). Top-1 agreement counts the steps whose
+most likely token is the baseline's; KL(baseline || variant) is taken over the baseline's
+``--top`` most likely tokens with the rest as one outcome (below the full KL where both
+lists hold those tokens, since merging outcomes never raises it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from typing import Any
+
+from ragserve.bench.common import release_device_memory, write_json
+from ragserve.bench.rag_workload import make_pool, make_questions
+from ragserve.config import EngineConfig
+from ragserve.table import print_table
+
+VARIANTS: dict[str, dict[str, Any]] = {  # name: engine settings that differ from the baseline
+    # NOTE: the yardstick: the baseline's dtype with other step shapes (rounding noise alone)
+    "baseline with 512-token steps": {"max_num_batched_tokens": 512},
+    "fp8 KV": {"kv_cache_dtype": "fp8"},
+    "fp8 weights": {"quantization": "fp8"},
+    "fp8 weights + KV": {"kv_cache_dtype": "fp8", "quantization": "fp8"},
+}
+
+TopLogprobs = dict[int, float]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--pool-docs", type=int, default=16)
+    parser.add_argument("--doc-tokens", type=int, default=1000)
+    parser.add_argument("--docs-per-prompt", default="1,8", help="min,max")
+    parser.add_argument("--answer-tokens", type=int, default=16)
+    parser.add_argument("--top", type=int, default=20, help="logprobs per step (at most 20)")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated")
+    parser.add_argument("--out", default="bench-results/fp8_quality.json")
+
+
+def run(args: argparse.Namespace, config: EngineConfig) -> int:
+    from ragserve import LLM
+
+    low, high = (int(x) for x in args.docs_per_prompt.split(","))
+    baseline = LLM.from_config(config)
+    tokenizer = baseline.engine.tokenizer
+    if tokenizer is None:
+        raise SystemExit("fp8-quality needs a model with a tokenizer (real weights)")
+    docs, asks = make_pool(tokenizer, args.pool_docs, args.doc_tokens)
+    prompts = [
+        q.token_ids for q in make_questions(tokenizer, docs, asks, args.num_prompts, (low, high))
+    ]
+    answers = greedy_answers(baseline, prompts, args.answer_tokens)
+    reference = teacher_forced(baseline, prompts, answers, args.top)
+    baseline.close()
+    del baseline
+    release_device_memory()
+    results: dict[str, Any] = {
+        "workload": {k: v for k, v in vars(args).items() if k != "func"},
+        "dtype": config.dtype,
+        "prompt_tokens": [min(map(len, prompts)), max(map(len, prompts))],
+    }
+    agree, _ = compare(reference, reference, answers)
+    results["baseline, teacher-forced"] = {"top1_agreement": agree, "mean_kl": 0.0}
+    rows = [["baseline, teacher-forced", agree, 0.0]]
+    for name in args.variants.split(","):
+        with LLM.from_config(dataclasses.replace(config, **VARIANTS[name])) as llm:
+            steps = teacher_forced(llm, prompts, answers, args.top)
+        release_device_memory()
+        agree, kl = compare(reference, steps, answers)
+        results[name] = {"top1_agreement": agree, "mean_kl": kl}
+        rows.append([name, agree, kl])
+        write_json(args.out, results, quiet=True)
+    print_table(
+        f"fp8 quality: {len(prompts)} prompts of {results['prompt_tokens'][0]}-"
+        f"{results['prompt_tokens'][1]} tokens, {args.answer_tokens} answer tokens each, "
+        f"against the {config.dtype} engine",
+        ["variant", "top-1 agreement", "mean KL (top-20 + rest)"],
+        rows,
+    )
+    write_json(args.out, results)
+    return 0
+
+
+def greedy_answers(llm: Any, prompts: list[list[int]], length: int) -> list[list[int]]:
+    from ragserve import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=length, ignore_eos=True)
+    return [list(out.outputs[0].token_ids) for out in llm.generate(prompts, params)]
+
+
+def teacher_forced(
+    llm: Any, prompts: list[list[int]], answers: list[list[int]], top: int
+) -> list[list[TopLogprobs]]:
+    """Per prompt, per answer step: the engine's ``top`` logprobs for the next token."""
+    from ragserve import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=top)
+    steps: list[list[TopLogprobs]] = [[] for _ in prompts]
+    for t in range(len(answers[0])):
+        batch = [p + a[:t] for p, a in zip(prompts, answers, strict=True)]
+        for row, out in enumerate(llm.generate(batch, params, use_tqdm=False)):
+            (logprobs,) = out.outputs[0].logprobs
+            steps[row].append({token: lp.logprob for token, lp in logprobs.items()})
+    return steps
+
+
+def compare(
+    reference: list[list[TopLogprobs]], variant: list[list[TopLogprobs]], answers: list[list[int]]
+) -> tuple[float, float]:
+    """Top-1 agreement with the baseline's answer, and mean KL over all steps."""
+    agree, kls = 0, []
+    for ref_steps, var_steps, answer in zip(reference, variant, answers, strict=True):
+        for ref, var, token in zip(ref_steps, var_steps, answer, strict=True):
+            agree += max(var, key=var.__getitem__) == token
+            kls.append(top_kl(ref, var))
+    return agree / len(kls), sum(kls) / len(kls)
+
+
+def top_kl(ref: TopLogprobs, var: TopLogprobs) -> float:
+    """KL over the reference's listed tokens plus one 'rest' outcome. A token the variant did
+    not list gets the variant's smallest listed probability (it is at most that)."""
+    floor = min(var.values())
+    p = {token: math.exp(lp) for token, lp in ref.items()}
+    q = {token: math.exp(var.get(token, floor)) for token in ref}
+    p_rest, q_rest = max(0.0, 1 - sum(p.values())), max(1e-12, 1 - sum(q.values()))
+    kl = sum(p[t] * (math.log(p[t]) - math.log(q[t])) for t in p if p[t] > 0)
+    if p_rest > 0:
+        kl += p_rest * (math.log(p_rest) - math.log(q_rest))
+    return max(0.0, kl)
