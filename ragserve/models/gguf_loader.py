@@ -1,8 +1,8 @@
 """Reads a GGUF file: the transformers config from its metadata, and its weights under HF names.
 
 Architectures: ``llama`` (incl. SmolLM2 and llama.cpp's Mistral conversions) and ``qwen2``,
-``qwen3``. The header is parsed by ``gguf_header``; weights are dequantized to float32 with
-``gguf.quants.dequantize``, one tensor at a time. llama.cpp's converter permutes the rows of Llama's Q and K projections into an
+``qwen3``. The header is parsed by ``gguf_header``; weights are dequantized to float32 by
+``gguf_dequant``, one tensor at a time. llama.cpp's converter permutes the rows of Llama's Q and K projections into an
 interleaved rotary layout; ``iter_gguf_weights`` undoes that so the weights suit the
 half-rotation rotary of HF Llama (and of our model).
 
@@ -19,11 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-from gguf.quants import dequantize
 from transformers import AutoConfig, PretrainedConfig
 
+from ragserve.models.gguf_dequant import dequantize
 from ragserve.models.gguf_header import GGUFHeader, read_gguf_header
 
 # GGUF general.architecture -> (transformers model_type, architecture name)
@@ -174,11 +173,6 @@ def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return per_head.transpose(1, 2).reshape(weight.shape)
 
 
-def _as_tensor(array: np.ndarray) -> torch.Tensor:
-    # NOTE: unquantized tensors come back as read-only views of the memory map.
-    return torch.from_numpy(array if array.flags.writeable else array.copy())
-
-
 def iter_gguf_weights(checkpoint: GGUFCheckpoint) -> Iterator[tuple[str, torch.Tensor]]:
     """``(hf_name, float32 tensor)`` for every weight; skips ``rope_freqs`` (see ``rope_frequency_factors``)."""
     config = checkpoint.config
@@ -191,7 +185,7 @@ def iter_gguf_weights(checkpoint: GGUFCheckpoint) -> Iterator[tuple[str, torch.T
         if info.name == ROPE_FREQS:
             continue
         name = hf_name(info.name)
-        weight = _as_tensor(dequantize(header.tensor_data(info), info.tensor_type))
+        weight = dequantize(header.tensor_data(info), info.tensor_type)
         if checkpoint.architecture == "llama":
             for marker, heads in permute_heads.items():
                 if marker in name:
@@ -204,5 +198,5 @@ def rope_frequency_factors(checkpoint: GGUFCheckpoint) -> torch.Tensor | None:
     header = checkpoint.header
     for info in header.tensors:
         if info.name == ROPE_FREQS:
-            return _as_tensor(dequantize(header.tensor_data(info), info.tensor_type)).reshape(-1)
+            return dequantize(header.tensor_data(info), info.tensor_type).reshape(-1)
     return None
