@@ -19,12 +19,14 @@ from kvstore.hashing import hash_full_blocks, make_salt
 from kvstore.kv_cache_manager import KVAllocation, KVCacheManager
 from kvstore.segments import Segment, segment_salt
 from ragserve.config import EngineConfig
+from ragserve.devices import resolve_device
 from ragserve.engine.blend_install import BlendInstaller
 from ragserve.engine.blend_requests import (
     SEGMENT_PARAMS,
     BlendRequest,
     segment_request_id,
 )
+from ragserve.engine.cpu_malloc import keep_freed_memory
 from ragserve.engine.detokenizer import IncrementalDetokenizer
 from ragserve.engine.engine_face import make_info, take_snapshot
 from ragserve.engine.engine_info import EngineSnapshot, KVModel
@@ -66,6 +68,8 @@ class LLMEngine:
         self.config = config
         self.prepared_threads: set[int] = set()
         started = time.perf_counter()
+        if resolve_device(config.device).type == "cpu":
+            keep_freed_memory()
         self.loaded: LoadedModel = load_model_from_config(config)
         self.device = self.loaded.device
         self.dtype = self.loaded.dtype
