@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from triton.testing import do_bench, do_bench_cudagraph
 
 from kernels.block_copy import gather_blocks, scatter_blocks
-from kernels.fp8_kv import SCALE_BYTES, quantize_rows
+from kernels.fp8_kv import SCALE_BYTES, quantize_slots
 from kernels.interface import AttentionMetadata, write_kv
 from kernels.triton_attention import (
     DECODE_CONFIG,
@@ -58,7 +58,7 @@ def graph_us(fn: Callable[[], object]) -> float:
 
 
 class Pool:
-    """One random block pool (bf16, or its FP8 rows); cases take random distinct blocks."""
+    """One random block pool (bf16, or its FP8 slots); cases take random distinct blocks."""
 
     def __init__(self, num_tokens: int, block_size: int = 16, fp8: bool | None = None) -> None:
         self.block_size = block_size
@@ -73,7 +73,7 @@ class Pool:
         for start in range(0, self.num_blocks, step):
             part = self.cache[start : start + step]
             values = torch.randn(*part.shape[:-1], HEAD_DIM, device="cuda", dtype=DTYPE)
-            part.copy_(quantize_rows(values))
+            part.copy_(quantize_slots(values))
 
     def layer(self) -> torch.Tensor:
         return self.cache[:, 0]

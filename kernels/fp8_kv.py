@@ -1,10 +1,33 @@
-"""FP8 (e4m3) KV cache rows: ``head_dim`` FP8 bytes followed by their float32 scale.
+"""FP8 (e4m3) KV cache slots: every kv head's e4m3 codes, then every head's float32 scale.
 
-An FP8 cache keeps the block-major layout of ``kernels/interface.py`` in ``uint8`` with a
-last dim of ``head_dim + 4``: each (slot, kv head) row holds the ``head_dim`` e4m3 codes of
-``x / scale`` and then ``scale = amax(|x|) / 448`` as 4 little-endian float32 bytes.
+Layout
+------
+An FP8 cache keeps the block-major layout and shape of ``kernels/interface.py`` in
+``uint8`` with a last dim of ``head_dim + 4``, but the last two dims are reinterpreted:
+the ``num_kv_heads * (head_dim + 4)`` bytes of one (block, K/V, slot) are one record,
 
-Why scales live in the rows, per token and kv head:
+- ``[0, num_kv_heads * head_dim)``: the codes, head ``h``'s ``head_dim`` e4m3 codes of
+  ``x / scale`` at byte ``h * head_dim``;
+- ``[num_kv_heads * head_dim, +4 * num_kv_heads)``: the scales, head ``h``'s
+  ``scale = amax(|x|) / 448`` as little-endian float32 at byte
+  ``num_kv_heads * head_dim + 4 * h``.
+
+So ``cache[..., h, :]`` is *not* head ``h``'s row (except with one kv head): only
+:func:`quantize_slots`, :func:`dequantize_slots` and the Triton kernels read the bytes.
+The shape stays ``[..., num_kv_heads, head_dim + 4]`` rather than ending in one
+``num_kv_heads * (head_dim + 4)`` dim so that everything that moves slots and blocks
+without reading them (the engine's cache spec, tiers, block copies, slot scatters, shape
+checks, the ``shape[3]`` that is the kv head count everywhere) is untouched.
+
+Why codes first: a head's codes start ``slot * num_kv_heads * (head_dim + 4) +
+h * head_dim`` bytes into a block's K (or V) half, a multiple of 16 when ``head_dim`` is
+and ``num_kv_heads`` is a multiple of 4 (Llama 3's 8 kv heads: 1,056-byte slots), so
+attention can load them as 16-byte vectors (``kernels/triton_attention.py``); with each
+scale right after its codes (the previous layout), head ``h`` started at
+``h * (head_dim + 4)``, only 4-byte aligned. With 1 or 2 kv heads the slots, and so the
+codes, are only 4- or 8-byte aligned: the bytes per slot are kept, not padded.
+
+Why scales live in the slots, per token and kv head:
 
 - a block stays one contiguous byte range, so tiers, disk and CPU records and block copies
   move it unchanged and a restored block is bit-exact (the scales travel with the codes);
@@ -34,7 +57,7 @@ import torch
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3fn value
-SCALE_BYTES = 4  # one float32 per row
+SCALE_BYTES = 4  # one float32 per (slot, kv head)
 STORAGE_DTYPE = torch.uint8
 # NOTE: below float32's smallest normal a scale loses bits, and x / scale could overflow.
 _MIN_SCALE = torch.finfo(torch.float32).tiny
@@ -47,14 +70,15 @@ class KVFormat:
     """How one KV cache stores its rows: the tensor's dtype, its last dim, and the name the
     block-hash salt binds (blocks of different formats never mix)."""
 
-    name: str  # e.g. "float32", "bfloat16", "fp8_e4m3/row_f32_scale"
+    name: str  # e.g. "float32", "bfloat16", FP8_FORMAT_NAME
     storage_dtype: torch.dtype
     head_dim: int
     quantized: bool
 
     @property
     def row_width(self) -> int:
-        """Elements of ``storage_dtype`` per (slot, kv head) row: the cache's last dim."""
+        """Elements of ``storage_dtype`` per (slot, kv head): the cache's last dim (FP8: the
+        bytes per head of a slot's record, codes and scale)."""
         return self.head_dim + SCALE_BYTES if self.quantized else self.head_dim
 
     @property
@@ -62,7 +86,9 @@ class KVFormat:
         return self.row_width * self.storage_dtype.itemsize
 
 
-FP8_FORMAT_NAME = "fp8_e4m3/row_f32_scale"
+# NOTE: the salt binds this name: blocks stored under the old per-row layout
+# ("fp8_e4m3/row_f32_scale") are never read as this one.
+FP8_FORMAT_NAME = "fp8_e4m3/slot_f32_scales"
 
 
 def kv_format(kv_cache_dtype: str, model_dtype: torch.dtype, head_dim: int) -> KVFormat:
@@ -72,7 +98,7 @@ def kv_format(kv_cache_dtype: str, model_dtype: torch.dtype, head_dim: int) -> K
         return KVFormat(name, model_dtype, head_dim, quantized=False)
     if kv_cache_dtype == "fp8":
         if head_dim % SCALE_BYTES:
-            # NOTE: the scale is read as a float32 view of the row's tail: it must be aligned.
+            # NOTE: scales are read through a float32 view of the cache: they must be aligned.
             raise ValueError(f"an FP8 KV cache needs head_dim divisible by 4, got {head_dim}")
         return KVFormat(FP8_FORMAT_NAME, STORAGE_DTYPE, head_dim, quantized=True)
     raise ValueError(
@@ -81,13 +107,15 @@ def kv_format(kv_cache_dtype: str, model_dtype: torch.dtype, head_dim: int) -> K
 
 
 def is_fp8_cache(kv: torch.Tensor) -> bool:
-    """True for a cache (or a layer or rows of one) in this module's FP8 row format."""
+    """True for a cache (or a layer or slots of one) in this module's FP8 format."""
     return kv.dtype == STORAGE_DTYPE
 
 
-def quantize_rows(x: torch.Tensor) -> torch.Tensor:
-    """``[..., head_dim]`` (any float dtype) -> ``[..., head_dim + 4]`` uint8 rows."""
-    head_dim = x.shape[-1]
+def quantize_slots(x: torch.Tensor) -> torch.Tensor:
+    """``[..., num_kv_heads, head_dim]`` (any float dtype) -> ``[..., num_kv_heads,
+    head_dim + 4]`` uint8 slots in this module's layout, each (slot, kv head) row under
+    its own scale."""
+    *lead, heads, head_dim = x.shape
     if head_dim % SCALE_BYTES:
         raise ValueError(f"head_dim must be divisible by 4, got {head_dim}")
     values = x.float()
@@ -100,27 +128,34 @@ def quantize_rows(x: torch.Tensor) -> torch.Tensor:
     # NOTE: clamp before the cast: x / scale may round just past 448, and casts of
     # out-of-range values to e4m3fn are NaN on some devices.
     codes = (values / safe).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    out = torch.empty((*x.shape[:-1], head_dim + SCALE_BYTES), dtype=STORAGE_DTYPE, device=x.device)
-    out[..., :head_dim] = codes.view(STORAGE_DTYPE)
+    code_bytes = heads * head_dim
+    out = torch.empty(
+        (*lead, code_bytes + heads * SCALE_BYTES), dtype=STORAGE_DTYPE, device=x.device
+    )
+    out[..., :code_bytes] = codes.view(STORAGE_DTYPE).flatten(-2)
     # A zero row keeps scale 0 (not the clamped one): it dequantizes to exact zeros.
-    out[..., head_dim:] = torch.where(amax > 0, safe, 0.0).view(STORAGE_DTYPE)
-    return out
+    out[..., code_bytes:] = torch.where(amax > 0, safe, 0.0).view(STORAGE_DTYPE).flatten(-2)
+    return out.view(*lead, heads, head_dim + SCALE_BYTES)
 
 
-def dequantize_rows(
-    rows: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None
+def dequantize_slots(
+    slots: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``[..., head_dim + 4]`` uint8 rows -> ``[..., head_dim]`` of ``dtype`` (into ``out``
-    when given). The product is taken in float32 and rounded once to ``dtype``."""
-    head_dim = rows.shape[-1] - SCALE_BYTES
-    codes = rows[..., :head_dim].view(FP8_DTYPE)
-    scale = rows[..., head_dim:].view(torch.float32)
-    values = codes.float().mul_(scale)
+    """``[..., num_kv_heads, head_dim + 4]`` uint8 slots -> ``[..., num_kv_heads, head_dim]``
+    of ``dtype`` (into ``out`` when given). The product is taken in float32 and rounded
+    once to ``dtype``."""
+    heads, width = slots.shape[-2:]
+    code_bytes = heads * (width - SCALE_BYTES)
+    record = slots.flatten(-2)  # a view over a cache: a slot's bytes are contiguous
+    codes = record[..., :code_bytes].view(FP8_DTYPE).unflatten(-1, (heads, -1))
+    scale = record[..., code_bytes:].view(torch.float32)
+    values = codes.float().mul_(scale[..., None])
     if out is None:
         return values.to(dtype)
     return out.copy_(values)
 
 
 def round_trip(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as an FP8 cache gives it back: what attention over the cache reads."""
-    return dequantize_rows(quantize_rows(x), x.dtype)
+    """``x`` (``[..., num_kv_heads, head_dim]``) as an FP8 cache gives it back: what
+    attention over the cache reads."""
+    return dequantize_slots(quantize_slots(x), x.dtype)

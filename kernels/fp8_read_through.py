@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from kernels.cpu_paged_attention import GatherWorkspace
-from kernels.fp8_kv import dequantize_rows, quantize_rows
+from kernels.fp8_kv import dequantize_slots, quantize_slots
 from kernels.interface import AttentionBackend, AttentionMetadata, scatter_rows
 
 
@@ -50,13 +50,13 @@ class Fp8ReadThrough:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        key_rows, value_rows = quantize_rows(key), quantize_rows(value)
+        key_rows, value_rows = quantize_slots(key), quantize_slots(value)
         scatter_rows(key_rows, value_rows, kv_layer, meta.slot_mapping)
         step = self._plan(meta, kv_layer)
         dense = self.dequantize_blocks(kv_layer, step.blocks, query.dtype)
         key, value = (
-            dequantize_rows(key_rows, query.dtype),
-            dequantize_rows(value_rows, query.dtype),
+            dequantize_slots(key_rows, query.dtype),
+            dequantize_slots(value_rows, query.dtype),
         )
         return self._plain.forward(query, key, value, dense, step.dense_meta, scale)
 
@@ -69,7 +69,7 @@ class Fp8ReadThrough:
         codes = self._codes.take(shape, kv_layer.dtype, kv_layer.device)
         torch.index_select(kv_layer, 0, blocks, out=codes)
         dense = self._dense.take((*shape[:-1], shape[-1] - 4), dtype, kv_layer.device)
-        return dequantize_rows(codes, dtype, out=dense)
+        return dequantize_slots(codes, dtype, out=dense)
 
     def _plan(self, meta: AttentionMetadata, kv_layer: torch.Tensor) -> _DenseStep:
         layout = (*kv_layer.shape, kv_layer.stride(0))

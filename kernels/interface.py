@@ -5,10 +5,12 @@ The KV cache of an engine is one block-major tensor
 its slice ``kv_cache[:, layer]`` of shape ``[num_blocks, 2, block_size, num_kv_heads, head_dim]``
 (index 0 along dim 1 is K, 1 is V). A *slot* is ``block_id * block_size + offset``.
 
-An FP8 cache (``--kv-cache-dtype fp8``) has the same layout in ``uint8`` with a last dim of
-``head_dim + 4``: each (slot, kv head) row is ``head_dim`` e4m3 bytes and its float32 scale
-(see ``kernels/fp8_kv.py``). ``write_kv`` quantizes into it; a backend that cannot read it
-says so with ``supports_fp8_kv = False`` and refuses it at start-up (``check_kv_cache``).
+An FP8 cache (``--kv-cache-dtype fp8``) has the same block-major shape in ``uint8`` with a
+last dim of ``head_dim + 4``, but each slot's ``[num_kv_heads, head_dim + 4]`` bytes are
+one record: all heads' e4m3 codes, then all heads' float32 scales (``kernels/fp8_kv.py``),
+so only the FP8 readers index into a slot. ``write_kv`` quantizes into it; a backend that
+cannot read it says so with ``supports_fp8_kv = False`` and refuses it at start-up
+(``check_kv_cache``).
 
 A forward pass runs over a flat batch of ``T`` new tokens belonging to ``B`` sequences,
 sequence ``i`` owning query rows ``query_start_loc[i]:query_start_loc[i + 1]``. Each
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.fp8_kv import is_fp8_cache, quantize_rows
+from kernels.fp8_kv import is_fp8_cache, quantize_slots
 
 
 @dataclass(frozen=True)
@@ -116,14 +118,14 @@ def write_kv(
 ) -> None:
     """Scatter new K/V rows into their slots (pure torch; used by the reference backend).
 
-    Into an FP8 cache the rows are quantized first, each (token, kv head) on its own."""
+    Into an FP8 cache the slots are quantized first, each (token, kv head) row on its own."""
     scatter_rows(cache_rows(key, kv_layer), cache_rows(value, kv_layer), kv_layer, slot_mapping)
 
 
 def cache_rows(x: torch.Tensor, kv_layer: torch.Tensor) -> torch.Tensor:
-    """``[T, kv_heads, head_dim]`` as the ``[T, kv_heads, row_width]`` rows ``kv_layer`` stores."""
+    """``[T, kv_heads, head_dim]`` as the ``[T, kv_heads, row_width]`` slots ``kv_layer`` stores."""
     if is_fp8_cache(kv_layer):
-        return quantize_rows(x)
+        return quantize_slots(x)
     return x.to(kv_layer.dtype)
 
 
@@ -133,7 +135,8 @@ def scatter_rows(
     kv_layer: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Copy rows already in the cache's format into their slots."""
+    """Copy slots already in the cache's format into place: whole slots, so an FP8 slot's
+    codes and scales move together."""
     block_size, heads, width = kv_layer.shape[2:]
     rows_per_block = kv_layer.stride(0) // (heads * width)
     blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")

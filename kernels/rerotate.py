@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.fp8_kv import dequantize_rows, is_fp8_cache, quantize_rows
+from kernels.fp8_kv import dequantize_slots, is_fp8_cache, quantize_slots
 
 
 def rotation_angles(
@@ -89,16 +89,15 @@ def rerotate_copy_torch(
 ) -> None:
     """``rerotate_copy`` with torch indexing (the reference, and the CPU path)."""
     size = kv_cache.shape[3]
-    rows = kv_cache[source // size, :, :, source % size]  # [T, layers, 2, kv_heads, dim]
+    rows = kv_cache[source // size, :, :, source % size]  # [T, layers, 2, kv_heads, width]
     keys = rows[:, :, 0]
-    n, layers, heads, dim = keys.shape
-    flat = keys.reshape(n, layers * heads, dim)
     fp8 = is_fp8_cache(kv_cache)
     if fp8:  # NOTE: dequantize, rotate in float32, quantize under the rotated row's scale
-        flat = dequantize_rows(flat, torch.float32)
-    moved = rerotate_keys(flat, inv_freq, source_positions, target_positions)
-    if fp8:
-        moved = quantize_rows(moved)
+        keys = dequantize_slots(keys, torch.float32)
+    n, layers, heads, dim = keys.shape
     # NOTE: every layer of a token moves by the same angle: one rotation of all heads.
-    kv_cache[target // size, :, 0, target % size] = moved.view(n, layers, heads, dim)
+    flat = keys.reshape(n, layers * heads, dim)
+    moved = rerotate_keys(flat, inv_freq, source_positions, target_positions)
+    moved = moved.view(n, layers, heads, dim)
+    kv_cache[target // size, :, 0, target % size] = quantize_slots(moved) if fp8 else moved
     kv_cache[target // size, :, 1, target % size] = rows[:, :, 1]

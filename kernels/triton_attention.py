@@ -32,16 +32,24 @@ Output rows past ``query_start_loc[B]`` (padding tokens) are not written.
 FP8 cache (``kernels/fp8_kv.py``, a constexpr branch; the plain path compiles as before):
 K and V tiles are loaded as e4m3 codes (``uint8`` bitcast to ``float8e4nv``) and converted
 to the query's dtype in registers, exactly (e4m3 fits in bf16, fp16 and fp32); each
-token's float32 scale is loaded beside them. The scales are applied outside the dots,
-where they are per-column factors: a key's scale multiplies its column of ``q @ k``
-(folded into ``qk_scale``), a value's scale multiplies its column of ``p`` before
-``p @ v``. Mathematically this is attention over the dequantized cache; the rounding
+token's float32 scale is loaded beside them, from the scales after its slot's codes. The
+scales are applied outside the dots, where they are per-column factors: a key's scale
+multiplies its column of ``q @ k`` (folded into ``qk_scale``), a value's scale multiplies
+its column of ``p`` before ``p @ v``. Mathematically this is attention over the dequantized cache; the rounding
 differs from dequantize-then-attend only in where the half-precision roundings fall.
 Nothing dequantized is ever written to memory.
+
+FP8 loads are vectorised only as far as Triton can prove the codes aligned: a head's codes
+start ``kv_head * HEAD_DIM`` (a constexpr) into its slot, Triton marks integer arguments
+divisible by 16 as such, and ``SLOT_ALIGN`` tells it the slots' common power of two when
+that is below 16 (it learns nothing from a stride of 264). Compiled for sm_90 (PTX, 8 kv
+heads, head_dim 128): the key tiles load as 16-byte copies; the value tiles as 8-byte ones,
+bounded by the swizzle of their shared-memory buffer (``vec = 8``), not by alignment.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -49,7 +57,7 @@ import triton
 import triton.language as tl
 
 from kernels.fp8_kv import SCALE_BYTES, is_fp8_cache
-from kernels.triton_kv_write import fp8_scale_view
+from kernels.triton_kv_write import fp8_scale_index, fp8_scale_view
 
 LOG2_E = 1.4426950408889634
 
@@ -131,6 +139,7 @@ def _attend_tile(
     table_ptr,
     tile,
     kv_end,
+    kv_head,
     head_off,
     stride_kv_block,
     stride_kv_kind,
@@ -138,8 +147,10 @@ def _attend_tile(
     offs_d,
     d_valid,
     qk_scale,
+    NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    SLOT_ALIGN: tl.constexpr,
     TILE_N: tl.constexpr,
     MASKED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -153,29 +164,32 @@ def _attend_tile(
     else:
         blocks = tl.load(table_ptr + offs_n // BLOCK_SIZE)
     # NOTE: int64 offsets: a whole cache can exceed 2**31 elements.
-    slots = (
-        blocks.to(tl.int64) * stride_kv_block + (offs_n % BLOCK_SIZE) * stride_kv_slot + head_off
-    )
+    slots = blocks.to(tl.int64) * stride_kv_block + (offs_n % BLOCK_SIZE) * stride_kv_slot
+    slots = tl.multiple_of(slots, SLOT_ALIGN)  # NOTE: true: the wrapper's gcd of the strides
+    kv_rows = slots + head_off
     if MASKED:
         k_mask = n_valid[None, :] & d_valid[:, None]
         v_mask = n_valid[:, None] & d_valid[None, :]
     else:
         k_mask = d_valid[:, None]
         v_mask = d_valid[None, :]
-    k = tl.load(kv_ptr + slots[None, :] + offs_d[:, None], mask=k_mask, other=0.0)  # [D, N]
-    v = tl.load(kv_ptr + stride_kv_kind + slots[:, None] + offs_d[None, :], mask=v_mask, other=0.0)
+    k = tl.load(kv_ptr + kv_rows[None, :] + offs_d[:, None], mask=k_mask, other=0.0)  # [D, N]
+    v = tl.load(
+        kv_ptr + stride_kv_kind + kv_rows[:, None] + offs_d[None, :], mask=v_mask, other=0.0
+    )
 
     if FP8:
-        # NOTE: scale_ptr is the cache as float32; slots are byte offsets, multiples of 4.
-        # Masked tokens get scale 0: their scores are masked and their p is 0 anyway.
+        k_scales = scale_ptr + fp8_scale_index(slots, kv_head, NUM_KV_HEADS, HEAD_DIM)
+        v_scales = scale_ptr + fp8_scale_index(
+            slots + stride_kv_kind, kv_head, NUM_KV_HEADS, HEAD_DIM
+        )
+        # NOTE: masked tokens get scale 0: their scores are masked and their p is 0 anyway.
         if MASKED:
-            k_scale = tl.load(scale_ptr + (slots + HEAD_DIM) // 4, mask=n_valid, other=0.0)
-            v_scale = tl.load(
-                scale_ptr + (slots + stride_kv_kind + HEAD_DIM) // 4, mask=n_valid, other=0.0
-            )
+            k_scale = tl.load(k_scales, mask=n_valid, other=0.0)
+            v_scale = tl.load(v_scales, mask=n_valid, other=0.0)
         else:
-            k_scale = tl.load(scale_ptr + (slots + HEAD_DIM) // 4)
-            v_scale = tl.load(scale_ptr + (slots + stride_kv_kind + HEAD_DIM) // 4)
+            k_scale = tl.load(k_scales)
+            v_scale = tl.load(v_scales)
         k = k.to(tl.float8e4nv, bitcast=True)
         v = v.to(tl.float8e4nv, bitcast=True)
         qk = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION)
@@ -225,10 +239,12 @@ def _paged_attention_kernel(
     stride_kv_head,
     stride_table,
     NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    SLOT_ALIGN: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     TILE_N: tl.constexpr,
@@ -274,21 +290,24 @@ def _paged_attention_kernel(
     tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
 
     table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_table
-    head_off = kv_head * stride_kv_head
+    # NOTE: an FP8 slot holds its heads' codes first, head after head (fp8_kv.py).
+    head_off = kv_head * HEAD_DIM if FP8 else kv_head * stride_kv_head
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     for tile in range(tile_begin, tl.minimum(tile_end, full_tiles)):
         acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, q_pos, kv_ptr, scale_ptr, table_ptr, tile, kv_end, head_off,
-            stride_kv_block, stride_kv_kind, stride_kv_slot, offs_d, d_valid, qk_scale,
-            HEAD_DIM, BLOCK_SIZE, TILE_N, False, DOT_PRECISION, FP8,
+            acc, m_i, l_i, q, q_pos, kv_ptr, scale_ptr, table_ptr, tile, kv_end, kv_head,
+            head_off, stride_kv_block, stride_kv_kind, stride_kv_slot, offs_d, d_valid,
+            qk_scale, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, SLOT_ALIGN, TILE_N, False,
+            DOT_PRECISION, FP8,
         )  # fmt: skip
     for tile in range(tl.maximum(tile_begin, full_tiles), tile_end):
         acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, q_pos, kv_ptr, scale_ptr, table_ptr, tile, kv_end, head_off,
-            stride_kv_block, stride_kv_kind, stride_kv_slot, offs_d, d_valid, qk_scale,
-            HEAD_DIM, BLOCK_SIZE, TILE_N, True, DOT_PRECISION, FP8,
+            acc, m_i, l_i, q, q_pos, kv_ptr, scale_ptr, table_ptr, tile, kv_end, kv_head,
+            head_off, stride_kv_block, stride_kv_kind, stride_kv_slot, offs_d, d_valid,
+            qk_scale, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, SLOT_ALIGN, TILE_N, True,
+            DOT_PRECISION, FP8,
         )  # fmt: skip
 
     if SPLIT:
@@ -437,8 +456,10 @@ def paged_attention(
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
         block_tables.stride(0),
-        NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-        BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=config.tile_n,
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad,
+        BLOCK_SIZE=block_size, SLOT_ALIGN=math.gcd(16, kv_layer.stride(0), kv_layer.stride(2)),
+        BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=config.tile_n,
         SPLIT=split,
         # NOTE: fp32 inputs get exact fp32 dots (the test oracle); tf32 would cost ~1e-3.
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", FP8=fp8,

@@ -15,7 +15,7 @@ sequences) and has at least
   with a bottom-right causal mask.
 
 An FP8 cache (``kernels/fp8_kv.py``) is written and read by the same kernels (quantized
-rows in the KV write, codes and scales dequantized in registers in paged attention). A
+slots in the KV write, codes and scales dequantized in registers in paged attention). A
 chunk after cached context stays in the Triton launch, which reads the FP8 cache in
 place, unless it has ``sdpa_min_fp8_chunk_tokens`` new tokens (2,048 by default, as
 over a plain cache): then its context is gathered and dequantized into a working copy

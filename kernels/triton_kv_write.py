@@ -6,9 +6,9 @@ layer view ``[num_blocks, 2, block_size, num_kv_heads, head_dim]``, through stri
 the non-contiguous per-layer view of the block-major cache is written in place.
 A negative slot marks a padding token (e.g. CUDA-graph padding) and is skipped.
 
-Into an FP8 cache (``kernels/fp8_kv.py``: ``uint8`` rows of ``head_dim`` e4m3 codes and a
-float32 scale) each (token, kv head) row is quantized in registers with the same rules as
-``quantize_rows``, and the result is bit-identical to it:
+Into an FP8 cache (``kernels/fp8_kv.py``: per slot, every kv head's ``head_dim`` e4m3
+codes, then every head's float32 scale) each (token, kv head) row is quantized in
+registers with the same rules as ``quantize_slots``, and the result is bit-identical to it:
 
 - ``scale = amax / 448`` and ``x / scale`` are IEEE divisions (``tl.div_rn``; Triton's
   ``/`` is an approximate division on the GPU), the scale clamped to float32's smallest
@@ -58,6 +58,13 @@ def _e4m3_codes(v):
 
 
 @triton.jit
+def fp8_scale_index(slot_off, head, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Index into ``fp8_scale_view`` of ``head``'s scale in the FP8 slot at byte offset
+    ``slot_off``: past the slot's ``NUM_KV_HEADS * HEAD_DIM`` codes, one float32 per head."""
+    return (slot_off + NUM_KV_HEADS * HEAD_DIM) // 4 + head
+
+
+@triton.jit
 def _write_kv_kernel(
     key_ptr,
     value_ptr,
@@ -86,13 +93,10 @@ def _write_kv_kernel(
     offs_h = tl.arange(0, HEADS_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_DIM)
-    dst = (
-        kv_ptr
-        + (slot // BLOCK_SIZE) * stride_kv_block
-        + (slot % BLOCK_SIZE) * stride_kv_slot
-        + offs_h[:, None] * stride_kv_head
-        + offs_d[None, :]
-    )
+    slot_off = (slot // BLOCK_SIZE) * stride_kv_block + (slot % BLOCK_SIZE) * stride_kv_slot
+    # NOTE: an FP8 slot holds its heads' codes first, head after head (fp8_kv.py).
+    head_off = offs_h * HEAD_DIM if FP8 else offs_h * stride_kv_head
+    dst = kv_ptr + slot_off + head_off[:, None] + offs_d[None, :]
     # NOTE: padding lanes read 0: an FP8 row's amax must see only its own elements.
     k = tl.load(
         key_ptr + tok * stride_k_tok + offs_h[:, None] * stride_k_head + offs_d[None, :],
@@ -105,22 +109,13 @@ def _write_kv_kernel(
         other=0.0,
     )
     if FP8:
-        # NOTE: scale_ptr is the cache as float32: a row's scale is the float32 at byte
-        # offset (row start + HEAD_DIM); every offset here is a multiple of 4 bytes.
-        rows = (
-            (slot // BLOCK_SIZE) * stride_kv_block
-            + (slot % BLOCK_SIZE) * stride_kv_slot
-            + offs_h * stride_kv_head
-            + HEAD_DIM
-        ) // 4
-        _store_fp8_rows(k.to(tl.float32), dst, scale_ptr + rows, mask, offs_h < NUM_KV_HEADS)
-        _store_fp8_rows(
-            v.to(tl.float32),
-            dst + stride_kv_kind,
-            scale_ptr + rows + stride_kv_kind // 4,
-            mask,
-            offs_h < NUM_KV_HEADS,
+        head_valid = offs_h < NUM_KV_HEADS
+        k_scale = scale_ptr + fp8_scale_index(slot_off, offs_h, NUM_KV_HEADS, HEAD_DIM)
+        v_scale = scale_ptr + fp8_scale_index(
+            slot_off + stride_kv_kind, offs_h, NUM_KV_HEADS, HEAD_DIM
         )
+        _store_fp8_rows(k.to(tl.float32), dst, k_scale, mask, head_valid)
+        _store_fp8_rows(v.to(tl.float32), dst + stride_kv_kind, v_scale, mask, head_valid)
     else:
         tl.store(dst, k.to(kv_ptr.dtype.element_ty), mask=mask)
         tl.store(dst + stride_kv_kind, v.to(kv_ptr.dtype.element_ty), mask=mask)
@@ -128,7 +123,7 @@ def _write_kv_kernel(
 
 @triton.jit
 def _store_fp8_rows(x, code_ptrs, scale_ptrs, mask, head_valid):
-    """Quantize ``x`` ``[heads, head_dim]`` row by row (``fp8_kv.quantize_rows``) and store."""
+    """Quantize ``x`` ``[heads, head_dim]`` row by row (``fp8_kv.quantize_slots``) and store."""
     amax = tl.max(tl.abs(x), 1)
     safe = _fp8_safe_scale(amax)
     tl.store(code_ptrs, _fp8_codes(x, safe[:, None]), mask=mask)
@@ -155,8 +150,9 @@ def write_kv_triton(
     """Store ``key``/``value`` (``[T, num_kv_heads, head_dim]``) at ``slot_mapping`` (``[T]``).
 
     Same contract as ``kernels.interface.write_kv``, plus: negative slots are skipped.
-    Values are cast to the cache dtype, or quantized into an FP8 cache (``uint8`` rows of
-    ``head_dim + 4`` bytes). Slots must be distinct (no ordering between tokens).
+    Values are cast to the cache dtype, or quantized into an FP8 cache (``uint8``, last dim
+    ``head_dim + 4``: ``kernels/fp8_kv.py``). Slots must be distinct (no ordering between
+    tokens).
     """
     fp8 = is_fp8_cache(kv_layer)
     if key.shape != value.shape:
@@ -188,11 +184,13 @@ def write_kv_triton(
 
 
 def fp8_scale_view(kv_layer: torch.Tensor) -> torch.Tensor:
-    """The FP8 layer's bytes as float32, the kernels' handle on the row scales: the scale
-    of the row at byte offset ``o`` is element ``(o + head_dim) // 4``."""
+    """The FP8 layer's (or cache's) bytes as float32, the kernels' handle on the scales,
+    indexed by :func:`fp8_scale_index`."""
+    if kv_layer.stride(-2) != kv_layer.shape[-1] or kv_layer.stride(-1) != 1:
+        raise ValueError("an FP8 KV layer needs each slot's bytes contiguous")
     offset = kv_layer.storage_offset()
     if offset % 4 or any(stride % 4 for stride in kv_layer.stride()[:-1]):
-        raise ValueError("an FP8 KV layer needs 4-byte aligned rows (head_dim divisible by 4)")
+        raise ValueError("an FP8 KV layer needs 4-byte aligned slots (head_dim divisible by 4)")
     span = 1 + sum(
         (size - 1) * stride for size, stride in zip(kv_layer.shape, kv_layer.stride(), strict=True)
     )
@@ -209,7 +207,6 @@ def _gather_fp8_kernel(
     stride_kv_block,
     stride_kv_kind,
     stride_kv_slot,
-    stride_kv_head,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEADS_PAD: tl.constexpr,
@@ -222,12 +219,16 @@ def _gather_fp8_kernel(
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     head_valid = offs_h < NUM_KV_HEADS
     mask = head_valid[:, None] & (offs_d[None, :] < HEAD_DIM)
-    row = block * stride_kv_block + (tok % BLOCK_SIZE) * stride_kv_slot + offs_h * stride_kv_head
-    out = tok * NUM_KV_HEADS * HEAD_DIM + offs_h[:, None] * HEAD_DIM + offs_d[None, :]
+    slot_off = block * stride_kv_block + (tok % BLOCK_SIZE) * stride_kv_slot
+    # NOTE: a slot's codes are [NUM_KV_HEADS, HEAD_DIM] dense, like the output's token rows.
+    dense = offs_h[:, None] * HEAD_DIM + offs_d[None, :]
+    out = tok * NUM_KV_HEADS * HEAD_DIM + dense
     for kind in tl.static_range(2):
-        base = row + kind * stride_kv_kind
-        codes = tl.load(kv_ptr + base[:, None] + offs_d[None, :], mask=mask)
-        scale = tl.load(scale_ptr + (base + HEAD_DIM) // 4, mask=head_valid)
+        base = slot_off + kind * stride_kv_kind
+        codes = tl.load(kv_ptr + base + dense, mask=mask)
+        scale = tl.load(
+            scale_ptr + fp8_scale_index(base, offs_h, NUM_KV_HEADS, HEAD_DIM), mask=head_valid
+        )
         values = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, None]
         dst = key_ptr if kind == 0 else value_ptr
         tl.store(dst + out, values.to(dst.dtype.element_ty), mask=mask)
@@ -237,7 +238,7 @@ def gather_fp8_context(
     kv_layer: torch.Tensor, block_table: torch.Tensor, num_tokens: int, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of a sequence's first ``num_tokens`` tokens from an FP8 layer, dequantized
-    (``dequantize_rows``' values) into two new contiguous ``[num_tokens, kv_heads,
+    (``dequantize_slots``' values) into two new contiguous ``[num_tokens, kv_heads,
     head_dim]`` tensors of ``dtype``: the working copy fused attention reads, as
     ``triton_backend`` gathers a plain cache's context."""
     _, _, block_size, num_kv_heads, row_width = kv_layer.shape
@@ -249,7 +250,7 @@ def gather_fp8_context(
         return key, value
     _gather_fp8_kernel[(num_tokens,)](
         kv_layer, fp8_scale_view(kv_layer), block_table, key, value,
-        kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
+        kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size,

@@ -5,9 +5,10 @@ slot ``source[t]`` of the block-major cache ``[num_blocks, layers, 2, block_size
 kv_heads, head_dim]``, rotates the key's frequency pairs by the token's angles (float32),
 and writes both rows to slot ``target[t]``. Source and target slots must not overlap.
 
-In an FP8 cache (``kernels/fp8_kv.py``) the key row is dequantized (codes times its
-scale, float32), rotated, and quantized again under its own new scale exactly as the KV
-write does (``kernels/triton_kv_write.py``); the value row moves as it is, scale included.
+In an FP8 cache (``kernels/fp8_kv.py``: per slot all heads' codes, then their scales)
+each key row is dequantized (codes times its scale, float32), rotated, and quantized
+again under its own new scale exactly as the KV write does (``kernels/triton_kv_write.py``);
+the value rows move as they are, scales included.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import triton
 import triton.language as tl
 
 from kernels.fp8_kv import SCALE_BYTES, is_fp8_cache
-from kernels.triton_kv_write import _fp8_codes, _fp8_safe_scale, fp8_scale_view
+from kernels.triton_kv_write import _fp8_codes, _fp8_safe_scale, fp8_scale_index, fp8_scale_view
 
 
 @triton.jit
@@ -47,7 +48,10 @@ def _rerotate_copy_kernel(
     offs_h = tl.arange(0, HEADS_PAD)
     offs_d = tl.arange(0, HALF_PAD)
     mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HALF)
-    rows = offs_h[:, None] * stride_head + offs_d[None, :]
+    if FP8:
+        rows = offs_h[:, None] * (2 * HALF) + offs_d[None, :]  # codes first, head after head
+    else:
+        rows = offs_h[:, None] * stride_head + offs_d[None, :]
     src_off = (
         (src // BLOCK_SIZE) * stride_block + layer * stride_layer + (src % BLOCK_SIZE) * stride_slot
     )
@@ -61,10 +65,9 @@ def _rerotate_copy_kernel(
     x1 = tl.load(src_base + rows, mask=mask)
     x2 = tl.load(src_base + rows + HALF, mask=mask)
     if FP8:
-        # NOTE: scale_ptr is the cache as float32; a row's scale follows its 2 * HALF codes.
         head_valid = offs_h < NUM_KV_HEADS
-        src_scale = (src_off + offs_h * stride_head + 2 * HALF) // 4
-        dst_scale = (dst_off + offs_h * stride_head + 2 * HALF) // 4
+        src_scale = fp8_scale_index(src_off, offs_h, NUM_KV_HEADS, 2 * HALF)
+        dst_scale = fp8_scale_index(dst_off, offs_h, NUM_KV_HEADS, 2 * HALF)
         key_scale = tl.load(scale_ptr + src_scale, mask=head_valid, other=0.0)[:, None]
         x1 = x1.to(tl.float8e4nv, bitcast=True).to(tl.float32) * key_scale
         x2 = x2.to(tl.float8e4nv, bitcast=True).to(tl.float32) * key_scale

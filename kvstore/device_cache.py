@@ -11,8 +11,8 @@ import torch
 @dataclass(frozen=True)
 class KVCacheSpec:
     """The cache's layout. ``row_width`` is its last dim, elements of ``dtype`` per (slot,
-    kv head): ``head_dim`` for a plain cache, ``head_dim + 4`` uint8 for FP8 rows with
-    their scale (``kernels/fp8_kv.py``)."""
+    kv head): ``head_dim`` for a plain cache, ``head_dim + 4`` uint8 for FP8 (a slot's
+    bytes hold its heads' codes, then their scales: ``kernels/fp8_kv.py``)."""
 
     num_layers: int
     num_kv_heads: int

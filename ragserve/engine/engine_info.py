@@ -41,7 +41,7 @@ class KVModel:
 
     fingerprint: str
     block_size: int
-    kv_dtype: str  # the KV format's name, e.g. "float32" or "fp8_e4m3/row_f32_scale"
+    kv_dtype: str  # the KV format's name, e.g. "float32" or "fp8_e4m3/slot_f32_scales"
 
 
 @dataclass(frozen=True)

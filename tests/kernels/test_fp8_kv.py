@@ -1,8 +1,10 @@
-"""FP8 KV rows (``kernels/fp8_kv.py``): round-trip error bounds, quantized writes, and the
-reference backend over an FP8 cache against plain attention over the dequantized cache."""
+"""FP8 KV slots (``kernels/fp8_kv.py``): the byte layout, round-trip error bounds, quantized
+writes, and the reference backend over an FP8 cache against plain attention over the
+dequantized cache."""
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -10,10 +12,11 @@ import torch
 
 from kernels.cpu_backend import CpuBackend
 from kernels.fp8_kv import (
+    FP8_DTYPE,
     FP8_FORMAT_NAME,
-    dequantize_rows,
+    dequantize_slots,
     kv_format,
-    quantize_rows,
+    quantize_slots,
     round_trip,
 )
 from kernels.interface import write_kv
@@ -39,9 +42,9 @@ def rows_of_many_magnitudes(seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_round_trip_error_is_within_e4m3_rounding_of_each_row(dtype: torch.dtype) -> None:
     x = rows_of_many_magnitudes(0).to(dtype)
-    rows = quantize_rows(x)
-    assert rows.dtype == torch.uint8 and rows.shape == (512, 132)
-    back = dequantize_rows(rows, torch.float32)
+    slots = quantize_slots(x.view(64, 8, 128))
+    assert slots.dtype == torch.uint8 and slots.shape == (64, 8, 132)
+    back = dequantize_slots(slots, torch.float32).view(512, 128)
     exact = x.float()
     scale = exact.abs().amax(dim=-1, keepdim=True) / 448.0
     error = (back - exact).abs()
@@ -86,8 +89,41 @@ def test_format_sizes_and_names() -> None:
         256,
     )
     assert fp8.row_bytes / plain.row_bytes == pytest.approx(0.515625)  # >= 1.9x the tokens
+    # NOTE: the salt binds the name: a new byte layout needs a new one.
+    assert FP8_FORMAT_NAME == "fp8_e4m3/slot_f32_scales"
     with pytest.raises(ValueError, match="divisible by 4"):
         kv_format("fp8", torch.float32, 18)
+
+
+def test_a_block_holds_each_slots_codes_16_byte_aligned_then_their_scales() -> None:
+    """The documented layout, read from one cache block's raw bytes (2 layers, 16 slots,
+    8 kv heads x 128 dims as Llama 3's; 1,056-byte slots): every head's codes start at a
+    multiple of 16 bytes into the block, its float32 scale at ``8 * 128 + 4 * h`` into its
+    slot; and the block's bytes dequantize within the documented e4m3 bound."""
+    layers, block_size, heads, dim = 2, 16, 8, 128
+    row_bytes = kv_format("fp8", torch.bfloat16, dim).row_bytes
+    generator = torch.Generator().manual_seed(6)
+    shape = (layers, 2, block_size, heads, dim)
+    x = torch.randn(shape, generator=generator)
+    x *= torch.pow(10.0, torch.randint(-5, 6, (*shape[:-1], 1), generator=generator))
+    block = quantize_slots(x)
+    raw = block.flatten()  # one contiguous byte range, as tiers copy it
+    amax = x.abs().amax(dim=-1)
+    scale = amax / torch.full_like(amax, 448.0)
+    for index, (layer, kind, slot) in enumerate(
+        itertools.product(range(layers), range(2), range(block_size))
+    ):
+        start = index * heads * row_bytes
+        for head in range(heads):
+            codes_at, scale_at = start + head * dim, start + heads * dim + 4 * head
+            assert codes_at % 16 == 0
+            stored = raw[scale_at : scale_at + 4].view(torch.float32)
+            assert torch.equal(stored, scale[layer, kind, slot, head : head + 1])
+            codes = (x[layer, kind, slot, head] / stored).clamp(-448.0, 448.0).to(FP8_DTYPE)
+            assert torch.equal(raw[codes_at : codes_at + dim], codes.view(torch.uint8))
+    back = dequantize_slots(block, torch.float32)
+    bound = 2**-4 * x.abs() + 2**-10 * scale[..., None]
+    assert bool(((back - x).abs() <= bound * (1 + 1e-6)).all())
 
 
 def test_write_kv_quantizes_each_token_and_head_into_its_slot() -> None:
@@ -100,8 +136,8 @@ def test_write_kv_quantizes_each_token_and_head_into_its_slot() -> None:
     write_kv(key, value, layer, slots)
     for token, slot in enumerate(slots.tolist()):
         block, offset = divmod(slot, block_size)
-        assert torch.equal(layer[block, 0, offset], quantize_rows(key[token]))
-        assert torch.equal(layer[block, 1, offset], quantize_rows(value[token]))
+        assert torch.equal(layer[block, 0, offset], quantize_slots(key[token]))
+        assert torch.equal(layer[block, 1, offset], quantize_slots(value[token]))
     assert not cache[:, 0].any(), "another layer was written"
 
 
@@ -115,8 +151,8 @@ def test_reference_over_fp8_equals_plain_attention_over_the_dequantized_cache(se
     num_blocks = sum(-(-n // block_size) for n in seq_lens) + 3
     meta = make_meta(query_lens, seq_lens, block_size, num_blocks, rng)
     context = torch.randn((num_blocks, 2, 2, block_size, kv_heads, dim), generator=generator)
-    fp8_cache = quantize_rows(context * 3.0)
-    plain_cache = dequantize_rows(fp8_cache, torch.float32)
+    fp8_cache = quantize_slots(context * 3.0)
+    plain_cache = dequantize_slots(fp8_cache, torch.float32)
     tokens = sum(query_lens)
     query = torch.randn(tokens, heads, dim, generator=generator)
     key, value = (3.0 * torch.randn(tokens, kv_heads, dim, generator=generator) for _ in range(2))
@@ -131,7 +167,7 @@ def test_reference_over_fp8_equals_plain_attention_over_the_dequantized_cache(se
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
         outputs.append(got)
     # The cache holds exactly the rows the plain oracle attended over.
-    assert torch.equal(dequantize_rows(fp8_cache, torch.float32), plain_cache)
+    assert torch.equal(dequantize_slots(fp8_cache, torch.float32), plain_cache)
     # And FP8 stays near exact attention: each K/V element is off by at most 2^-4 of itself
     # (RMS about 2^-4 / sqrt(3) = 0.036); the output's RMS error measured 0.040 here.
     exact_cache = context * 3.0

@@ -1,6 +1,6 @@
 """The Triton KV write and paged attention over an FP8 cache (``kernels/fp8_kv.py``).
 
-The write must store the bytes ``quantize_rows`` stores; attention must match the
+The write must store the bytes ``quantize_slots`` stores; attention must match the
 reference backend reading the same FP8 cache (both attend over the same dequantized
 values, so the tolerance is the plain path's). Without CUDA the kernels run under
 ``TRITON_INTERPRET=1`` on small shapes; on a GPU the same tests take larger shapes, in
@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8_kv import FP8_DTYPE, FP8_MAX, dequantize_rows, quantize_rows
+from kernels.fp8_kv import FP8_DTYPE, FP8_MAX, dequantize_slots, quantize_slots
 from kernels.interface import write_kv
 from kernels.reference import ReferenceBackend
 from kernels.registry import FP8_KV_BACKENDS, choose_backend_name
@@ -42,7 +42,7 @@ def fp8_batch(
 ) -> Batch:
     """A ``Batch`` whose cache is the FP8 rows of its random values."""
     batch = Batch(seqs, num_heads, num_kv_heads, head_dim, block_size, dtype=dtype, seed=seed)
-    batch.cache = quantize_rows(batch.cache)
+    batch.cache = quantize_slots(batch.cache)
     return batch
 
 
@@ -171,7 +171,7 @@ def test_gather_fp8_context_equals_dequantized_rows(dtype: torch.dtype) -> None:
     for kind, got in ((0, key), (1, value)):
         rows = batch.layer()[blocks, kind].reshape(-1, 2, 36)[:37]
         assert got.dtype == dtype and got.is_contiguous()
-        assert torch.equal(got, dequantize_rows(rows, dtype))
+        assert torch.equal(got, dequantize_slots(rows, dtype))
 
 
 @pytest.mark.parametrize(
@@ -223,7 +223,7 @@ def test_fp8_decode_under_a_cuda_graph_replays_new_inputs() -> None:
     with torch.cuda.graph(graph):
         out = backend.forward(query, key, value, layer, batch.meta, batch.scale)
     # New inputs in the captured buffers, same slots and block tables.
-    batch.cache.copy_(quantize_rows(torch.randn(batch.cache.shape[:-1] + (128,), device=DEVICE)))
+    batch.cache.copy_(quantize_slots(torch.randn(batch.cache.shape[:-1] + (128,), device=DEVICE)))
     for buffer in (query, key, value):
         buffer.copy_(torch.randn_like(buffer))
     batch.query, batch.key, batch.value = query, key, value

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.fp8_kv import dequantize_rows, quantize_rows
+from kernels.fp8_kv import dequantize_slots, quantize_slots
 from kernels.rerotate import rerotate_copy_torch, rotation_angles
 from kernels.triton_rerotate import rerotate_copy_triton
 
@@ -41,7 +41,7 @@ def test_fused_copy_over_fp8_matches_torch(kv_heads: int, head_dim: int) -> None
     shape = (6, 3, 2, 4, kv_heads, head_dim)
     values = torch.randn(shape, generator=generator)
     values[0, :, :, 2] = 0.0  # zero rows keep scale 0
-    cache = quantize_rows(values).to(DEVICE)
+    cache = quantize_slots(values).to(DEVICE)
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
     source = torch.tensor([1, 2, 3, 4, 5, 6], device=DEVICE)
     target = torch.tensor([13, 14, 15, 16, 17, 22], device=DEVICE)
@@ -57,6 +57,6 @@ def test_fused_copy_over_fp8_matches_torch(kv_heads: int, head_dim: int) -> None
     if DEVICE.type == "cpu":
         assert torch.equal(got, expected)
     else:
-        got_keys = dequantize_rows(got[:, :, 0], torch.float32)
-        expected_keys = dequantize_rows(expected[:, :, 0], torch.float32)
+        got_keys = dequantize_slots(got[:, :, 0], torch.float32)
+        expected_keys = dequantize_slots(expected[:, :, 0], torch.float32)
         torch.testing.assert_close(got_keys, expected_keys, rtol=2**-3, atol=1e-4)

@@ -1,5 +1,6 @@
-"""FP8 blocks (uint8 rows of ``head_dim + 4``, scales inside) in disk records: bit-exact
-round trips, and never served to a tier of another layout even under the same hash."""
+"""FP8 blocks (uint8 slots, ``head_dim + 4`` bytes per head, scales inside) in disk
+records: bit-exact round trips, and never served to a tier of another layout even under
+the same hash."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.fp8_kv import dequantize_rows, quantize_rows
+from kernels.fp8_kv import dequantize_slots, quantize_slots
 from kvstore.disk_tier import DiskTier
 from tests.kvstore.tier_blocks import SHAPE, bit_equal, make_meta, random_block
 
@@ -15,7 +16,7 @@ FP8_SHAPE = (*SHAPE[:-1], SHAPE[-1] + 4)
 
 
 def fp8_block(seed: int) -> torch.Tensor:
-    return quantize_rows(random_block(torch.float32, seed))
+    return quantize_slots(random_block(torch.float32, seed))
 
 
 def test_fp8_records_round_trip_bit_exact_scales_included(tmp_path: Path) -> None:
@@ -30,7 +31,7 @@ def test_fp8_records_round_trip_bit_exact_scales_included(tmp_path: Path) -> Non
             assert reopened.load_into(make_meta(index), dest)
             assert bit_equal(dest, block)
             assert torch.equal(
-                dequantize_rows(dest, torch.float32), dequantize_rows(block, torch.float32)
+                dequantize_slots(dest, torch.float32), dequantize_slots(block, torch.float32)
             )
 
 
