@@ -1,4 +1,5 @@
-"""bfloat16 linear layers on the CPU with weights prepacked once into oneDNN's blocked layout.
+"""Linear layers on the CPU: bfloat16 weights prepacked once into oneDNN's blocked layout,
+and float32 products of a few rows through a native GEMV (``csrc/cpu_gemv.c``).
 
 A decode step multiplies one token by every weight matrix, so it streams all the weights
 from memory once per step. ``F.linear`` on a plain bf16 weight reads them at ~14 GB/s on a
@@ -13,6 +14,8 @@ the plain weight changes, so whoever writes weights packs again afterwards.
 from __future__ import annotations
 
 import torch
+
+from kernels import cpu_native
 
 # NOTE: oneDNN picks the blocked layout for a batch size; 1 is the decode step, the case
 # whose speed is bound by reading the weights. Larger batches run correctly on it too.
@@ -47,3 +50,46 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x [..., in]`` in bf16, ``packed`` from :func:`pack_weight`."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+# NOTE: as csrc/cpu_gemv.c's GEMV_MAX_ROWS. More rows reuse each weight row enough for
+# MKL's blocked GEMM to win.
+GEMV_MAX_ROWS = 4
+
+
+def gemv_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """True for ``x [rows <= GEMV_MAX_ROWS, in]`` and ``weight [out, in]``, both contiguous
+    float32 CPU tensors, ``in`` a multiple of the vector width, with the native kernels built."""
+    if not (
+        x.dim() == 2
+        and 0 < x.shape[0] <= GEMV_MAX_ROWS
+        and x.dtype == weight.dtype == torch.float32
+        and x.device.type == weight.device.type == "cpu"
+        and x.is_contiguous()
+        and weight.is_contiguous()
+    ):
+        return False
+    width = cpu_native.vector_width()
+    return width is not None and x.shape[1] % width == 0
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ weight.T + bias`` for inputs :func:`gemv_usable` accepts: a decode step of a
+    few sequences streams the weights at about twice ``F.linear``'s rate (see the C file)."""
+    library = cpu_native.load()
+    assert library is not None
+    rows, k_in = x.shape
+    n_out = weight.shape[0]
+    out = torch.empty((rows, n_out), dtype=torch.float32)
+    status = library.ragserve_gemv(
+        rows,
+        n_out,
+        k_in,
+        x.data_ptr(),
+        weight.data_ptr(),
+        None if bias is None else bias.contiguous().data_ptr(),
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    assert status == 0
+    return out

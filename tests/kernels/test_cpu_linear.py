@@ -8,7 +8,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_linear import can_pack, pack_weight, packed_linear
+from kernels.cpu_linear import (
+    GEMV_MAX_ROWS,
+    can_pack,
+    gemv,
+    gemv_usable,
+    pack_weight,
+    packed_linear,
+)
 from ragserve.models.layers import Linear
 from ragserve.models.llama import LlamaForCausalLM
 from ragserve.models.loader import load_model
@@ -77,3 +84,44 @@ def test_loaded_bf16_model_is_packed_and_unchanged(tmp_path: Path, arch: str) ->
     assert torch.equal(packed_logits, model.compute_logits(hidden))
     plain = [m(hidden[:, : m.in_features]) for m in linears if m.in_features == hidden.shape[1]]
     assert all(torch.equal(a, b) for a, b in zip(projected, plain, strict=True))
+
+
+needs_native = pytest.mark.skipif(
+    not gemv_usable(torch.zeros(1, 64), torch.zeros(8, 64)), reason="native CPU kernels unavailable"
+)
+
+
+@needs_native
+@pytest.mark.parametrize("rows", [1, 2, GEMV_MAX_ROWS])
+@pytest.mark.parametrize("out_features", [1, 13, 96, 1000])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gemv_matches_linear_in_float32(rows: int, out_features: int, with_bias: bool) -> None:
+    generator = torch.Generator().manual_seed(rows * out_features)
+    weight = torch.randn(out_features, 192, generator=generator)
+    bias = torch.randn(out_features, generator=generator) if with_bias else None
+    x = torch.randn(rows, 192, generator=generator)
+    out = gemv(x, weight, bias)
+    expected = F.linear(x, weight, bias)
+    assert out.shape == expected.shape and out.dtype == torch.float32
+    # NOTE: another order of float32 additions than MKL's: equal to rounding.
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@needs_native
+def test_gemv_takes_only_few_contiguous_float32_rows() -> None:
+    weight = torch.randn(16, 64)
+    assert gemv_usable(torch.randn(GEMV_MAX_ROWS, 64), weight)
+    assert not gemv_usable(torch.randn(GEMV_MAX_ROWS + 1, 64), weight)  # MKL's GEMM wins
+    assert not gemv_usable(torch.randn(64, 2).t()[:1], weight)  # strided rows
+    assert not gemv_usable(torch.randn(1, 60), torch.randn(16, 60))  # not whole vectors
+    assert not gemv_usable(torch.randn(1, 64).bfloat16(), weight.bfloat16())
+
+
+@needs_native
+def test_linear_layer_matches_f_linear_on_both_paths() -> None:
+    layer = Linear(64, 24, bias=True, device=torch.device("cpu"), dtype=torch.float32)
+    torch.nn.init.normal_(layer.weight)
+    torch.nn.init.normal_(layer.bias)
+    for rows in (1, 3, 9):  # GEMV, GEMV, F.linear
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
