@@ -46,6 +46,9 @@ _HOP = {
 }
 # NOTE: Ray's proxy sets these on every response itself (the request id it passed on).
 _PROXY_SETS = {"date", "server", "x-request-id"}
+# Requests that change nothing a client could see twice: sent again to another replica
+# when the connection to theirs broke before any response (it died with the request).
+_RESENDABLE = {"/v1/completions", "/v1/chat/completions"}
 REPLICA_HEADER = "X-Ragserve-Replica"
 _RETRY_S = 0.5
 
@@ -161,7 +164,9 @@ class Forwarder:
         headers: Mapping[str, str],
         body: bytes,
     ) -> Response | None:
-        """The replica's response, or None when it refused the connection (not sent)."""
+        """The replica's response, or None when the request may go to another replica: the
+        connection was refused (not sent), or broke before any response to a request that
+        is safe to send again (a pooled connection to a replica that just died)."""
         slot = self.slots[index]
         url = slot.url
         if url is None:
@@ -176,6 +181,10 @@ class Forwarder:
             slot.in_flight -= 1
             self._mark_down(index, url)
             return None
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+            slot.in_flight -= 1
+            self._mark_down(index, url)
+            return None if method == "POST" and path in _RESENDABLE else _lost(index, exc)
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             slot.in_flight -= 1
             self._mark_down(index, url)

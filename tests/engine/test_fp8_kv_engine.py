@@ -208,3 +208,24 @@ def test_fp8_records_restore_bit_exact_after_a_restart_and_never_reach_float32(
         assert out.outputs[0].token_ids == generate(float32_kv, question)[0]
         assert plain.engine.tiers is not None
         assert plain.engine.tiers.traffic.loaded_from_disk == 0
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+    reason="the Triton FP8 KV path needs a CUDA device of compute capability >= 8.9",
+)
+def test_fp8_cache_engine_starts_and_agrees_with_bf16_on_cuda(
+    model_dir: str, prompts: list[list[int]]
+) -> None:
+    """Start-up builds the attention plans in the activations' dtype (it once used the
+    cache's uint8 and crashed), then the Triton path reads the FP8 cache."""
+    with LLM(model_dir, dtype="bfloat16", device="cuda", kv_cache_gib=1) as bf16_kv:
+        reference = generate(bf16_kv, prompts)
+    with LLM(
+        model_dir, dtype="bfloat16", device="cuda", kv_cache_gib=1, kv_cache_dtype="fp8"
+    ) as fp8:
+        forced = [p + r[:k] for p, r in zip(prompts, reference, strict=True) for k in range(NEW)]
+        got = [t[0] for t in generate(fp8, forced, 1)]
+    want = [r[k] for r in reference for k in range(NEW)]
+    agreement = sum(a == b for a, b in zip(got, want, strict=True)) / len(want)
+    assert agreement >= 0.9, f"FP8 KV agrees on {agreement:.1%} of next tokens"

@@ -1,0 +1,84 @@
+"""The ingress's forwarding when a replica dies with a request on its socket: a generation
+goes to another replica, a request that changes state fails cleanly (no Ray: two real
+loopback servers, one that reads a request and drops the connection as a killed process
+does)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from aiohttp import web
+
+pytest.importorskip("starlette")  # the ingress's responses; installed with ray[serve]
+
+from ragserve.cluster.forwarder import REPLICA_HEADER, Forwarder
+from ragserve.cluster.settings import ClusterSettings
+
+
+async def _dying_replica(received: list[bytes]) -> tuple[asyncio.Server, str]:
+    async def drop(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        received.append(await reader.readuntil(b"\r\n\r\n"))
+        writer.transport.abort()  # NOTE: reset, no response: the process is gone
+
+    server = await asyncio.start_server(drop, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    return server, f"http://127.0.0.1:{port}"
+
+
+async def _live_replica() -> tuple[web.AppRunner, str]:
+    async def answer(request: web.Request) -> web.Response:
+        return web.json_response({"path": request.path, "body": await request.json()})
+
+    app = web.Application()
+    app.router.add_post("/{tail:.*}", answer)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return runner, f"http://127.0.0.1:{port}"
+
+
+async def _scenario(path: str) -> tuple[int, str | None, bytes, int, list[bool]]:
+    received: list[bytes] = []
+    dying, dying_url = await _dying_replica(received)
+    live, live_url = await _live_replica()
+    urls = [dying_url, live_url]
+
+    lookups = [0, 0]
+
+    async def lookup(index: int) -> dict[str, object]:
+        lookups[index] += 1
+        if index == 0 and lookups[0] > 1:
+            raise RuntimeError("replica 0 is restarting")  # as Ray answers meanwhile
+        return {"url": urls[index], "pid": 1000 + index}
+
+    forwarder = Forwarder(ClusterSettings(replicas=2, policy="round_robin"), lookup)
+    await forwarder.start()
+    body = json.dumps({"prompt": "hi", "max_tokens": 1}).encode()
+    try:
+        response = await forwarder.handle("POST", path, "", {}, body)
+        up = [slot.up for slot in forwarder.slots]
+        replica = response.headers.get(REPLICA_HEADER)
+        return response.status_code, replica, bytes(response.body), len(received), up
+    finally:
+        await forwarder.close()
+        dying.close()
+        await live.cleanup()
+
+
+def test_a_generation_whose_replica_dies_before_answering_goes_to_another() -> None:
+    status, replica, body, sent_to_dying, up = asyncio.run(_scenario("/v1/completions"))
+    assert sent_to_dying == 1  # the first replica got it, and died with it
+    assert status == 200 and replica == "1"
+    assert json.loads(body)["path"] == "/v1/completions"
+    assert up[1] and not up[0]  # routed around until its successor answers
+
+
+def test_an_upload_whose_replica_dies_fails_cleanly_and_is_not_sent_twice() -> None:
+    status, _, body, sent_to_dying, _ = asyncio.run(_scenario("/v1/documents"))
+    assert sent_to_dying == 1
+    assert status == 503
+    assert json.loads(body)["error"]["code"] == "replica_lost"
