@@ -5,7 +5,7 @@ MB). glibc serves blocks above its mmap threshold with a fresh ``mmap`` and retu
 with ``munmap`` on free, and trims the heap top past 128 KB, so each step page-faults the
 same memory in again and the kernel zeroes it. Raising the mmap threshold to its maximum
 and the trim threshold far above it keeps that memory in the heap for reuse: the engine's
-minor page faults fell from 884k to 329k over a 32-prompt run (what preloading tcmalloc,
+minor page faults fell from 528-574k to 357k over a 32-prompt run (what preloading tcmalloc,
 which vLLM recommends on CPUs, also fixes). Settings are process-wide; set once.
 """
 
