@@ -46,8 +46,7 @@ _HOP = {
 }
 # NOTE: Ray's proxy sets these on every response itself (the request id it passed on).
 _PROXY_SETS = {"date", "server", "x-request-id"}
-# Requests that change nothing a client could see twice: sent again to another replica
-# when the connection to theirs broke before any response (it died with the request).
+# Generations: sent again to another replica when theirs died before answering.
 _RESENDABLE = {"/v1/completions", "/v1/chat/completions"}
 REPLICA_HEADER = "X-Ragserve-Replica"
 _RETRY_S = 0.5
@@ -164,9 +163,8 @@ class Forwarder:
         headers: Mapping[str, str],
         body: bytes,
     ) -> Response | None:
-        """The replica's response, or None when the request may go to another replica: the
-        connection was refused (not sent), or broke before any response to a request that
-        is safe to send again (a pooled connection to a replica that just died)."""
+        """The replica's response, or None when the request may go to another replica (see
+        ``_may_resend``)."""
         slot = self.slots[index]
         url = slot.url
         if url is None:
@@ -177,18 +175,10 @@ class Forwarder:
         handed_over = False
         try:
             upstream = await self._session_now().request(method, target, headers=send, data=body)
-        except aiohttp.ClientConnectorError:
-            slot.in_flight -= 1
-            self._mark_down(index, url)
-            return None
-        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
-            slot.in_flight -= 1
-            self._mark_down(index, url)
-            return None if method == "POST" and path in _RESENDABLE else _lost(index, exc)
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             slot.in_flight -= 1
             self._mark_down(index, url)
-            return _lost(index, exc)
+            return None if _may_resend(exc, method, path) else _lost(index, exc)
         try:
             out_headers = {
                 k: v
@@ -288,6 +278,18 @@ class Forwarder:
         )
         lines += merged_replica_lines(scraped)
         return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+
+def _may_resend(exc: BaseException, method: str, path: str) -> bool:
+    """Whether a request whose forwarding failed with ``exc`` may go to another replica:
+    when it never reached its replica (connection refused), or when the connection broke
+    before any response and the request is a generation (its replica died with it; a
+    generation sent again changes nothing a client sees twice). A time-out may mean a
+    replica still at work, so it is never resent."""
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return True
+    disconnected = isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientOSError)
+    return disconnected and method == "POST" and path in _RESENDABLE
 
 
 def _lost_message(index: int, exc: BaseException) -> str:
