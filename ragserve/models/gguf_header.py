@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
@@ -67,7 +68,8 @@ class GGUFTensorInfo:
 
 @dataclass(frozen=True)
 class GGUFHeader:
-    """Parsed header of one GGUF file; ``data`` maps the whole file read-only."""
+    """Parsed header of one GGUF file; ``data`` maps the whole file read-only. Arrays of
+    strings in ``metadata`` are :class:`StringArray` (decoded on access), other arrays lists."""
 
     path: Path
     metadata: dict[str, Any]
@@ -83,6 +85,45 @@ class GGUFHeader:
         if dtype is not None:
             return raw.view(dtype).reshape(info.shape)
         return raw.reshape(quant_shape_to_byte_shape(info.shape, info.tensor_type))
+
+
+class StringArray(Sequence[str]):
+    """A metadata array of strings, decoded on access.
+
+    NOTE: a vocabulary and its merges are about 100k strings that start-up never reads
+    (the tokenizer is converted from the file by transformers, once): decoding them all
+    cost 0.3 s of every start-up; finding where each one starts costs a tenth of that.
+    """
+
+    def __init__(self, buffer: memoryview, starts: list[int]) -> None:
+        self._buffer = buffer
+        self._starts = starts  # offset of each string's u64 length
+
+    def __len__(self) -> int:
+        return len(self._starts)
+
+    @overload
+    def __getitem__(self, index: int) -> str: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[str]: ...
+    def __getitem__(self, index: int | slice) -> str | list[str]:
+        if isinstance(index, slice):
+            return [self._decode(start) for start in self._starts[index]]
+        return self._decode(self._starts[index])
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence) or isinstance(other, str):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
+
+    __hash__ = None  # type: ignore[assignment]  # mutable-looking like a list: not hashable
+
+    def __repr__(self) -> str:
+        return f"StringArray({len(self)} strings)"
+
+    def _decode(self, start: int) -> str:
+        (length,) = _U64.unpack_from(self._buffer, start)
+        return str(self._buffer[start + _U64.size : start + _U64.size + length], "utf-8")
 
 
 class _Cursor:
@@ -104,12 +145,24 @@ class _Cursor:
         self.offset = end
         return text
 
+    def string_array(self, count: int) -> StringArray:
+        starts = []
+        for _ in range(count):
+            starts.append(self.offset)
+            length = self.unpack(_U64)
+            self.offset += length
+        if self.offset > len(self.buffer):
+            raise struct.error("a string array runs past the end of the file")
+        return StringArray(self.buffer, starts)
+
     def value(self, value_type: GGUFValueType) -> Any:
         if value_type == GGUFValueType.STRING:
             return self.string()
         if value_type == GGUFValueType.ARRAY:
             item_type = GGUFValueType(self.unpack(_U32))
             count = self.unpack(_U64)
+            if item_type == GGUFValueType.STRING:
+                return self.string_array(count)
             codec = _SCALARS.get(item_type)
             if codec is None:
                 return [self.value(item_type) for _ in range(count)]

@@ -13,6 +13,7 @@ Differences from transformers' GGUF path, both towards llama.cpp's behaviour: a
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoConfig, PretrainedConfig
+from transformers import PretrainedConfig
 
 from ragserve.models.gguf_dequant import dequantize
 from ragserve.models.gguf_header import GGUFHeader, read_gguf_header
@@ -135,7 +136,21 @@ def gguf_config(header: GGUFHeader, architecture: str) -> PretrainedConfig:
         token_id = metadata.get(f"tokenizer.ggml.{token}_token_id")
         if token_id is not None:
             values[f"{token}_token_id"] = int(token_id)
-    return AutoConfig.for_model(model_type, **values)
+    return _config_class(model_type)(**values)
+
+
+@functools.cache
+def _config_class(model_type: str) -> type[PretrainedConfig]:
+    """A config class that names ``model_type`` and holds exactly the fields given to it.
+
+    NOTE: not ``AutoConfig.for_model``: importing transformers' Llama/Qwen config modules
+    pulls in ``torch.distributed.tensor``, about 2.5 s of a 2-core machine's start-up. Every
+    field the model reads is set from the metadata (the rest have the model's own defaults,
+    which equal those modules' for these architectures), and ``save_pretrained`` writes a
+    config.json that transformers loads as ``model_type``'s own config.
+    """
+    name = f"GGUF{model_type.capitalize()}Config"
+    return type(name, (PretrainedConfig,), {"model_type": model_type})
 
 
 def _rope_parameters(arch_field: Any, rope_theta: float) -> dict[str, Any]:

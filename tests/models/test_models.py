@@ -13,6 +13,7 @@ import itertools
 import json
 import os
 import re
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -305,6 +306,44 @@ def test_gguf_tokenizer_cache_is_reused(
     monkeypatch.setenv("RAGSERVE_CACHE_DIR", str(smollm_cache))
     reloaded = load_gguf_tokenizer(default_model.default_model_path(), entry.name)
     assert reloaded.chat_template.endswith("{# cached #}")
+
+
+def test_gguf_config_holds_what_transformers_config_holds(smollm: LoadedModel) -> None:
+    # The config is built without transformers' LlamaConfig (its import is slow); the same
+    # values through LlamaConfig must give the same fields, and the exported config.json
+    # is an ordinary Llama config.
+    from transformers import AutoConfig
+
+    config = smollm.hf_config
+    assert config.model_type == "llama"
+    fields = {k: v for k, v in config.to_dict().items() if k != "transformers_version"}
+    own = AutoConfig.for_model(**fields)
+    for key, value in fields.items():
+        assert getattr(own, key) == value, key
+    assert (own.hidden_act, own.attention_bias, own.mlp_bias) == ("silu", False, False)
+
+
+def test_gguf_start_up_skips_slow_transformers_imports(
+    smollm: LoadedModel, smollm_cache: Path
+) -> None:
+    # Start-up on the embedded model: transformers' Llama config module (which imports
+    # torch.distributed.tensor) and AutoConfig's model mappings cost seconds; neither is
+    # needed once the tokenizer is cached.
+    script = (
+        "import sys\n"
+        "from ragserve.models.loader import load_model\n"
+        "loaded = load_model(None, device='cpu')\n"
+        "assert loaded.tokenizer is not None\n"
+        "slow = ('transformers.models.llama.configuration_llama',"
+        " 'transformers.models.auto.configuration_auto')\n"
+        "print([name for name in slow if name in sys.modules])\n"
+    )
+    environment = {**os.environ, "RAGSERVE_CACHE_DIR": str(smollm_cache)}
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=environment
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "[]"
 
 
 def test_default_model_is_found_without_importing_its_package() -> None:
