@@ -25,7 +25,8 @@ from ragserve.commands.serve import CPU_THREAD_ENV
 from ragserve.server.auth import tenant_name
 from ragserve.server.registry_cipher import RegistryCipher
 from ragserve.server.registry_rows import decode_row
-from ragserve.server.store_registry import PREFIX, ids_key, row_key, unpack_row
+from ragserve.server.store_registry import PREFIX, ids_key, row_key
+from ragserve.server.store_values import unpack_row
 from tests.server.server_fixtures import BASE_ARGS, ServerProcess, wait_for, wait_ready
 from tests.valkey_server import ValkeyServer
 
