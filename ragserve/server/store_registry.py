@@ -162,8 +162,8 @@ class StoreRegistry:
         key = row_key(self.model, namespace, doc_id, self.prefix)
         try:
             value = self.store.call(lambda c: c.get(key))
-        except _FAILED:
-            value = None  # NOTE: expired here: the tombstone is written when it can be
+        except _FAILED:  # NOTE: expired here: the tombstone is written when it can be
+            return self.publish_gone(namespace, doc_id)
         raw = _raw(value) if value is not None else b""
         stamp = stamp_of(raw)
         if stamp is not None and not stamp.gone:
@@ -174,7 +174,10 @@ class StoreRegistry:
             else:
                 if expire is None or expire > now:
                     return True
-        return self.publish_gone(namespace, doc_id)
+        # NOTE: only over the version just read (0: none, or a value of no format): a
+        # PATCH or an upload that reached the store since wins.
+        seen = stamp.version if stamp is not None else 0
+        return self._write(namespace, doc_id, None, "expire", version=seen) is not None
 
     def retry(self, holding: Iterable[Held] = ()) -> int:
         """Write what is pending; after an outage (or at the first call) also offer the
@@ -211,13 +214,21 @@ class StoreRegistry:
         return self._script(keys=keys, args=args, client=client)
 
     def _write(
-        self, namespace: str, doc_id: str, body: bytes | None, mode: str, retry: bool = False
+        self,
+        namespace: str,
+        doc_id: str,
+        body: bytes | None,
+        mode: str,
+        retry: bool = False,
+        version: int = 0,
     ) -> int | None:
         """The script's answer (the version written, -1 when a tombstone stays); None when
         the write failed (kept pending, unless it was the ``retry`` of what is pending)."""
         try:
             written = int(
-                self.store.call(lambda c: self._call_write(c, namespace, doc_id, body, mode, 0))
+                self.store.call(
+                    lambda c: self._call_write(c, namespace, doc_id, body, mode, version)
+                )
             )
         except _FAILED as exc:
             with self._lock:

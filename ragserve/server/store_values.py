@@ -33,8 +33,9 @@ STAMP_BYTES = 40
 # Modes of ``WRITE``: ``row`` (an upload: replaces a tombstone), ``patch`` (a PATCH or a
 # retried write: never replaces a tombstone), ``offer`` (a row the store lost: written at
 # the version this server holds, only where the store holds no tombstone and no newer
-# row), ``gone`` (a tombstone that expires after ARGV[5] seconds).
-# KEYS: the row, the ids set; ARGV: mode, body, id, offered version, tombstone ttl.
+# row), ``gone`` (a tombstone that expires after ARGV[5] seconds), ``expire`` (a
+# tombstone, unless the store holds a newer version than ARGV[4], the expired row read).
+# KEYS: the row, the ids set; ARGV: mode, body, id, version, tombstone ttl.
 # Returns the version written, -1 when nothing was.
 WRITE = """
 local old = redis.call('GET', KEYS[1])
@@ -51,14 +52,14 @@ local mode = ARGV[1]
 local version = tonumber(ARGV[4])
 if mode == 'offer' then
   if old and (gone or seen >= version) then return -1 end
-elseif mode == 'patch' and gone then
+elseif (mode == 'patch' and gone) or (mode == 'expire' and seen > version) then
   return -1
 else
   local now = redis.call('TIME')
   version = math.max(seen + 1, tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000))
 end
 local stamp = string.format('%d', version)
-if mode == 'gone' then
+if mode == 'gone' or mode == 'expire' then
   redis.call('SET', KEYS[1], 'ragserve-gone-v2 ' .. stamp .. '\\n', 'EX', ARGV[5])
   redis.call('SREM', KEYS[2], ARGV[3])
 else
