@@ -222,8 +222,9 @@ class StoreRegistry:
         retry: bool = False,
         version: int = 0,
     ) -> int | None:
-        """The script's answer (the version written, -1 when a tombstone stays); None when
-        the write failed (kept pending, unless it was the ``retry`` of what is pending)."""
+        """The script's answer (the version written, -1 when its rules wrote nothing: see
+        ``WRITE``); None when the write failed (kept pending, unless it was the ``retry``
+        of what is pending)."""
         try:
             written = int(
                 self.store.call(
