@@ -180,12 +180,14 @@ class DocumentPersistence:
 
     # NOTE: the local row is committed first; publishing to the store never raises (a
     # failed publish stays pending in ``shared``), so a store outage fails no upload.
-    def _put_row(self, doc: StoredDocument) -> bool:
+    def _put_row(self, doc: StoredDocument, patch: bool = False) -> int:
+        """Write the row of an upload (of a PATCH: ``patch``); returns the version the
+        store gave it, 0 when it was not published (no store, failed, or a tombstone)."""
         if self.store is not None:
             self.store.put(doc)
         if self.shared is not None:
-            self.shared.publish(doc)
-        return True
+            return self.shared.publish(doc, patch) or 0
+        return 0
 
     def _copy_row(self, doc: StoredDocument) -> bool:
         """A row learned from the store, into this server's own registry only."""
@@ -213,9 +215,11 @@ class DocumentPersistence:
         return others
 
     # -- the registry shared through the store -------------------------------------------
-    async def _from_shared(self, namespace: str, doc_ids: list[str]) -> dict[str, StoredDocument]:
-        """The verified rows the store holds for ``doc_ids`` (one round trip); {} without
-        a store or when it cannot be reached."""
+    async def _from_shared(
+        self, namespace: str, doc_ids: list[str]
+    ) -> dict[str, tuple[StoredDocument, int]]:
+        """The verified rows the store holds for ``doc_ids``, with their versions (one
+        round trip); {} without a store or when it cannot be reached."""
         if self.shared is None or not doc_ids:
             return {}
         found = await self._shared_call(self.shared.fetch, namespace, doc_ids)
@@ -236,14 +240,22 @@ class DocumentPersistence:
 
     async def _sync_shared(self) -> int:
         """A watch round on the store: write what is pending (offering every row after an
-        outage), then forget the documents whose row another server replaced by a
-        tombstone. Returns how many were forgotten."""
+        outage), read the stamps of every known document's row, forget the documents
+        whose row another server replaced by a tombstone and take the newer rows (a
+        PATCH on another server) of the others. Returns how many were forgotten."""
         assert self.shared is not None
-        holding = [doc.stored() for doc in self._docs.values()]
+        holding = [(doc.stored(), doc.version) for doc in self._docs.values()]
         await self._shared_call(self.shared.retry, holding)
-        gone = await self._shared_call(self.shared.gone, sorted(self._docs))
+        stamps = await self._shared_call(self.shared.stamps, sorted(self._docs)) or {}
+        newer = [
+            key
+            for key, stamp in stamps.items()
+            if not stamp.gone and key in self._docs and stamp.version > self._docs[key].version
+        ]
+        await self._refresh_shared(sorted(newer))
+        gone = [key for key, stamp in stamps.items() if stamp.gone]
         forgotten = 0
-        for namespace, doc_id in sorted(gone or ()):
+        for namespace, doc_id in sorted(gone):
             doc = self._docs.get((namespace, doc_id))
             if doc is None:
                 continue
@@ -261,6 +273,31 @@ class DocumentPersistence:
             logger.info("document %s was deleted by another server (store); forgotten", doc_id)
             forgotten += 1
         return forgotten
+
+    async def _refresh_shared(self, keys: list[tuple[str, str]]) -> None:
+        """Take the store's rows of known documents ``keys`` (one round trip a tenant)
+        where they are newer than the ones held: what a PATCH changes (metadata, expiry)
+        is served from then on, and kept in this server's own registry."""
+        assert self.shared is not None
+        by_namespace: dict[str, list[str]] = {}
+        for namespace, doc_id in keys:
+            by_namespace.setdefault(namespace, []).append(doc_id)
+        for namespace, doc_ids in by_namespace.items():
+            rows = await self._from_shared(namespace, doc_ids)
+            for doc_id, (entry, version) in sorted(rows.items()):
+                async with self.locks.hold(namespace, doc_id):
+                    # NOTE: under the lock, against what is held now: a PATCH here may
+                    # have written a newer row since the store was read.
+                    doc = self._docs.get((namespace, doc_id))
+                    if doc is None or version <= doc.version:
+                        continue
+                    if self.store is not None and self.store.is_open:
+                        await self._store_call("saved", self._copy_row, entry)
+                    doc.metadata, doc.expire_time, doc.version = (
+                        entry.metadata, entry.expire_time, version
+                    )  # fmt: skip
+                self.shared.refreshed()
+                logger.info("document %s: newer row taken from the shared registry", doc_id)
 
     async def _remove(
         self, doc: RegisteredDocument, rows: Literal["all", "expired", "none"] = "all"

@@ -144,11 +144,13 @@ class DocumentService(DocumentPersistence):
                     assert self.store is not None
                     entry = await self._store_call("read", self.store.find, namespace, doc_id)
                 adopted = entry is None and doc_id in shared
+                version = 0  # NOTE: its own registry's row: the watch takes a newer one
                 if adopted:
-                    entry = shared[doc_id]
+                    entry, version = shared[doc_id]
                 doc = await self._from_row(entry) if entry is not None else None
                 if doc is None or (namespace, doc_id) in self._docs:
                     continue
+                doc.version = version
                 saved = True
                 if adopted:
                     assert self.shared is not None and entry is not None
@@ -261,7 +263,8 @@ class DocumentService(DocumentPersistence):
             doc.expire_time = expires
             self._register(doc)
             logger.info("document %s: %d tokens, ingesting", doc_id, len(token_ids))
-            doc.saved = bool(await self._store_call("saved", self._put_row, doc.stored()))
+            version = await self._store_call("saved", self._put_row, doc.stored())
+            doc.saved, doc.version = version is not None, version or 0
             return doc, True
 
     def _holding(self, namespace: str, replacing: str) -> tuple[int, int]:
@@ -364,8 +367,13 @@ class DocumentService(DocumentPersistence):
                 doc.expire_time = expire_time_from(patch.ttl, patch.expire_time, time.time())
         if patch.metadata is not None:
             doc.metadata = patch.metadata
-        if await self._store_call("saved", self._put_row, doc.stored()):
+        # NOTE: its row never replaces a tombstone: deleted on another server meanwhile,
+        # the document is forgotten here at the next watch round.
+        version = await self._store_call("saved", self._put_row, doc.stored(), True)
+        if version is not None:
             doc.saved = True
+        if version:
+            doc.version = version
         return doc
 
     def _expiring(self) -> list[tuple[str, str, float]]:

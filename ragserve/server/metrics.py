@@ -156,6 +156,7 @@ def _tier_families(tiers: Mapping[str, TierMetrics]) -> Iterator[Metric]:
 _SHARED_REGISTRY = (
     ("published", "Rows and tombstones this server wrote to the store"),
     ("adopted", "Documents learned from rows another server published to the store"),
+    ("refreshed", "Newer rows of known documents (a PATCH elsewhere) taken from the store"),
     ("publish_failures", "Writes to the store that failed (each is retried)"),
     ("rejected", "Store values that did not verify (damaged, foreign, wrong key): ignored"),
 )

@@ -59,6 +59,9 @@ class RegisteredDocument:
     # Whether its row was written (or read): one missing later was deleted by another
     # server on the directory (see ``DocumentService.sync``).
     saved: bool = False
+    # The version of its row in the store that this server last wrote or took (0: none
+    # yet); a higher one there is a PATCH on another server (see ``_sync_shared``).
+    version: int = 0
     task: asyncio.Task[None] | None = field(default=None, repr=False)
 
     @property

@@ -2,7 +2,9 @@
 valkey-server: the document registry is shared through the store alone.
 
 A document uploaded on one is listed and answered on the other (its blocks from the
-remote tier), a delete on one is forgotten by the other, values that do not verify are
+remote tier), a delete on one is forgotten by the other, a PATCH on one (metadata, an
+expiry moved later) reaches the other within a watch round, concurrent PATCHes end the
+same on both, a tombstone wins over a PATCH that comes late, values that do not verify are
 ignored and counted, tenants never see each other's rows, the store never holds token
 ids in the clear (the servers have a key), and an upload while the store is down reaches
 the other server once the store is back. The tests run in order on one pair of servers.
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from array import array
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -25,7 +28,8 @@ from ragserve.commands.serve import CPU_THREAD_ENV
 from ragserve.server.auth import tenant_name
 from ragserve.server.registry_cipher import RegistryCipher
 from ragserve.server.registry_rows import decode_row
-from ragserve.server.store_registry import PREFIX, ids_key, row_key, unpack_row
+from ragserve.server.store_registry import PREFIX, ids_key, row_key
+from ragserve.server.store_values import unpack_row
 from tests.server.server_fixtures import BASE_ARGS, ServerProcess, wait_for, wait_ready
 from tests.valkey_server import ValkeyServer
 
@@ -192,6 +196,92 @@ def test_a_delete_on_one_is_forgotten_by_the_other(pair: Pair) -> None:
     model = model_of_rows(pair)
     ttl = pair.store.client().ttl(row_key(model, tenant_name(KEY), pair.doc["id"]))
     assert 0 < ttl <= 24 * 3600  # a tombstone, kept a day
+
+
+def document(url: str, doc_id: str) -> requests.Response:
+    return requests.get(f"{url}/v1/documents/{doc_id}", headers=AUTH, timeout=30)
+
+
+def patch(url: str, doc_id: str, body: dict[str, Any]) -> requests.Response:
+    return requests.patch(f"{url}/v1/documents/{doc_id}", json=body, headers=AUTH, timeout=60)
+
+
+def upload_known_to_both(pair: Pair, text: str, **fields: Any) -> dict[str, Any]:
+    """A document uploaded on the first server and read once on the second (which then
+    holds its row and does not read it again at a GET)."""
+    uploaded = requests.post(
+        f"{pair.one.url}/v1/documents", json={"text": text, **fields}, headers=AUTH, timeout=120
+    )
+    assert uploaded.status_code == 202, uploaded.text
+    known = document(pair.two.url, uploaded.json()["id"])
+    assert known.status_code == 200, known.text
+    assert known.json()["metadata"] == fields.get("metadata", {})
+    return dict(uploaded.json())
+
+
+def test_a_patch_on_one_reaches_the_other_and_its_expiry_is_honoured(pair: Pair) -> None:
+    text = TEXT + " Addendum whose metadata and expiry change."
+    doc = upload_known_to_both(pair, text, metadata={"rev": 1}, ttl=15)
+    first_expiry = time.time() + 15
+    adopted = counter(pair.two, "adopted")
+    patched = patch(pair.one.url, doc["id"], {"metadata": {"rev": 2}, "ttl": 3600})
+    assert patched.status_code == 200, patched.text
+
+    def seen_on_two() -> bool:
+        return document(pair.two.url, doc["id"]).json().get("metadata") == {"rev": 2}
+
+    assert wait_for(seen_on_two, 10, interval=0.2)  # a watch round is 2 s
+    assert time.time() < first_expiry, "too slow to tell a refresh from a re-learn"
+    on_two = document(pair.two.url, doc["id"]).json()
+    assert on_two["expire_time"] == patched.json()["expire_time"]
+    assert counter(pair.two, "refreshed") >= 1
+    # Through its first expiry (and a sweep after it) the second server serves it, and
+    # keeps it: a document it had dropped would be learned again, counted in ``adopted``.
+    while time.time() < first_expiry + 2:
+        assert document(pair.two.url, doc["id"]).status_code == 200
+        time.sleep(0.5)
+    assert doc["id"] in listed(pair.two.url)
+    assert counter(pair.two, "adopted") == adopted
+
+
+def test_concurrent_patches_end_the_same_on_both(pair: Pair) -> None:
+    doc = upload_known_to_both(pair, TEXT + " Addendum patched on both at once.")
+    with ThreadPoolExecutor(2) as pool:
+        answers = list(
+            pool.map(
+                lambda server: patch(server.url, doc["id"], {"metadata": {"by": server.url}}),
+                (pair.one, pair.two),
+            )
+        )
+    assert [answer.status_code for answer in answers] == [200, 200]
+    # The row whose write reached the store last (the higher version) wins on both.
+    model = model_of_rows(pair)
+    value = pair.store.client().get(row_key(model, tenant_name(KEY), doc["id"]))
+    assert isinstance(value, bytes)
+    winner = decode_row(unpack_row(value), RegistryCipher.from_file(pair.key_file)).metadata
+
+    def agreed() -> bool:
+        return all(
+            document(server.url, doc["id"]).json().get("metadata") == winner
+            for server in (pair.one, pair.two)
+        )
+
+    assert wait_for(agreed, 10, interval=0.2)
+
+
+def test_a_tombstone_wins_over_a_patch_that_comes_late(pair: Pair) -> None:
+    doc = upload_known_to_both(pair, TEXT + " Addendum deleted while patched.")
+    deleted = requests.delete(f"{pair.one.url}/v1/documents/{doc['id']}", headers=AUTH, timeout=60)
+    assert deleted.status_code == 200, deleted.text
+    # The second server has not read the tombstone yet (or just has: then a 404).
+    late = patch(pair.two.url, doc["id"], {"metadata": {"late": True}})
+    assert late.status_code in (200, 404), late.text
+    two = pair.two
+    assert wait_for(lambda: document(two.url, doc["id"]).status_code == 404, 10, interval=0.2)
+    assert doc["id"] not in listed(two.url) and doc["id"] not in listed(pair.one.url)
+    model = model_of_rows(pair)
+    value = pair.store.client().get(row_key(model, tenant_name(KEY), doc["id"]))
+    assert isinstance(value, bytes) and value.startswith(b"ragserve-gone-")
 
 
 def test_an_upload_while_the_store_is_down_reaches_the_other_once_it_is_back(

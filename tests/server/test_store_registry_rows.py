@@ -1,6 +1,7 @@
 """The registry's rows in a real valkey-server, without a model: what one server
-publishes another reads back verified; tombstones, tampered and foreign values, tenants,
-an outage and a store that comes back empty."""
+publishes another reads back verified; versions (a PATCH's row is newer, a tombstone
+wins over a PATCH), tombstones, tampered and foreign values, tenants, an outage and a
+store that comes back empty."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import pytest
 
 from kvstore.remote_store import StoreUnavailable
 from ragserve.server.registry_cipher import RegistryCipher
+from ragserve.server.registry_rows import encode_row
 from ragserve.server.store_registry import StoreRegistry, row_key
+from ragserve.server.store_values import Stamp, row_body
 from ragserve.server.stored_document import StoredDocument
 from tests.valkey_server import ValkeyServer
 
@@ -38,9 +41,11 @@ def test_a_published_row_is_read_back_by_another_server(
     valkey: ValkeyServer, cipher: RegistryCipher
 ) -> None:
     one, two = registry(valkey.url, cipher), registry(valkey.url, cipher)
-    assert one.publish(doc(expire_time=2e9))
+    version = one.publish(doc(expire_time=2e9))
+    assert version
     assert two.listed(TENANT) == {"ab" * 16}
-    assert two.fetch(TENANT, ["ab" * 16, "cd" * 16]) == {"ab" * 16: doc(expire_time=2e9)}
+    found = two.fetch(TENANT, ["ab" * 16, "cd" * 16])
+    assert found == {"ab" * 16: (doc(expire_time=2e9), version)}
     assert two.listed(OTHER) == set() and two.fetch(OTHER, ["ab" * 16]) == {}
     assert one.counts["published"] == 1 and two.counts["rejected"] == 0
     value = valkey.client().get(row_key(MODEL, TENANT, "ab" * 16))
@@ -80,7 +85,48 @@ def test_a_tombstone_is_seen_and_expires_after_a_day(valkey: ValkeyServer) -> No
     assert two.fetch(TENANT, ["ab" * 16]) == {} and two.listed(TENANT) == set()
     assert 0 < valkey.client().ttl(row_key(MODEL, TENANT, "ab" * 16)) <= 24 * 3600
     one.publish(doc())  # uploaded again: the row replaces the tombstone
-    assert two.fetch(TENANT, ["ab" * 16]) == {"ab" * 16: doc()}
+    assert two.fetch(TENANT, ["ab" * 16])["ab" * 16][0] == doc()
+
+
+def test_a_patch_is_newer_and_a_tombstone_wins_over_a_later_patch(valkey: ValkeyServer) -> None:
+    one, two = registry(valkey.url), registry(valkey.url)
+    key = (TENANT, "ab" * 16)
+    uploaded = one.publish(doc())
+    patched = two.publish(doc(metadata={"k": "patched"}), patch=True)
+    assert uploaded and patched and patched > uploaded  # the store orders them
+    assert one.stamps([key, (TENANT, "cd" * 16)]) == {key: Stamp(patched, gone=False)}
+    assert one.fetch(TENANT, ["ab" * 16]) == {"ab" * 16: (doc(metadata={"k": "patched"}), patched)}
+    assert one.publish_gone(*key)
+    stale = two.publish(doc(metadata={"k": "stale"}), patch=True)  # never saw the DELETE
+    assert stale is None and two.counts["pending"] == 0  # refused, not failed
+    tombstone = one.stamps([key])[key]
+    assert tombstone.gone and tombstone.version > patched and one.fetch(TENANT, ["ab" * 16]) == {}
+    again = one.publish(doc())  # an upload of the text again replaces the tombstone
+    assert again and again > tombstone.version
+
+
+def test_an_offered_row_replaces_only_an_older_one(valkey: ValkeyServer) -> None:
+    """After an outage each server offers the rows it holds at the versions it holds."""
+    one, two, three = registry(valkey.url), registry(valkey.url), registry(valkey.url)
+    old, new = doc(metadata={"k": "old"}), doc(metadata={"k": "new"})
+    version = one.publish(new)
+    assert version
+    two.retry([(old, version - 1)])  # a server that had not taken the newer row yet
+    assert one.fetch(TENANT, ["ab" * 16]) == {"ab" * 16: (new, version)}
+    valkey.client().delete(row_key(MODEL, TENANT, "ab" * 16))  # evicted
+    three.retry([(old, version - 1)])  # its older copy reaches the store first
+    one.retry([(new, version)])
+    assert two.fetch(TENANT, ["ab" * 16]) == {"ab" * 16: (new, version)}
+
+
+def test_a_value_of_the_first_format_reads_as_version_0(valkey: ValkeyServer) -> None:
+    one = registry(valkey.url)
+    body = row_body(encode_row(MODEL, doc()))
+    valkey.client().set(row_key(MODEL, TENANT, "ab" * 16), b"ragserve-row-v1\n" + body)
+    assert one.fetch(TENANT, ["ab" * 16]) == {"ab" * 16: (doc(), 0)}
+    valkey.client().set(row_key(MODEL, TENANT, "cd" * 16), b"ragserve-gone-v1\n")
+    assert one.gone([(TENANT, "ab" * 16), (TENANT, "cd" * 16)]) == {(TENANT, "cd" * 16)}
+    assert (one.publish(doc(), patch=True) or 0) > 0
 
 
 def test_an_expiry_leaves_no_tombstone_when_the_store_row_lives_on(valkey: ValkeyServer) -> None:
@@ -100,7 +146,7 @@ def test_an_outage_keeps_writes_pending_and_a_store_back_empty_gets_every_row(
     deleted_elsewhere, deleted_here, held = doc("01" * 16), doc("02" * 16), doc("05" * 16)
     for entry in (deleted_elsewhere, deleted_here, held):
         assert one.publish(entry)
-    one.retry([deleted_elsewhere, deleted_here, held])  # the first round: nothing missing
+    one.retry([(entry, 0) for entry in (deleted_elsewhere, deleted_here, held)])  # none missing
     valkey.kill()
     late = doc("04" * 16)
     assert not one.publish(late)  # the store is down (the caller's row is committed locally)
@@ -111,12 +157,16 @@ def test_an_outage_keeps_writes_pending_and_a_store_back_empty_gets_every_row(
     valkey.start()  # back, and empty
     two.publish_gone(TENANT, "01" * 16)  # deleted through another server meanwhile
     deadline = time.monotonic() + 10
-    while one.retry([deleted_elsewhere, held, late]) and time.monotonic() < deadline:
+    holding = [(entry, 0) for entry in (deleted_elsewhere, held, late)]
+    while one.retry(holding) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert one.counts["pending"] == 0
     assert two.listed(TENANT) == {"04" * 16, "05" * 16}
     found = two.fetch(TENANT, ["01" * 16, "02" * 16, "04" * 16, "05" * 16])
-    assert found == {"04" * 16: late, "05" * 16: held}
+    assert {doc_id: entry for doc_id, (entry, _) in found.items()} == {
+        "04" * 16: late,
+        "05" * 16: held,
+    }
     assert two.gone([(TENANT, "01" * 16), (TENANT, "02" * 16)]) == {
         (TENANT, "01" * 16),
         (TENANT, "02" * 16),
