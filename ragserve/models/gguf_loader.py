@@ -13,7 +13,6 @@ Differences from transformers' GGUF path, both towards llama.cpp's behaviour: a
 
 from __future__ import annotations
 
-import functools
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,11 +25,35 @@ from transformers import PretrainedConfig
 from ragserve.models.gguf_dequant import dequantize
 from ragserve.models.gguf_header import GGUFHeader, read_gguf_header
 
-# GGUF general.architecture -> (transformers model_type, architecture name)
-GGUF_ARCHITECTURES = {
-    "llama": ("llama", "LlamaForCausalLM"),
-    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
-    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+
+class GGUFConfig(PretrainedConfig):
+    """A GGUF model's transformers config: the fields its metadata gives, nothing more.
+
+    NOTE: not transformers' own config classes: importing their modules (Llama's, Qwen's)
+    pulls in ``torch.distributed.tensor``, about 2.5 s of a 2-core machine's start-up.
+    Every field the model reads is set from the metadata, and the rest of those classes'
+    defaults are the model's own for these architectures. ``save_pretrained`` writes a
+    config.json that transformers loads as the architecture's own config.
+    """
+
+
+class GGUFLlamaConfig(GGUFConfig):
+    model_type = "llama"
+
+
+class GGUFQwen2Config(GGUFConfig):
+    model_type = "qwen2"
+
+
+class GGUFQwen3Config(GGUFConfig):
+    model_type = "qwen3"
+
+
+# GGUF general.architecture -> (config class, architecture name)
+GGUF_ARCHITECTURES: dict[str, tuple[type[GGUFConfig], str]] = {
+    "llama": (GGUFLlamaConfig, "LlamaForCausalLM"),
+    "qwen2": (GGUFQwen2Config, "Qwen2ForCausalLM"),
+    "qwen3": (GGUFQwen3Config, "Qwen3ForCausalLM"),
 }
 
 _GLOBAL_NAMES = {
@@ -99,7 +122,7 @@ def open_gguf(path: Path) -> GGUFCheckpoint:
 
 def gguf_config(header: GGUFHeader, architecture: str) -> PretrainedConfig:
     """A transformers config from the ``{architecture}.*`` and ``tokenizer.ggml.*`` metadata."""
-    model_type, class_name = GGUF_ARCHITECTURES[architecture]
+    config_class, class_name = GGUF_ARCHITECTURES[architecture]
     metadata = header.metadata
 
     def arch_field(key: str, default: Any = None) -> Any:
@@ -136,21 +159,7 @@ def gguf_config(header: GGUFHeader, architecture: str) -> PretrainedConfig:
         token_id = metadata.get(f"tokenizer.ggml.{token}_token_id")
         if token_id is not None:
             values[f"{token}_token_id"] = int(token_id)
-    return _config_class(model_type)(**values)
-
-
-@functools.cache
-def _config_class(model_type: str) -> type[PretrainedConfig]:
-    """A config class that names ``model_type`` and holds exactly the fields given to it.
-
-    NOTE: not ``AutoConfig.for_model``: importing transformers' Llama/Qwen config modules
-    pulls in ``torch.distributed.tensor``, about 2.5 s of a 2-core machine's start-up. Every
-    field the model reads is set from the metadata (the rest have the model's own defaults,
-    which equal those modules' for these architectures), and ``save_pretrained`` writes a
-    config.json that transformers loads as ``model_type``'s own config.
-    """
-    name = f"GGUF{model_type.capitalize()}Config"
-    return type(name, (PretrainedConfig,), {"model_type": model_type})
+    return config_class(**values)
 
 
 def _rope_parameters(arch_field: Any, rope_theta: float) -> dict[str, Any]:
