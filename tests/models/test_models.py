@@ -329,11 +329,17 @@ def test_gguf_start_up_skips_slow_transformers_imports(
     # Start-up on the embedded model: transformers' Llama config module (which imports
     # torch.distributed.tensor) and AutoConfig's model mappings cost seconds; neither is
     # needed once the tokenizer is cached.
+    # NOTE: the loader's imports, the config and the tokenizer: what a start-up imports
+    # (reading the weights imports nothing more, and takes most of the time).
     script = (
         "import sys\n"
-        "from ragserve.models.loader import load_model\n"
-        "loaded = load_model(None, device='cpu')\n"
-        "assert loaded.tokenizer is not None\n"
+        "import ragserve.models.loader\n"
+        "from ragserve.models.default_model import default_model_path\n"
+        "from ragserve.models.gguf_loader import open_gguf\n"
+        "from ragserve.models.tokenizer import load_gguf_tokenizer\n"
+        "checkpoint = open_gguf(default_model_path())\n"
+        "assert checkpoint.config.model_type == 'llama'\n"
+        "load_gguf_tokenizer(checkpoint.path, checkpoint.header_digest)\n"
         "slow = ('transformers.models.llama.configuration_llama',"
         " 'transformers.models.auto.configuration_auto')\n"
         "print([name for name in slow if name in sys.modules])\n"
