@@ -2,7 +2,8 @@
 
 ``y = x @ w.T`` becomes ``y[m, n] = xs[m] * ws[n] * sum_k xq[m, k] * wq[n, k]`` where
 ``wq [N, K]`` holds the e4m3 codes of ``w / ws`` (``ws = amax(|w[n]|) / 448``, fixed at load)
-and ``xq`` those of ``x * (1 / xs)`` (``xs = amax(|x[m]|) / 448``, computed per call on the device).
+and ``xq`` those of ``x * (1 / xs)`` (``xs = amax(|x[m]|) / 448``, computed per call on the
+device).
 
 Two paths compute it (and, for few rows, :func:`fp8_linear_cuda` skips the activation
 quantization: ``kernels/triton_fp8_gemv.py``):

@@ -3,7 +3,7 @@
 One program per row loads the row once and writes what :func:`kernels.fp8_linear.quantize_rows`
 writes, bit for bit: ``scale = max(amax(|row|) * (1 / 448), tiny)`` and the e4m3 codes of
 ``clamp(row * (1 / scale), -448, 448)`` rounded to nearest even. It replaces five torch kernels
-(abs, amax, scale, divide-clamp, cast) and their float32 temporaries.
+(abs, amax, scale, multiply-clamp, cast) and their float32 temporaries.
 """
 
 from __future__ import annotations
