@@ -116,7 +116,10 @@ def gemv_config(rows: int, out_features: int) -> tuple[int, int, int, int, int]:
         # NOTE: 512 wide in K is one warp's vector load, so each per-step row sum stays
         # within a warp (no shared-memory round trip).
         return triton.next_power_of_2(rows), 16, 512, 4, 1
-    return max(16, triton.next_power_of_2(rows)), 32, 512, 4, 3
+    block_m = max(16, triton.next_power_of_2(rows))
+    # NOTE: each stage holds a BLOCK_M x 512 bf16 tile and a 32 x 512 e4m3 one: at 64 rows
+    # (80 KB a stage) three stages ask 256 KB of shared memory, more than an H200's 227.
+    return block_m, 32, 512, 4, 3 if block_m <= 32 else 2
 
 
 def fp8_gemv(

@@ -1,5 +1,7 @@
 """The engine with an FP8 KV cache (``--kv-cache-dtype fp8``) on the CPU's reference path:
 its sizes, its agreement with float32 KV, prefix caching, and bit-exact tier records.
+These engines run on the CPU on every machine (``device="cpu"``); the last test starts one
+on CUDA where there is a device that reads FP8.
 
 A tiny random-weight llama (head_dim 16, 2 layers, 2 KV heads, float32 weights)."""
 
@@ -60,13 +62,13 @@ def generate(llm: LLM, prompts: list[list[int]], max_tokens: int = NEW) -> list[
 
 @pytest.fixture(scope="module")
 def float32_kv(model_dir: str) -> Iterator[LLM]:
-    with LLM(model_dir, dtype="float32") as llm:
+    with LLM(model_dir, dtype="float32", device="cpu") as llm:
         yield llm
 
 
 @pytest.fixture(scope="module")
 def fp8_kv(model_dir: str) -> Iterator[LLM]:
-    with LLM(model_dir, dtype="float32", kv_cache_dtype="fp8") as llm:
+    with LLM(model_dir, dtype="float32", device="cpu", kv_cache_dtype="fp8") as llm:
         yield llm
 
 
@@ -82,15 +84,15 @@ def test_fp8_cache_holds_fp8_bytes_and_more_blocks_for_the_same_budget(
     assert fp8_kv.engine.salt_for("") != float32_kv.engine.salt_for("")
     budget = {"kv_cache_gib": 64 * BLOCK * 512 / 2**30}
     with (
-        LLM(model_dir, dtype="float32", **budget) as wide,
-        LLM(model_dir, dtype="float32", kv_cache_dtype="fp8", **budget) as narrow,
+        LLM(model_dir, dtype="float32", device="cpu", **budget) as wide,
+        LLM(model_dir, dtype="float32", device="cpu", kv_cache_dtype="fp8", **budget) as narrow,
     ):
         assert (wide.engine.num_kv_blocks, narrow.engine.num_kv_blocks) == (64, 64 * 512 // 160)
 
 
 def test_a_backend_that_cannot_read_fp8_is_refused_at_start_up(model_dir: str) -> None:
     with pytest.raises(ValueError, match="'cpu' attention backend cannot read an FP8 KV cache"):
-        LLM(model_dir, dtype="float32", kv_cache_dtype="fp8", attention_backend="cpu")
+        LLM(model_dir, dtype="float32", device="cpu", kv_cache_dtype="fp8", attention_backend="cpu")
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8"):
         EngineConfig(kv_cache_dtype="int8")
     args = build_parser().parse_args(["serve", "--kv-cache-dtype", "fp8"])
@@ -125,6 +127,7 @@ def test_fp8_prefix_caching_hits_and_changes_no_output(
     with LLM(
         model_dir,
         dtype="float32",
+        device="cpu",
         kv_cache_dtype="fp8",
         enable_prefix_caching=False,
         max_num_batched_tokens=24,  # other chunk boundaries too
@@ -164,7 +167,9 @@ def evict_device_cache(llm: LLM) -> None:
 
 def small_fp8_engine(model_dir: str, **tiers: Any) -> LLM:
     budget = DEVICE_BLOCKS * BLOCK * FP8_TOKEN_BYTES / 2**30
-    return LLM(model_dir, dtype="float32", kv_cache_dtype="fp8", kv_cache_gib=budget, **tiers)
+    return LLM(
+        model_dir, dtype="float32", device="cpu", kv_cache_dtype="fp8", kv_cache_gib=budget, **tiers
+    )
 
 
 def test_fp8_blocks_come_back_from_the_cpu_tier_bit_exact(model_dir: str, doc: list[int]) -> None:
@@ -202,7 +207,7 @@ def test_fp8_records_restore_bit_exact_after_a_restart_and_never_reach_float32(
         assert block_bytes(second, doc) == original
 
     # The same model with float32 KV on the same directory: a miss, computed afresh.
-    with LLM(model_dir, dtype="float32", **tiers) as plain:
+    with LLM(model_dir, dtype="float32", device="cpu", **tiers) as plain:
         out = plain.generate(question, greedy(NEW), use_tqdm=False)[0]
         assert out.num_cached_tokens == 0
         assert out.outputs[0].token_ids == generate(float32_kv, question)[0]
