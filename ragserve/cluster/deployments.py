@@ -92,7 +92,13 @@ class ClusterIngress:
 REPLICA = serve.deployment(num_replicas=1, health_check_period_s=2, health_check_timeout_s=10)(
     EngineReplica
 )
-INGRESS = serve.deployment(num_replicas=1)(ClusterIngress)
+# NOTE: the ingress only forwards; Ray Serve's default of 5 requests in flight per replica
+# would hold the whole cluster to 5 (queued in the proxy), starving every engine's batch.
+# The replicas' own queues (`--max-num-seqs`, `--max-queue-seconds`) do the limiting.
+INGRESS_MAX_ONGOING_REQUESTS = 4096
+INGRESS = serve.deployment(num_replicas=1, max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS)(
+    ClusterIngress
+)
 
 
 def build_app(args: Mapping[str, Any]) -> serve.Application:

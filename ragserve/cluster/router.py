@@ -4,9 +4,11 @@ robin (the baseline the cluster benchmark compares against).
 A request's *key* names what it reads (see :mod:`ragserve.cluster.affinity_key`): its first
 document, or the hash of its prompt's leading text. With ``affinity``, the first request of
 a key goes to the least loaded replica (ties taken in turn) and the key is bound there;
-later requests of that key go to the same replica (an *affinity hit*) unless it is busy
-(``busy_threshold`` requests in flight) or down, when they go to the least loaded other
-replica (a *fallback*; the key stays bound, so it comes back once the replica is free).
+later requests of that key go to the same replica (an *affinity hit*) unless it is down, or
+busy (``busy_threshold`` requests in flight) while another replica has fewer: then they go to
+the least loaded other replica (a *fallback*; the key stays bound, so it comes back once the
+replica is free). A replica as busy as its peers keeps its keys: moving a request there
+would only add the cost of loading the document's KV.
 Requests without a key go to the least loaded replica.
 
 Not thread-safe: the ingress calls it from its event loop only.
@@ -76,10 +78,11 @@ class Router:
             self.bind(key, least)
             return self._count("new", least)
         self._owner.move_to_end(key)
-        if up[owner] and loads[owner] < self.busy_threshold:
+        others = [i for i in candidates if i != owner]
+        other = min(others, key=lambda i: (loads[i], i)) if others else owner
+        if up[owner] and (loads[owner] < self.busy_threshold or loads[other] >= loads[owner]):
             return self._count("affinity", owner)
-        others = [i for i in candidates if i != owner] or [owner]
-        return self._count("fallback", min(others, key=lambda i: (loads[i], i)))
+        return self._count("fallback", other)
 
     def bind(self, key: str, replica: int) -> None:
         """Make ``replica`` the home of ``key`` (e.g. the one a document was uploaded to)."""

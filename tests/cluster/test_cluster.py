@@ -187,6 +187,35 @@ def test_questions_stay_on_their_replica_and_a_fallback_reads_the_store(cluster:
     assert metrics[f'ragserve_kv_tier_hits_total{{replica="{other}",tier="remote"}}'] > 0
 
 
+def test_the_ingress_holds_more_requests_in_flight_than_ray_serves_default(
+    cluster: Cluster,
+) -> None:
+    """Ray Serve admits 5 requests per deployment replica unless told otherwise; the one
+    ingress must pass every request on, or the whole cluster batches at most 5."""
+    bodies = [
+        {
+            "messages": [{"role": "user", "content": f"Count to one hundred, take {n}."}],
+            "max_tokens": 48,
+            "ignore_eos": True,
+            "temperature": 0,
+        }
+        for n in range(8)
+    ]
+
+    seen: list[int] = []
+
+    def more_than_five_or_done() -> bool:
+        seen.append(sum(replica["in_flight"] for replica in cluster.stats()["replicas"]))
+        return seen[-1] > 5 or all(reply.done() for reply in replies)
+
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        replies = [pool.submit(ask_streaming, cluster, body) for body in bodies]
+        assert wait_for(more_than_five_or_done, 60)
+        finished = [reply.result(timeout=TIMEOUT) for reply in replies]
+    assert max(seen) > 5, f"at most {max(seen)} requests reached the replicas at once"
+    assert all(reply.complete for reply in finished), [r.lines[-2:] for r in finished]
+
+
 def test_a_replica_killed_under_load_is_restarted_and_nothing_else_fails(
     cluster: Cluster,
 ) -> None:
