@@ -25,10 +25,9 @@ def make_salt(fingerprint: str, block_size: int, kv_dtype: str, namespace: str =
 
 def hash_block(salt: bytes, parent: BlockHash, token_bytes: bytes) -> BlockHash:
     """The chained hash of one full block, given its token ids as little-endian int32 bytes."""
-    hasher = xxhash.xxh3_128(salt)
-    hasher.update(parent)
-    hasher.update(token_bytes)
-    return hasher.digest()
+    # NOTE: one call over the joined bytes (the same digest as three updates): a 128k-token
+    # prompt hashes 8,192 blocks per request, and the calls were most of the cost.
+    return xxhash.xxh3_128_digest(salt + parent + token_bytes)
 
 
 def token_bytes(token_ids: Sequence[int]) -> bytes:

@@ -21,14 +21,14 @@ Message = dict[str, str]
 def _prompt_value(prompt: Prompt) -> str | list[int]:
     if isinstance(prompt, dict):  # vLLM's TextPrompt / TokensPrompt
         if "prompt_token_ids" in prompt:
-            return [int(t) for t in prompt["prompt_token_ids"]]
+            return list(prompt["prompt_token_ids"])
         if "prompt" in prompt:
             return str(prompt["prompt"])
         raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
     if isinstance(prompt, str):
         return prompt
-    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-        return [int(t) for t in prompt]
+    if isinstance(prompt, list):
+        return prompt  # NOTE: the engine checks and converts token ids (LLMEngine.tokenize)
     raise ValueError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
 
 
@@ -38,7 +38,7 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
         return [prompts]
     items = list(prompts)
     if items and all(isinstance(t, int) for t in items):
-        return [[int(t) for t in items]]  # type: ignore[arg-type]
+        return [items]  # type: ignore[list-item]
     return items  # type: ignore[return-value]
 
 

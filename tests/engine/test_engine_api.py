@@ -159,6 +159,8 @@ def test_bad_prompts_are_clear_errors_and_leave_nothing_behind(llm: LLM) -> None
         llm.generate([[5] * 600], use_tqdm=False)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         llm.generate([[1, 10**9]], use_tqdm=False)
+    with pytest.raises(ValueError, match="integers only"):
+        llm.generate([[1, 2.5]], use_tqdm=False)  # type: ignore[list-item]
     with pytest.raises(ValueError, match="2 sampling params for 1 prompts"):
         llm.generate(["a"], [SamplingParams(), SamplingParams()], use_tqdm=False)
     # A good prompt before a bad one is not left queued.
