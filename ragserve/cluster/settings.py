@@ -21,7 +21,8 @@ class ClusterSettings:
     """``serve_args``: the ``ragserve serve`` flags of every replica (``--host`` and
     ``--port`` are the replica's own listening address: see ``replica_host``).
     ``busy_threshold``: a replica with this many requests in flight through the ingress is
-    busy, and a request for a document it holds goes to the least loaded replica instead.
+    busy, and a request for a document it holds goes to the least loaded replica instead
+    when that one has fewer.
     ``replica_host``: where replicas listen (``0.0.0.0`` on several machines: each then
     advertises its node's address). ``replica_threads``: torch threads per replica (None:
     torch's default)."""

@@ -49,7 +49,7 @@ def add_cluster_args(group: argparse._ActionsContainer) -> None:
         type=int,
         default=4,
         help="requests in flight that make a replica busy: its documents' next requests "
-        "fall back to the least loaded replica (default 4)",
+        "fall back to the least loaded replica when that one has fewer (default 4)",
     )
     group.add_argument(
         "--replica-host",
