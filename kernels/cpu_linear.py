@@ -1,5 +1,6 @@
 """Linear layers on the CPU: bfloat16 weights prepacked once into oneDNN's blocked layout,
-and float32 products of a few rows through a native GEMV (``csrc/cpu_gemv.c``).
+and float32 products of up to 64 rows (decode steps) through native kernels
+(``csrc/cpu_small_linear.c``).
 
 A decode step multiplies one token by every weight matrix, so it streams all the weights
 from memory once per step. ``F.linear`` on a plain bf16 weight reads them at ~14 GB/s on a
@@ -52,17 +53,18 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-# NOTE: as csrc/cpu_gemv.c's GEMV_MAX_ROWS. More rows reuse each weight row enough for
-# MKL's blocked GEMM to win.
-GEMV_MAX_ROWS = 4
+# NOTE: as csrc/cpu_small_linear.c's SMALL_LINEAR_MAX_ROWS. From about this many rows on,
+# MKL's blocked GEMM (prefill chunks) is as fast.
+SMALL_LINEAR_MAX_ROWS = 64
 
 
-def gemv_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """True for ``x [rows <= GEMV_MAX_ROWS, in]`` and ``weight [out, in]``, both contiguous
-    float32 CPU tensors, ``in`` a multiple of the vector width, with the native kernels built."""
+def small_linear_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """True for ``x [rows <= SMALL_LINEAR_MAX_ROWS, in]`` and ``weight [out, in]``, both
+    contiguous float32 CPU tensors, ``in`` a multiple of the vector width, with the native
+    kernels built."""
     if not (
         x.dim() == 2
-        and 0 < x.shape[0] <= GEMV_MAX_ROWS
+        and 0 < x.shape[0] <= SMALL_LINEAR_MAX_ROWS
         and x.dtype == weight.dtype == torch.float32
         and x.device.type == weight.device.type == "cpu"
         and x.is_contiguous()
@@ -73,15 +75,16 @@ def gemv_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return width is not None and x.shape[1] % width == 0
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ weight.T + bias`` for inputs :func:`gemv_usable` accepts: a decode step of a
-    few sequences streams the weights at about twice ``F.linear``'s rate (see the C file)."""
+def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ weight.T + bias`` for inputs :func:`small_linear_usable` accepts, 1.3x to 3x
+    ``F.linear``'s rate at decode batches (see the C file). Each row's result is the same
+    whatever the other rows are."""
     library = cpu_native.load()
     assert library is not None
     rows, k_in = x.shape
     n_out = weight.shape[0]
     out = torch.empty((rows, n_out), dtype=torch.float32)
-    status = library.ragserve_gemv(
+    status = library.ragserve_small_linear(
         rows,
         n_out,
         k_in,

@@ -31,7 +31,7 @@ import torch  # noqa: F401 (loads torch's libgomp before ours; see the NOTE abov
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ("cpu_attention.c", "cpu_layer_ops.c", "cpu_gemv.c")  # compiled into one library
+SOURCES = ("cpu_attention.c", "cpu_layer_ops.c", "cpu_small_linear.c")  # compiled into one library
 HEADERS = ("cpu_vec.h",)
 CSRC = Path(__file__).parent / "csrc"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=gnu11", "-shared", "-fPIC", "-Wall")
@@ -158,7 +158,7 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
         int64,
     ]
     library.ragserve_rotary.restype = None
-    library.ragserve_gemv.argtypes = [
+    library.ragserve_small_linear.argtypes = [
         int64,
         int64,
         int64,
@@ -168,7 +168,7 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
         pointer,
         int32,
     ]
-    library.ragserve_gemv.restype = ctypes.c_int
+    library.ragserve_small_linear.restype = ctypes.c_int
     library.ragserve_vector_width.restype = ctypes.c_int
     return library
 

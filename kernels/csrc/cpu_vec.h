@@ -65,6 +65,19 @@ static inline vf vmax(vf a, vf b) {
 #endif
 }
 
+/* a * b + c rounded once. NOTE: explicit, so every kernel that promises the same sums in
+ * the same order gets them (the compiler's contraction of a * b + c may differ from loop
+ * to loop). */
+static inline vf vfma(vf a, vf b, vf c) {
+#if VL == 16
+    return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__)
+    return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+    return a * b + c;
+#endif
+}
+
 static inline vf vselect(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~mask)); }
 
 /* 2^x for x <= 0, to ~1e-8 relative. Below -126 (and for -inf) it returns 2^-126 or less,

@@ -14,7 +14,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import cpu_layer_ops
-from kernels.cpu_linear import can_pack, gemv, gemv_usable, pack_weight, packed_linear
+from kernels.cpu_linear import (
+    can_pack,
+    pack_weight,
+    packed_linear,
+    small_linear,
+    small_linear_usable,
+)
 
 
 def use_fused_kernels(x: torch.Tensor) -> bool:
@@ -72,8 +78,8 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._packed is not None and x.dtype == self.weight.dtype:
             return packed_linear(x, self._packed, self.bias)
-        if gemv_usable(x, self.weight):
-            return gemv(x, self.weight, self.bias)
+        if small_linear_usable(x, self.weight):
+            return small_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:

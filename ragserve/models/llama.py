@@ -28,7 +28,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import cpu_layer_ops
-from kernels.cpu_linear import can_pack, gemv, gemv_usable, pack_weight, packed_linear
+from kernels.cpu_linear import (
+    can_pack,
+    pack_weight,
+    packed_linear,
+    small_linear,
+    small_linear_usable,
+)
 from ragserve.models.forward_context import OutputRows, get_forward_context
 from ragserve.models.fp8_linear import Fp8Linear
 from ragserve.models.layers import Embedding, Linear, RMSNorm, fused_ops, use_fused_kernels
@@ -438,8 +444,8 @@ class LlamaForCausalLM(nn.Module):
         weight = self.model.embed_tokens.weight
         if self._packed_tied_head is not None and hidden.dtype == weight.dtype:
             return packed_linear(hidden, self._packed_tied_head, None).float()
-        if gemv_usable(hidden, weight):
-            return gemv(hidden, weight, None)
+        if small_linear_usable(hidden, weight):
+            return small_linear(hidden, weight, None)
         return F.linear(hidden, weight).float()
 
     def pack_cpu_weights(self) -> None:
