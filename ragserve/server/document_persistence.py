@@ -29,6 +29,7 @@ from ragserve.server.errors import APIError
 from ragserve.server.prompts import PromptBuilder
 from ragserve.server.registered_document import RegisteredDocument
 from ragserve.server.store_registry import StoreRegistry
+from ragserve.server.store_values import PROGRESS
 from ragserve.server.stored_document import StoredDocument
 
 # NOTE: the registry's log lines keep the logger name they had before this module split off.
@@ -189,6 +190,18 @@ class DocumentPersistence:
             return self.shared.publish(doc, patch) or 0
         return 0
 
+    async def _settle(self, doc: RegisteredDocument) -> None:
+        """Settle the store's row of ``doc`` once its ingestion here ended (see
+        :meth:`StoreRegistry.settle`), so the servers that learned it show its status.
+        The document's lock is held."""
+        if self.shared is None or not doc.ingested_here:
+            return
+        if self._docs.get((doc.namespace, doc.id)) is not doc:
+            return  # NOTE: deleted (or replaced by an upload) meanwhile
+        version = await self._store_call("settled", self.shared.settle, doc.stored(), doc.version)
+        if version:  # NOTE: written over the row this server held: it holds this one now
+            doc.version = version
+
     def _copy_row(self, doc: StoredDocument) -> bool:
         """A row learned from the store, into this server's own registry only."""
         assert self.store is not None
@@ -241,8 +254,10 @@ class DocumentPersistence:
     async def _sync_shared(self) -> int:
         """A watch round on the store: write what is pending (offering every row after an
         outage), read the stamps of every known document's row, forget the documents
-        whose row another server replaced by a tombstone and take the newer rows (a
-        PATCH on another server) of the others. Returns how many were forgotten."""
+        whose row another server replaced by a tombstone, take the newer rows (a PATCH or
+        a settle on another server) of the others, and settle the rows that say less of an
+        ingestion here than this server knows (its own settle failed or came too early, or
+        a PATCH elsewhere wrote an older status). Returns how many were forgotten."""
         assert self.shared is not None
         holding = [(doc.stored(), doc.version) for doc in self._docs.values()]
         await self._shared_call(self.shared.retry, holding)
@@ -253,6 +268,19 @@ class DocumentPersistence:
             if not stamp.gone and key in self._docs and stamp.version > self._docs[key].version
         ]
         await self._refresh_shared(sorted(newer))
+        behind = [
+            key
+            for key, stamp in stamps.items()
+            if not stamp.gone
+            and key in self._docs
+            and self._docs[key].ingested_here
+            and PROGRESS[stamp.status] < PROGRESS[self._docs[key].status]
+        ]
+        for namespace, doc_id in sorted(behind):
+            async with self.locks.hold(namespace, doc_id):
+                doc = self._docs.get((namespace, doc_id))
+                if doc is not None:
+                    await self._settle(doc)
         gone = [key for key, stamp in stamps.items() if stamp.gone]
         forgotten = 0
         for namespace, doc_id in sorted(gone):
@@ -277,7 +305,8 @@ class DocumentPersistence:
     async def _refresh_shared(self, keys: list[tuple[str, str]]) -> None:
         """Take the store's rows of known documents ``keys`` (one round trip a tenant)
         where they are newer than the ones held: what a PATCH changes (metadata, expiry)
-        is served from then on, and kept in this server's own registry."""
+        is served from then on, and kept in this server's own registry; a learned
+        document takes its status too (its ingestion is another server's)."""
         assert self.shared is not None
         by_namespace: dict[str, list[str]] = {}
         for namespace, doc_id in keys:
@@ -296,6 +325,8 @@ class DocumentPersistence:
                     doc.metadata, doc.expire_time, doc.version = (
                         entry.metadata, entry.expire_time, version
                     )  # fmt: skip
+                    if doc.learned:
+                        doc.status, doc.error = entry.status, entry.error
                 self.shared.refreshed()
                 logger.info("document %s: newer row taken from the shared registry", doc_id)
 

@@ -4,6 +4,8 @@ uploaded or deleted (a DELETE there removes the rows of every model).
 Every ``INTERVAL_S`` it asks the document service to forget the documents whose row is
 gone: otherwise this server would go on listing one, answering from its pinned blocks,
 and computing (and writing to disk) its KV again after an eviction.
+Through the store (see :mod:`ragserve.server.store_registry`) it also takes the newer
+rows of known documents: a PATCH's, or the status another server's ingestion ended in.
 """
 
 from __future__ import annotations

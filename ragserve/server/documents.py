@@ -118,7 +118,10 @@ class DocumentService(DocumentPersistence):
 
         NOTE: a learned document is not ingested here: its KV is found at first use in a
         shared tier (the remote store) or computed by that first question, so a cluster
-        computes each document once, on the replica the router sent it to."""
+        computes each document once, on the replica the router sent it to. Its status is
+        that replica's ingestion's, as the store's row says (``ingesting`` until that
+        replica settles it, see :mod:`ragserve.server.store_values`); a row without one
+        (this server's own registry's) reads as ``ready``."""
         local = self.store is not None and self.store.is_open
         if not local and self.shared is None:
             return 0
@@ -157,7 +160,9 @@ class DocumentService(DocumentPersistence):
                     if local:  # NOTE: this server's durable copy (restored after a restart)
                         saved = bool(await self._store_call("saved", self._copy_row, entry))
                     self.shared.adopted()
-                doc.status, doc.saved = "ready", saved
+                doc.status, doc.saved, doc.learned = "ready", saved, True
+                if doc_id in shared:  # NOTE: a shared directory's rows say nothing: ready
+                    doc.status, doc.error = shared[doc_id][0].status, shared[doc_id][0].error
                 self._docs[(namespace, doc_id)] = doc
             logger.info("document %s: learned from the shared registry", doc_id)
             learned += 1
@@ -193,8 +198,8 @@ class DocumentService(DocumentPersistence):
 
     def cached_prefix_tokens(self, namespace: str, doc_ids: list[str]) -> int:
         """Leading prompt tokens a request on ``doc_ids`` can count on finding cached: its
-        first document's pinned tokens, or its full blocks while its ingestion (whose own
-        work is counted) computes them; 0 otherwise.
+        first document's pinned tokens, or its full blocks while its ingestion here (whose
+        own work is counted) computes them; 0 otherwise.
 
         NOTE: a ready document that could not be pinned (pins are capped) may have been
         evicted, so it counts as computed again: better to overestimate the work."""
@@ -203,7 +208,7 @@ class DocumentService(DocumentPersistence):
         doc = self._docs.get((namespace, doc_ids[0]))
         if doc is None or doc.status == "failed":
             return 0
-        if doc.status == "ready":
+        if doc.status == "ready" or doc.learned:  # NOTE: a learned one is ingested elsewhere
             return doc.pinned_tokens
         return len(doc.prefix_ids) // self.block_size * self.block_size
 
@@ -340,17 +345,24 @@ class DocumentService(DocumentPersistence):
         except Exception as exc:  # the document records why; the server goes on
             doc.status, doc.error = "failed", str(exc)
             logger.warning("document %s: ingestion failed: %s", doc.id, exc)
-            return
+        else:
+            doc.status, doc.pinned_tokens, doc.previous_model = "ready", pinned, None
+            logger.info(
+                "document %s: ready in %.2fs, %d tokens pinned",
+                doc.id,
+                time.perf_counter() - started,
+                pinned,
+            )
         finally:
             if admission is not None and ticket is not None:
                 admission.release(ticket)
-        doc.status, doc.pinned_tokens, doc.previous_model = "ready", pinned, None
-        logger.info(
-            "document %s: ready in %.2fs, %d tokens pinned",
-            doc.id,
-            time.perf_counter() - started,
-            pinned,
-        )
+        # NOTE: under the lock, so after the upload's own write of the row (whose version
+        # the settle names) and in turn with a PATCH's. A row this server has neither
+        # written nor read yet (a restored document's, version 0) is settled by the watch
+        # where the store's says less: a start sends no row for it.
+        async with self.locks.hold(doc.namespace, doc.id):
+            if doc.version:
+                await self._settle(doc)
 
     async def update(self, namespace: str, doc_id: str, patch: DocumentPatch) -> RegisteredDocument:
         """PATCH: change the expiry and/or the metadata; the row is rewritten before return."""

@@ -5,18 +5,17 @@ from __future__ import annotations
 import asyncio
 import re
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import xxhash
 
 from ragserve.engine.engine_info import KVModel
 from ragserve.server.document_lifecycle import rfc3339
 from ragserve.server.errors import bad_request
-from ragserve.server.stored_document import StoredDocument
+from ragserve.server.stored_document import Status, StoredDocument
 
 DOCUMENT_ID_LENGTH = 32
 _DOCUMENT_ID = re.compile(f"[0-9a-f]{{{DOCUMENT_ID_LENGTH}}}")
-Status = Literal["ingesting", "ready", "failed"]
 
 
 def document_id(namespace: str, text: str) -> str:
@@ -62,6 +61,9 @@ class RegisteredDocument:
     # The version of its row in the store that this server last wrote or took (0: none
     # yet); a higher one there is a PATCH on another server (see ``_sync_shared``).
     version: int = 0
+    # Learned from another server's row (see ``DocumentService.learn``): that server
+    # ingests it, and its status is the one the store's row carries.
+    learned: bool = False
     task: asyncio.Task[None] | None = field(default=None, repr=False)
 
     @property
@@ -70,8 +72,22 @@ class RegisteredDocument:
 
     def stored(self) -> StoredDocument:
         return StoredDocument(
-            self.id, self.namespace, self.token_ids, self.metadata, self.created, self.expire_time
+            self.id,
+            self.namespace,
+            self.token_ids,
+            self.metadata,
+            self.created,
+            self.expire_time,
+            self.status,
+            self.error,
         )
+
+    @property
+    def ingested_here(self) -> bool:
+        """Whether this server's own ingestion of it has ended: its status is then this
+        server's to settle in the store (a document taken over from another model is
+        not ingested until its first question)."""
+        return not self.learned and self.previous_model is None and self.status != "ingesting"
 
     def expired(self, now: float) -> bool:
         return self.expire_time is not None and self.expire_time <= now

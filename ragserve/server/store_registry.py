@@ -18,6 +18,13 @@ higher version and wins on every server (the other server takes it at its next r
 PATCH never replaces a tombstone (only an upload of the text does): a DELETE wins over a
 PATCH whether the PATCH reaches the store before it or after.
 
+A row also says how far the document's ingestion got (see
+:mod:`ragserve.server.store_values`): the uploading server publishes it ``ingesting`` and
+settles it when its ingestion ends, and a server that learned the document takes the
+status with the row at its next watch round. A settle never overwrites a newer row (it
+names the version this server holds), so a server that ingested a document settles its
+row again at a watch round where the store's says less than it knows.
+
 A row read from the store is trusted only once it decodes (checksum), opens under this
 server's key, and names the model, tenant and id its key names; anything else is
 counted in ``rejected`` and ignored, never served.
@@ -36,6 +43,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import Any
 
 import redis
@@ -48,6 +56,7 @@ from ragserve.server.store_values import (
     WRITE,
     Stamp,
     row_body,
+    row_status,
     stamp_of,
     unpack_row,
 )
@@ -81,8 +90,8 @@ class StoreRegistry:
     ``counts``: ``published`` (rows and tombstones written), ``adopted`` (rows taken from
     the store, counted by the caller through :meth:`adopted`), ``refreshed`` (newer rows
     of known documents taken, counted through :meth:`refreshed`), ``publish_failures``
-    (attempts that failed; the write stays pending), ``rejected`` (store values that did
-    not verify)."""
+    (attempts that failed; the write stays pending, a settle is made again by the watch),
+    ``rejected`` (store values that did not verify)."""
 
     def __init__(
         self,
@@ -147,9 +156,21 @@ class StoreRegistry:
         """Write ``doc``'s row: an upload's replaces a tombstone, a PATCH's (``patch``)
         does not. Returns the version the store gave it; None when nothing was written (it
         failed and is kept pending, or a tombstone stays)."""
-        body = row_body(encode_row(self.model, doc, self.cipher))
-        written = self._write(doc.namespace, doc.id, body, "patch" if patch else "row")
+        written = self._write(doc.namespace, doc.id, self._body(doc), "patch" if patch else "row")
         return written if written is not None and written >= 0 else None
+
+    def settle(self, doc: StoredDocument, version: int) -> int | None:
+        """Write ``doc``'s row with the status its ingestion ended in, only over the row of
+        ``version`` (the one this server holds: a newer one may carry another server's
+        PATCH) and where that row's status says less (see ``WRITE``). Returns the version
+        written; None when nothing was. A failed settle is not kept pending: the watch
+        settles again while the store's row says less (see ``_sync_shared``)."""
+        body = self._body(doc)
+        written = self._write(doc.namespace, doc.id, body, "settle", keep=False, version=version)
+        return written if written is not None and written >= 0 else None
+
+    def _body(self, doc: StoredDocument) -> bytes:
+        return row_body(encode_row(self.model, doc, self.cipher), doc.status, doc.error)
 
     def publish_gone(self, namespace: str, doc_id: str) -> bool:
         """Replace the document's row by a tombstone (DELETE, expiry)."""
@@ -190,7 +211,7 @@ class StoreRegistry:
         for (namespace, doc_id), body in pending:
             # NOTE: a retried row never replaces a tombstone (it may be a deleted document's).
             mode = "gone" if body is None else "patch"
-            if self._write(namespace, doc_id, body, mode, retry=True) is None:
+            if self._write(namespace, doc_id, body, mode, keep=False) is None:
                 return len(self._pending)
         if offer:
             try:
@@ -219,12 +240,12 @@ class StoreRegistry:
         doc_id: str,
         body: bytes | None,
         mode: str,
-        retry: bool = False,
+        keep: bool = True,
         version: int = 0,
     ) -> int | None:
         """The script's answer (the version written, -1 when its rules wrote nothing: see
-        ``WRITE``); None when the write failed (kept pending, unless it was the ``retry``
-        of what is pending)."""
+        ``WRITE``); None when the write failed (kept pending, unless not to ``keep``: a
+        retry of what is pending, or a settle)."""
         try:
             written = int(
                 self.store.call(
@@ -234,9 +255,9 @@ class StoreRegistry:
         except _FAILED as exc:
             with self._lock:
                 self._counts["publish_failures"] += 1
-                if not retry:  # NOTE: a failed retry keeps what is pending (maybe newer)
+                if keep:  # NOTE: a failed retry keeps what is pending (maybe newer)
                     self._pending[(namespace, doc_id)] = body
-            if not retry:
+            if keep:
                 logger.warning(
                     "shared document registry: document %s not published yet (%s); "
                     "retried every watch round", doc_id, exc,
@@ -245,7 +266,7 @@ class StoreRegistry:
         with self._lock:
             if written >= 0:
                 self._counts["published"] += 1
-            if not retry or self._pending.get((namespace, doc_id), b"") is body:
+            if keep or self._pending.get((namespace, doc_id), b"") is body:
                 self._pending.pop((namespace, doc_id), None)
         return written
 
@@ -257,8 +278,7 @@ class StoreRegistry:
         def offer(client: redis.Redis) -> list[Any]:
             pipe = client.pipeline(transaction=False)
             for doc, version in held:
-                body = row_body(encode_row(self.model, doc, self.cipher))
-                self._call_write(pipe, doc.namespace, doc.id, body, "offer", version)
+                self._call_write(pipe, doc.namespace, doc.id, self._body(doc), "offer", version)
             return list(pipe.execute())
 
         written = self.store.call(offer)
@@ -292,7 +312,7 @@ class StoreRegistry:
         return found
 
     def stamps(self, keys: list[tuple[str, str]]) -> dict[tuple[str, str], Stamp]:
-        """The stamps (version, tombstone or row) the store holds for (namespace, id)
+        """The stamps (version, tombstone or row, status) the store holds for (namespace, id)
         ``keys``, in one round trip that reads a few bytes of each value: what a watch
         round compares with the versions it holds. Absent keys (the store may have evicted
         the row) and values that are neither are left out. Raises StoreUnavailable /
@@ -321,7 +341,7 @@ class StoreRegistry:
         return {key for key, stamp in self.stamps(keys).items() if stamp.gone}
 
     def _verify(self, namespace: str, doc_id: str, value: bytes) -> Held:
-        """The row a value holds, and its version. Raises RowError."""
+        """The row a value holds (with its status), and its version. Raises RowError."""
         row = unpack_row(value)
         # NOTE: the checksum covers the row's own model, tenant and id; the key must name
         # the same ones, or a row copied under another key would be served there.
@@ -330,8 +350,9 @@ class StoreRegistry:
         doc = decode_row(row, self.cipher)
         if self.cipher is not None and not bytes(row[4]).startswith(SEALED):
             raise RowError("a row in the clear where this server encrypts its rows")
+        status, error = row_status(value)
         stamp = stamp_of(value)
-        return doc, stamp.version if stamp is not None else 0
+        return replace(doc, status=status, error=error), stamp.version if stamp is not None else 0
 
     def close(self) -> None:
         self.store.close()

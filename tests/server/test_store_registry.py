@@ -6,8 +6,10 @@ remote tier), a delete on one is forgotten by the other, a PATCH on one (metadat
 expiry moved later) reaches the other within a watch round, concurrent PATCHes end the
 same on both, a tombstone wins over a PATCH that comes late, values that do not verify are
 ignored and counted, tenants never see each other's rows, the store never holds token
-ids in the clear (the servers have a key), and an upload while the store is down reaches
-the other server once the store is back. The tests run in order on one pair of servers.
+ids in the clear (the servers have a key), the other server shows the status of an
+ingestion on the first (``ingesting`` until it ends, then ``ready`` or ``failed`` with its
+error), and an upload while the store is down reaches the other server once the store is
+back. The tests run in order on one pair of servers.
 """
 
 from __future__ import annotations
@@ -25,7 +27,10 @@ import pytest
 import requests
 
 from ragserve.commands.serve import CPU_THREAD_ENV
+from ragserve.engine.guarded_sampling import FAIL_SAMPLING_ENV
 from ragserve.server.auth import tenant_name
+from ragserve.server.document_watch import INTERVAL_S
+from ragserve.server.registered_document import document_id
 from ragserve.server.registry_cipher import RegistryCipher
 from ragserve.server.registry_rows import decode_row
 from ragserve.server.store_registry import PREFIX, ids_key, row_key
@@ -39,6 +44,15 @@ KEY, OTHER_KEY = "sk-store-registry", "sk-store-registry-other"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 OTHER = {"Authorization": f"Bearer {OTHER_KEY}"}
 TEXT = " ".join(f"In the harbour ledger, entry {i} reads {i * 7 % 97}." for i in range(40))
+# NOTE: its ingestion takes seconds on two cores (a prefill of many chunks), long enough
+# to read its status on the other server while the first is still ingesting it.
+LONG_TEXT = " ".join(
+    f"In the warehouse log, crate {i} holds {i * 13 % 89} lamps." for i in range(80)
+)
+# Its ingestion fails on the first server: the test-only sampling fault hook fails the
+# requests whose id holds this marker, and an ingestion's id holds its document's id.
+FAILING_TEXT = TEXT + " Addendum whose ingestion fails."
+FAILING_MARKER = document_id(tenant_name(KEY), FAILING_TEXT)[:16]
 
 
 class Pair:
@@ -70,9 +84,11 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
 
     # NOTE: started side by side, each with the thread settings it would otherwise
     # restart itself to get (a second interpreter start, a third of the time on two cores).
+    envs = {"one": {**CPU_THREAD_ENV, FAIL_SAMPLING_ENV: FAILING_MARKER}, "two": CPU_THREAD_ENV}
     with ThreadPoolExecutor(2) as pool:
         starting = [
-            pool.submit(_start, flags(name), root / f"{name}.log") for name in ("one", "two")
+            pool.submit(_start, flags(name), root / f"{name}.log", envs[name])
+            for name in ("one", "two")
         ]
         wait(starting)
     try:
@@ -85,8 +101,8 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
         store.stop()
 
 
-def _start(flags: tuple[str, ...], log: Path) -> ServerProcess:
-    server = ServerProcess([*BASE_ARGS, *flags], log, env=CPU_THREAD_ENV, start_timeout=180)
+def _start(flags: tuple[str, ...], log: Path, env: dict[str, str]) -> ServerProcess:
+    server = ServerProcess([*BASE_ARGS, *flags], log, env=env, start_timeout=180)
     server.scrape_headers = AUTH
     return server.start()
 
@@ -284,6 +300,45 @@ def test_a_tombstone_wins_over_a_patch_that_comes_late(pair: Pair) -> None:
     assert isinstance(value, bytes) and value.startswith(b"ragserve-gone-")
 
 
+def test_the_other_shows_ingesting_until_the_first_is_done(pair: Pair) -> None:
+    """Polled through a load balancer, a document must not read ``ready`` before its
+    ingestion ended; questions on it are answered all the same."""
+    uploaded = requests.post(
+        f"{pair.one.url}/v1/documents", json={"text": LONG_TEXT}, headers=AUTH, timeout=120
+    )
+    assert uploaded.status_code == 202, uploaded.text
+    doc_id = uploaded.json()["id"]
+    learned = document(pair.two.url, doc_id)  # the other server never saw the upload
+    assert learned.status_code == 200, learned.text
+    assert document(pair.one.url, doc_id).json()["status"] == "ingesting", "ingested too fast"
+    assert learned.json()["status"] == "ingesting"
+    assert ask(pair.two.url, doc_id).status_code == 200
+    assert wait_ready(pair.one.url, doc_id, AUTH, timeout=300)["status"] == "ready"
+    two = pair.two
+    # Within a watch round of the first server's settle (2 s; more on a busy machine).
+    assert wait_for(
+        lambda: document(two.url, doc_id).json()["status"] == "ready", 3 * INTERVAL_S, 0.1
+    )
+
+
+def test_the_other_shows_a_failed_ingestion_with_its_error(pair: Pair) -> None:
+    uploaded = requests.post(
+        f"{pair.one.url}/v1/documents", json={"text": FAILING_TEXT}, headers=AUTH, timeout=120
+    )
+    assert uploaded.status_code == 202, uploaded.text
+    doc_id = uploaded.json()["id"]
+    assert document(pair.two.url, doc_id).status_code == 200  # learned, maybe still ingesting
+    failed = wait_ready(pair.one.url, doc_id, AUTH)
+    assert failed["status"] == "failed" and "injected sampling fault" in failed["error"]
+    two = pair.two
+
+    def failed_on_two() -> bool:
+        state = document(two.url, doc_id).json()
+        return bool(state["status"] == "failed" and state["error"] == failed["error"])
+
+    assert wait_for(failed_on_two, 3 * INTERVAL_S, interval=0.1)
+
+
 def test_an_upload_while_the_store_is_down_reaches_the_other_once_it_is_back(
     pair: Pair,
 ) -> None:
@@ -300,3 +355,7 @@ def test_an_upload_while_the_store_is_down_reaches_the_other_once_it_is_back(
     # The first server retries at its watch rounds once its breaker lets it (1 s).
     assert wait_for(lambda: doc_id in listed(pair.two.url), 20, interval=0.5)
     assert pair.one.metrics()["ragserve_registry_store_pending"] == 0
+    # Its row went out as the upload's (ingesting) after its ingestion ended: the first
+    # server's watch settles it.
+    two = pair.two
+    assert wait_for(lambda: document(two.url, doc_id).json()["status"] == "ready", 10, 0.2)

@@ -1,12 +1,15 @@
 """The registry's rows in a real valkey-server, without a model: what one server
 publishes another reads back verified; versions (a PATCH's row is newer, a tombstone
-wins over a PATCH), tombstones, tampered and foreign values, tenants, an outage and a
-store that comes back empty."""
+wins over a PATCH), ingestion statuses (a settle only moves a row's status forward, and
+only over the row its server holds), tombstones, tampered and foreign values, values of
+older formats, tenants, an outage and a store that comes back empty."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -14,7 +17,7 @@ from kvstore.remote_store import StoreUnavailable
 from ragserve.server.registry_cipher import RegistryCipher
 from ragserve.server.registry_rows import encode_row
 from ragserve.server.store_registry import StoreRegistry, row_key
-from ragserve.server.store_values import Stamp, row_body
+from ragserve.server.store_values import MAX_ERROR_CHARS, Stamp
 from ragserve.server.stored_document import StoredDocument
 from tests.valkey_server import ValkeyServer
 
@@ -30,6 +33,14 @@ def doc(doc_id: str = "ab" * 16, namespace: str = TENANT, **fields: object) -> S
 
 def registry(url: str, cipher: RegistryCipher | None = None, retry_s: float = 0.1) -> StoreRegistry:
     return StoreRegistry.connect(url, MODEL, cipher, timeout_s=0.5, retry_s=retry_s)
+
+
+def older_body(entry: StoredDocument) -> bytes:
+    """A row's body as servers wrote it before rows carried a status: its JSON head right
+    after the stamp line, then its token column."""
+    model, namespace, doc_id, blob, metadata, created, expire, digest = encode_row(MODEL, entry)
+    head = json.dumps([model, namespace, doc_id, metadata, created, expire, digest])
+    return head.encode() + b"\n" + blob
 
 
 @pytest.fixture
@@ -64,15 +75,19 @@ def test_values_that_do_not_verify_are_counted_and_never_returned(
     client.set(row_key(MODEL, TENANT, "02" * 16), genuine)  # moved to another id
     client.set(row_key(MODEL, OTHER, "ab" * 16), genuine)  # moved to another tenant
     client.set(row_key(MODEL, TENANT, "03" * 16), genuine[:-1] + bytes([genuine[-1] ^ 1]))
+    stamp, _, rest = genuine.partition(b"\n")  # a status line that is none
+    client.set(
+        row_key(MODEL, TENANT, "05" * 16), stamp + b"\nfinished\n" + rest.partition(b"\n")[2]
+    )
     plain = registry(valkey.url)  # a server without the key: sealed rows are not served
     assert plain.fetch(TENANT, ["ab" * 16]) == {}
-    assert one.fetch(TENANT, ["01" * 16, "02" * 16, "03" * 16]) == {}
+    assert one.fetch(TENANT, ["01" * 16, "02" * 16, "03" * 16, "05" * 16]) == {}
     assert one.fetch(OTHER, ["ab" * 16]) == {}
     other_key = registry(valkey.url, RegistryCipher(os.urandom(32)))
     assert other_key.fetch(TENANT, ["ab" * 16]) == {}
     registry(valkey.url).publish(doc("04" * 16))  # in the clear, where rows are sealed
     assert one.fetch(TENANT, ["04" * 16]) == {}
-    assert one.counts["rejected"] == 5
+    assert one.counts["rejected"] == 6
     assert plain.counts["rejected"] == 1 and other_key.counts["rejected"] == 1
 
 
@@ -121,12 +136,68 @@ def test_an_offered_row_replaces_only_an_older_one(valkey: ValkeyServer) -> None
 
 def test_a_value_of_the_first_format_reads_as_version_0(valkey: ValkeyServer) -> None:
     one = registry(valkey.url)
-    body = row_body(encode_row(MODEL, doc()))
+    body = older_body(doc())
     valkey.client().set(row_key(MODEL, TENANT, "ab" * 16), b"ragserve-row-v1\n" + body)
-    assert one.fetch(TENANT, ["ab" * 16]) == {"ab" * 16: (doc(), 0)}
+    assert one.fetch(TENANT, ["ab" * 16]) == {"ab" * 16: (doc(status="ready"), 0)}
     valkey.client().set(row_key(MODEL, TENANT, "cd" * 16), b"ragserve-gone-v1\n")
     assert one.gone([(TENANT, "ab" * 16), (TENANT, "cd" * 16)]) == {(TENANT, "cd" * 16)}
     assert (one.publish(doc(), patch=True) or 0) > 0
+
+
+def test_a_row_without_a_status_reads_as_ready(valkey: ValkeyServer) -> None:
+    """A row an older server wrote (no status line): it never settles its rows, so
+    ``ingesting`` would never end."""
+    one, key = registry(valkey.url), (TENANT, "ab" * 16)
+    valkey.client().set(row_key(MODEL, *key), b"ragserve-row-v2 1234\n" + older_body(doc()))
+    assert one.stamps([key]) == {key: Stamp(1234, gone=False, status="ready")}
+    assert one.fetch(TENANT, ["ab" * 16]) == {"ab" * 16: (doc(status="ready"), 1234)}
+    assert one.settle(doc(status="failed", error="late"), 1234) is None  # says less
+    patched = one.publish(doc(status="ingesting"), patch=True)  # now in the current format
+    assert patched and one.stamps([key]) == {key: Stamp(patched, gone=False, status="ingesting")}
+
+
+def test_a_row_carries_its_status_and_a_settle_only_moves_it_forward(
+    valkey: ValkeyServer, cipher: RegistryCipher
+) -> None:
+    owner, learner = registry(valkey.url, cipher), registry(valkey.url, cipher)
+    key = (TENANT, "ab" * 16)
+    uploaded = owner.publish(doc(status="ingesting"))
+    assert uploaded
+    assert learner.stamps([key]) == {key: Stamp(uploaded, gone=False, status="ingesting")}
+    assert learner.fetch(TENANT, ["ab" * 16]) == {"ab" * 16: (doc(status="ingesting"), uploaded)}
+    assert owner.settle(doc(status="ready"), uploaded - 1) is None  # not the row it holds
+    failed = owner.settle(doc(status="failed", error="engine said no"), uploaded)
+    assert failed and failed > uploaded
+    found = learner.fetch(TENANT, ["ab" * 16])["ab" * 16]
+    assert found == (doc(status="failed", error="engine said no"), failed)
+    for less in (doc(status="ingesting"), doc(status="failed", error="again")):
+        assert owner.settle(less, failed) is None
+    ready = owner.settle(doc(status="ready"), failed)  # a server holding the blocks wins
+    assert ready and ready > failed and owner.settle(doc(status="failed"), ready) is None
+    # A PATCH on the learner that had not taken the settled row yet writes it back as
+    # ingesting; the owner settles again over the newer row, keeping the PATCH's metadata.
+    stale = learner.publish(doc(status="ingesting", metadata={"k": "patched"}), patch=True)
+    assert stale and learner.stamps([key])[key].status == "ingesting"
+    assert owner.settle(doc(status="ready"), ready) is None  # the PATCH's row is newer
+    taken = owner.fetch(TENANT, ["ab" * 16])["ab" * 16][0]
+    again = owner.settle(replace(taken, status="ready"), stale)
+    assert again and learner.fetch(TENANT, ["ab" * 16]) == {
+        "ab" * 16: (doc(metadata={"k": "patched"}, status="ready"), again)
+    }
+    assert owner.publish_gone(*key)
+    gone = owner.stamps([key])[key]
+    assert owner.settle(doc(status="ready"), gone.version) is None  # never over a tombstone
+    assert owner.stamps([key]) == {key: gone}
+    assert owner.settle(doc("cd" * 16, status="ready"), 0) is None  # nor where no row is
+    assert owner.stamps([(TENANT, "cd" * 16)]) == {} and owner.counts["pending"] == 0
+
+
+def test_a_long_error_is_cut(valkey: ValkeyServer) -> None:
+    one, error = registry(valkey.url), "x" * (MAX_ERROR_CHARS * 3) + "\nsecond line"
+    version = one.publish(doc(status="failed", error=error))
+    assert version
+    found = one.fetch(TENANT, ["ab" * 16])["ab" * 16][0]
+    assert (found.status, found.error) == ("failed", error[:MAX_ERROR_CHARS])
 
 
 def test_an_expiry_leaves_no_tombstone_when_the_store_row_lives_on(valkey: ValkeyServer) -> None:
@@ -154,6 +225,8 @@ def test_an_outage_keeps_writes_pending_and_a_store_back_empty_gets_every_row(
     with pytest.raises(StoreUnavailable):  # a third failure opens the breaker
         one.listed(TENANT)
     assert one.counts["pending"] == 2 and one.counts["publish_failures"] == 2
+    assert one.settle(replace(held, status="failed"), 1) is None
+    assert one.counts["pending"] == 2  # a settle is not kept: the watch settles again
     valkey.start()  # back, and empty
     two.publish_gone(TENANT, "01" * 16)  # deleted through another server meanwhile
     deadline = time.monotonic() + 10
