@@ -92,11 +92,18 @@ def phase_specs(workload: Workload, vocab_size: int) -> list[dict[str, Any]]:
     for name in w.phases:
         if name == "throughput":
             prompts = random_prompts(w.num_prompts, w.input_len, vocab_size, seed=1)
-            specs.append({"kind": name, "prompts": prompts, "output_len": w.output_len})
+            # NOTE: the same shape in other ids: warms every engine without cache hits.
+            warmup = random_prompts(w.num_prompts, w.input_len, vocab_size, seed=2)
+            specs.append(
+                {"kind": name, "prompts": prompts, "warmup": warmup, "output_len": w.output_len}
+            )
         elif name == "ttft":
             # A seed per length: no prompt shares a prefix with another (all cold).
             prompts = [random_prompts(1, n, vocab_size, seed=100 + n)[0] for n in w.ttft_lengths]
-            specs.append({"kind": name, "prompts": prompts})
+            # NOTE: an untimed prompt of another id set pays the first-use costs (allocator
+            # growth, thread pools, kernel builds) outside every timed prompt.
+            warmup = random_prompts(1, min(w.ttft_lengths), vocab_size, seed=99)
+            specs.append({"kind": name, "prompts": prompts, "warmup": warmup})
         else:
             document = random_prompts(1, w.doc_tokens, vocab_size, seed=7)[0]
             questions = random_prompts(w.num_questions, w.question_tokens, vocab_size, seed=8)
