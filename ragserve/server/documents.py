@@ -356,6 +356,8 @@ class DocumentService(DocumentPersistence):
         finally:
             if admission is not None and ticket is not None:
                 admission.release(ticket)
+        if self.shared is None:  # NOTE: no store, no row to settle: skip the lock
+            return
         # NOTE: under the lock, so after the upload's own write of the row (whose version
         # the settle names) and in turn with a PATCH's. A row this server has neither
         # written nor read yet (a restored document's, version 0) is settled by the watch
