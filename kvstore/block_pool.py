@@ -11,10 +11,10 @@ Invariants (checked by ``check_invariants`` in tests):
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
-from kvstore.hashing import BlockHash
+from kvstore.hashing import ROOT_PARENT, BlockHash
 
 
 class BlockIdentity(NamedTuple):
@@ -74,6 +74,42 @@ class BlockPool:
         if block is None or self.identities[block] != identity:
             return None
         return block
+
+    def share_chain(
+        self,
+        salt: bytes,
+        block_hashes: Sequence[BlockHash],
+        token_ids: Sequence[int],
+        block_size: int,
+        start: int,
+        stop: int,
+    ) -> list[int]:
+        """Share the cached blocks that hold blocks ``start..stop-1`` of a sequence (its
+        chain of ``block_hashes``, its ``token_ids``), up to the first that none holds;
+        returns them in order. Each hit is checked as :meth:`lookup` checks it.
+
+        NOTE: one call for a whole run: a question on a cached 128k-token document matches
+        8,192 blocks, and a lookup and a share per block took 2.5x as long.
+        """
+        index, identities = self._index, self.identities
+        ref_counts, free = self.ref_counts, self._free
+        parent = block_hashes[start - 1] if start else ROOT_PARENT
+        blocks: list[int] = []
+        for position in range(start, stop):
+            block_hash = block_hashes[position]
+            block = index.get(block_hash)
+            if block is None:
+                break
+            first = position * block_size
+            held = identities[block]
+            if held != (block_hash, parent, salt, tuple(token_ids[first : first + block_size])):
+                break
+            if ref_counts[block] == 0:
+                del free[block]
+            ref_counts[block] += 1
+            blocks.append(block)
+            parent = block_hash
+        return blocks
 
     def cached_identity(self, block_hash: BlockHash) -> BlockIdentity | None:
         block = self._index.get(block_hash)

@@ -133,13 +133,14 @@ class KVCacheManager:
         usable = len(token_ids) - 1 if leave_one else len(token_ids)
         limit = min(len(alloc.block_hashes), usable // self.block_size)
         while index < limit:
+            shared = self.pool.share_chain(
+                alloc.salt, alloc.block_hashes, token_ids, self.block_size, index, limit
+            )
+            alloc.block_table += shared
+            index += len(shared)
+            if index == limit:
+                break
             identity = self._identity(alloc, token_ids, index)
-            block = self.pool.lookup(identity)
-            if block is not None:
-                self.pool.share(block)
-                alloc.block_table.append(block)
-                index += 1
-                continue
             stop = min(limit, index + self._loads_left)
             loaded = self._load_run(alloc, token_ids, identity, index, stop)
             if not loaded:

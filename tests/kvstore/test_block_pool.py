@@ -92,6 +92,21 @@ def test_forced_hash_collision_is_a_miss(monkeypatch: pytest.MonkeyPatch) -> Non
     manager.pool.check_invariants([first.block_table, other.block_table])
 
 
+def test_a_collision_past_the_first_block_ends_the_shared_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A hash of the block's tokens alone: equal blocks after different prefixes collide.
+    monkeypatch.setattr(hashing, "hash_block", lambda salt, parent, data: data.ljust(16, b"\0"))
+    manager = make_manager()
+    first, _ = run_prefill(manager, [1] * 4 + [2] * 4)
+    second, _ = run_prefill(manager, [5] * 4 + [2] * 4)  # its second block is not indexed
+    third, cached = run_prefill(manager, [5] * 4 + [2] * 4 + [7])
+    assert cached == 4, "the second block's hash names the first sequence's block"
+    assert third.block_table[0] == second.block_table[0]
+    assert third.block_table[1] not in (first.block_table[1], second.block_table[1])
+    manager.pool.check_invariants([first.block_table, second.block_table, third.block_table])
+
+
 def test_lru_eviction_order_and_hook() -> None:
     manager = make_manager(num_blocks=4)
     evicted: list[tuple[int, ...]] = []
