@@ -166,3 +166,15 @@ def test_text_under_the_bound_is_served_as_before(server: ServerProcess) -> None
     )
     assert response.status_code == 200, response.text[:300]
     assert response.json()["usage"]["prompt_tokens"] > 200
+
+
+def test_text_the_tokenizer_drops_takes_no_room(server: ServerProcess) -> None:
+    """SmolLM2 drops 0x16: twice the bytes that fit of it, and a question, fit the context."""
+    content = "\x16" * (2 * 8192 * 81) + "Name three colours."
+    response = requests.post(
+        f"{server.url}{CHAT}",
+        json={"messages": [{"role": "user", "content": content}], "max_tokens": 2},
+        timeout=60,
+    )
+    assert response.status_code == 200, response.text[:300]
+    assert response.json()["usage"]["prompt_tokens"] < 100
