@@ -127,13 +127,21 @@ def test_serve_flags_build_both_configs() -> None:
         "8",
         "--max-queue-seconds",
         "0",
+        "--ingest-lease-seconds",
+        "4.5",
         "--no-prefix-caching",
     ]
     args = build_parser().parse_args(argv)
     assert config_from_args(ServerConfig, args) == ServerConfig(
-        port=0, api_keys=("a", "b"), max_waiting_requests=8, max_queue_seconds=0.0
+        port=0,
+        api_keys=("a", "b"),
+        max_waiting_requests=8,
+        max_queue_seconds=0.0,
+        ingest_lease_seconds=4.5,
     )
     assert engine_config_from_args(args) == EngineConfig(enable_prefix_caching=False)
     defaults = build_parser().parse_args(["serve"])
     assert config_from_args(ServerConfig, defaults) == ServerConfig()
     assert defaults.api_key_file is None
+    with pytest.raises(ValueError, match="watch round"):  # renewed too late: taken over
+        ServerConfig(ingest_lease_seconds=2.0)

@@ -113,7 +113,7 @@ def create_app(
         ),
         config.document_ttl,
         DocumentLimits.from_config(config),
-        store_registry(engine_config, engine.info.model_fingerprint),
+        store_registry(engine_config, engine.info.model_fingerprint, config.ingest_lease_seconds),
     )
     app[MODEL_NAME] = config.served_model_name or engine.model_name
     app[STARTED_AT] = int(time.time())
@@ -154,10 +154,13 @@ def document_store(
     return DocumentStore(directory, info.model_fingerprint, cipher, record)
 
 
-def store_registry(config: EngineConfig | None, model_fingerprint: str) -> StoreRegistry | None:
+def store_registry(
+    config: EngineConfig | None, model_fingerprint: str, lease_s: float
+) -> StoreRegistry | None:
     """The registry shared through the remote tier's store, when the engine has one. Its
     rows are sealed under the tier's key file when there is one, so the store never holds
-    document text in the clear then."""
+    document text in the clear then. ``lease_s``: an ingestion's lease (see
+    :mod:`ragserve.server.ingest_leases`)."""
     if config is None or not config.kv_remote_url:
         return None
     cipher = None
@@ -170,6 +173,7 @@ def store_registry(config: EngineConfig | None, model_fingerprint: str) -> Store
         cipher,
         config.kv_remote_timeout_s,
         config.kv_remote_retry_s,
+        lease_s,
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ragserve.config_flags import option
+from ragserve.server.document_watch import INTERVAL_S as WATCH_INTERVAL_S
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,13 @@ class ServerConfig:
         "documents last as long as the server); servers and cluster replicas on one machine "
         "that share it share their documents (with --kv-remote-url they share them through "
         "the store, on any machine, whatever their folders)",
+    )
+    # How a dead server's ingestion is taken over: ragserve.server.ingest_leases.
+    ingest_lease_seconds: float = option(
+        10.0,
+        help="with --kv-remote-url: how long an ingestion's lease in the store lasts unless "
+        "its server renews it (every 2 s); a server that learned a document whose uploading "
+        "server died mid-ingestion runs the ingestion itself once the lease lapsed",
     )
     served_model_name: str | None = option(
         None, help="the model name clients use (default: the engine's)"
@@ -157,6 +165,11 @@ class ServerConfig:
             )
         if not self.engine_stall_seconds > 0:
             raise ValueError(f"engine_stall_seconds must be > 0, got {self.engine_stall_seconds}")
+        if not self.ingest_lease_seconds > WATCH_INTERVAL_S:  # NOTE: also refuses NaN
+            raise ValueError(
+                f"ingest_lease_seconds must be longer than a watch round ({WATCH_INTERVAL_S} s) "
+                f"or live ingestions are taken over, got {self.ingest_lease_seconds}"
+            )
         if self.document_ttl is not None and not self.document_ttl > 0:
             raise ValueError(f"document_ttl must be > 0 seconds, got {self.document_ttl}")
         per_tenant = {

@@ -25,6 +25,12 @@ status with the row at its next watch round. A settle never overwrites a newer r
 names the version this server holds), so a server that ingested a document settles its
 row again at a watch round where the store's says less than it knows.
 
+An ingestion holds a lease beside its row, renewed at each watch round (see
+:mod:`ragserve.server.ingest_leases` and :meth:`StoreRegistry.watch_round`): when the
+uploading server dies mid-ingestion, the lease lapses, and one of the servers that learned
+the document claims it, ingests the document and settles the row, so no server shows it
+``ingesting`` for good.
+
 A row read from the store is trusted only once it decodes (checksum), opens under this
 server's key, and names the model, tenant and id its key names; anything else is
 counted in ``rejected`` and ignored, never served.
@@ -42,13 +48,14 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import redis
 
 from kvstore.remote_store import RemoteStore, StoreUnavailable
+from ragserve.server.ingest_leases import CLAIM, lease_key
 from ragserve.server.registry_cipher import RegistryCipher
 from ragserve.server.registry_rows import SEALED, RowError, decode_row, encode_row
 from ragserve.server.store_values import (
@@ -70,6 +77,15 @@ _FAILED = (StoreUnavailable, redis.RedisError)
 
 # A document this server holds, with the version of its row it last wrote or read.
 Held = tuple[StoredDocument, int]
+# A document's (namespace, id).
+Key = tuple[str, str]
+
+
+class WatchRound(NamedTuple):
+    """What a watch round read from the store (see :meth:`StoreRegistry.watch_round`)."""
+
+    stamps: dict[Key, Stamp]
+    claimed: set[Key]  # the ingestions this server now holds the lease of, to take over
 
 
 def row_key(model: str, namespace: str, doc_id: str, prefix: str = PREFIX) -> str:
@@ -89,14 +105,20 @@ class StoreRegistry:
 
     ``counts``: ``published`` (rows and tombstones written), ``adopted`` (rows taken from
     the store, counted by the caller through :meth:`adopted`), ``refreshed`` (newer rows
-    of known documents taken, counted through :meth:`refreshed`), ``publish_failures``
+    of known documents taken, counted through :meth:`refreshed`), ``taken_over``
+    (ingestions taken over from a server that stopped renewing their lease, counted
+    through :meth:`taken_over`), ``publish_failures``
     (attempts that failed; the write stays pending, a settle is made again by the watch),
-    ``rejected`` (store values that did not verify)."""
+    ``rejected`` (store values that did not verify).
+
+    ``lease_s``: how long an ingestion's lease lasts unless renewed (see
+    :mod:`ragserve.server.ingest_leases`)."""
 
     def __init__(
         self,
         store: RemoteStore,
         model: str,
+        lease_s: float,
         cipher: RegistryCipher | None = None,
         prefix: str = PREFIX,
     ) -> None:
@@ -104,15 +126,18 @@ class StoreRegistry:
         self.model = model
         self.cipher = cipher
         self.prefix = prefix
+        self._lease_ms = max(1, round(lease_s * 1000))
         self._lock = threading.Lock()
         self._counts = dict.fromkeys(
-            ("published", "adopted", "refreshed", "publish_failures", "rejected"), 0
+            ("published", "adopted", "refreshed", "taken_over", "publish_failures", "rejected"),
+            0,
         )
         # (namespace, id) -> the row body to write (None: a tombstone); the latest wins.
         self._pending: dict[tuple[str, str], bytes | None] = {}
         # NOTE: set at start and when the store was unreachable (it may be back empty).
         self._offer_all = True
         self._script = store.client.register_script(WRITE)
+        self._claim = store.client.register_script(CLAIM)
 
     @classmethod
     def connect(
@@ -122,6 +147,7 @@ class StoreRegistry:
         cipher: RegistryCipher | None,
         timeout_s: float,
         retry_s: float,
+        lease_s: float,
     ) -> StoreRegistry:
         """A registry on its own connection pool and breaker (its outage and the KV
         tier's are told apart in logs and metrics). Sends nothing yet."""
@@ -129,7 +155,7 @@ class StoreRegistry:
         store = RemoteStore(
             url, timeout_s=timeout_s, retry_s=retry_s, on_down=lambda: holder[0].store_down()
         )
-        holder.append(cls(store, model, cipher))
+        holder.append(cls(store, model, lease_s, cipher))
         return holder[0]
 
     @property
@@ -146,6 +172,9 @@ class StoreRegistry:
 
     def refreshed(self) -> None:
         self._count("refreshed")
+
+    def taken_over(self) -> None:
+        self._count("taken_over")
 
     def store_down(self) -> None:
         with self._lock:
@@ -227,11 +256,11 @@ class StoreRegistry:
     def _call_write(
         self, client: Any, namespace: str, doc_id: str, body: bytes | None, mode: str, version: int
     ) -> Any:
-        keys = [
-            row_key(self.model, namespace, doc_id, self.prefix),
-            ids_key(self.model, namespace, self.prefix),
-        ]
-        args: list[bytes | str | int] = [mode, body or b"", doc_id, version, TOMBSTONE_TTL_S]
+        row = row_key(self.model, namespace, doc_id, self.prefix)
+        keys = [row, ids_key(self.model, namespace, self.prefix), lease_key(row)]
+        args: list[bytes | str | int] = [
+            mode, body or b"", doc_id, version, TOMBSTONE_TTL_S, self._lease_ms
+        ]  # fmt: skip
         return self._script(keys=keys, args=args, client=client)
 
     def _write(
@@ -311,30 +340,50 @@ class StoreRegistry:
                 logger.warning("shared document registry: row of %s ignored: %s", doc_id[:32], exc)
         return found
 
-    def stamps(self, keys: list[tuple[str, str]]) -> dict[tuple[str, str], Stamp]:
+    def stamps(self, keys: list[Key]) -> dict[Key, Stamp]:
         """The stamps (version, tombstone or row, status) the store holds for (namespace, id)
         ``keys``, in one round trip that reads a few bytes of each value: what a watch
         round compares with the versions it holds. Absent keys (the store may have evicted
         the row) and values that are neither are left out. Raises StoreUnavailable /
         redis.RedisError."""
-        if not keys:
-            return {}
-        names = [row_key(self.model, ns, doc_id, self.prefix) for ns, doc_id in keys]
+        return self.watch_round(keys).stamps
+
+    def watch_round(
+        self, keys: list[Key], renewing: Sequence[Key] = (), claiming: Sequence[Key] = ()
+    ) -> WatchRound:
+        """In one round trip: the :meth:`stamps` of ``keys``; the leases of the ingestions
+        running here (``renewing``) renewed; and the leases of ``claiming`` (learned
+        documents whose rows said ``ingesting``) claimed where their row still says so
+        and the lease lapsed: only one server wins each (see ``CLAIM``). Raises
+        StoreUnavailable / redis.RedisError."""
+        if not keys and not renewing and not claiming:
+            return WatchRound({}, set())
+
+        def row(key: Key) -> str:
+            return row_key(self.model, *key, self.prefix)
 
         def read(client: redis.Redis) -> list[Any]:
             pipe = client.pipeline(transaction=False)
-            for name in names:
-                pipe.getrange(name, 0, STAMP_BYTES - 1)
+            for key in keys:
+                pipe.getrange(row(key), 0, STAMP_BYTES - 1)
+            for key in renewing:
+                pipe.set(lease_key(row(key)), b"1", px=self._lease_ms)
+            for key in claiming:
+                self._claim(
+                    keys=[row(key), lease_key(row(key))], args=[self._lease_ms], client=pipe
+                )
             return list(pipe.execute())
 
-        found: dict[tuple[str, str], Stamp] = {}
-        for key, head in zip(keys, self.store.call(read), strict=True):
+        answers = self.store.call(read)
+        stamps: dict[Key, Stamp] = {}
+        for key, head in zip(keys, answers[: len(keys)], strict=True):
             stamp = stamp_of(_raw(head)) if head else None
             if stamp is not None:
-                found[key] = stamp
-        return found
+                stamps[key] = stamp
+        claims = answers[len(keys) + len(renewing) :]
+        return WatchRound(stamps, {key for key, won in zip(claiming, claims, strict=True) if won})
 
-    def gone(self, keys: list[tuple[str, str]]) -> set[tuple[str, str]]:
+    def gone(self, keys: list[Key]) -> set[Key]:
         """Which of (namespace, id) ``keys`` the store holds a tombstone for (see
         :meth:`stamps`): an absent key is not gone. Raises StoreUnavailable /
         redis.RedisError."""

@@ -10,7 +10,10 @@ and the full row only of a document whose version moved.
 
 The server that uploads a document publishes its row ``ingesting`` and settles it
 (``ready`` or ``failed``: ``WRITE``'s ``settle``) when its ingestion ends; a server that
-learned the document shows the status of the row it holds. A row of an older server has
+learned the document shows the status of the row it holds. A server that stops before it
+settles leaves a row ``ingesting`` beside a lapsed lease: a server that learned the
+document then runs the ingestion and settles the row (see
+:mod:`ragserve.server.ingest_leases`). A row of an older server has
 no status line (its head follows the stamp) and reads as ``ready``: such a server never
 settles its rows, so ``ingesting`` would never end (and questions on a document never wait
 for its ingestion). The status line is in the clear and outside the checksum, so the
@@ -55,9 +58,10 @@ MAX_ERROR_CHARS = 500
 # row), ``settle`` (the end of an ingestion: only over the row of version ARGV[4], the one
 # this server holds, and only where its status says less than the new one), ``gone`` (a
 # tombstone that expires after ARGV[5] seconds), ``expire`` (a tombstone, unless the store
-# holds a newer version than ARGV[4], the expired row read).
-# KEYS: the row, the ids set; ARGV: mode, body, id, version, tombstone ttl.
-# Returns the version written, -1 when nothing was.
+# holds a newer version than ARGV[4], the expired row read). An upload's ``ingesting`` row
+# takes its ingestion's lease for ARGV[6] ms (see :mod:`ragserve.server.ingest_leases`).
+# KEYS: the row, the ids set, the lease; ARGV: mode, body, id, version, tombstone ttl,
+# lease ms. Returns the version written, -1 when nothing was.
 WRITE = """
 local old = redis.call('GET', KEYS[1])
 local seen, gone = -1, false
@@ -95,6 +99,9 @@ if mode == 'gone' or mode == 'expire' then
 else
   redis.call('SET', KEYS[1], 'ragserve-row-v2 ' .. stamp .. '\\n' .. ARGV[2])
   redis.call('SADD', KEYS[2], ARGV[3])
+  if mode == 'row' and string.match(ARGV[2], '^ingesting[ \\n]') then
+    redis.call('SET', KEYS[3], '1', 'PX', ARGV[6])
+  end
 end
 return version
 """

@@ -1,19 +1,22 @@
 """The registry's rows in a real valkey-server, without a model: what one server
 publishes another reads back verified; versions (a PATCH's row is newer, a tombstone
 wins over a PATCH), ingestion statuses (a settle only moves a row's status forward, and
-only over the row its server holds), tombstones, tampered and foreign values, values of
-older formats, tenants, an outage and a store that comes back empty."""
+only over the row its server holds), ingestion leases (taken by an upload, renewed by
+its server, claimed by one server alone once they lapse), tombstones, tampered and foreign
+values, values of older formats, tenants, an outage and a store that comes back empty."""
 
 from __future__ import annotations
 
 import json
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import pytest
 
 from kvstore.remote_store import StoreUnavailable
+from ragserve.server.ingest_leases import lease_key
 from ragserve.server.registry_cipher import RegistryCipher
 from ragserve.server.registry_rows import encode_row
 from ragserve.server.store_registry import StoreRegistry, row_key
@@ -31,8 +34,12 @@ def doc(doc_id: str = "ab" * 16, namespace: str = TENANT, **fields: object) -> S
     return StoredDocument(doc_id, namespace, created=1_700_000_000, **values)  # type: ignore[arg-type]
 
 
-def registry(url: str, cipher: RegistryCipher | None = None, retry_s: float = 0.1) -> StoreRegistry:
-    return StoreRegistry.connect(url, MODEL, cipher, timeout_s=0.5, retry_s=retry_s)
+def registry(
+    url: str, cipher: RegistryCipher | None = None, retry_s: float = 0.1, lease_s: float = 10.0
+) -> StoreRegistry:
+    return StoreRegistry.connect(
+        url, MODEL, cipher, timeout_s=0.5, retry_s=retry_s, lease_s=lease_s
+    )
 
 
 def older_body(entry: StoredDocument) -> bytes:
@@ -190,6 +197,40 @@ def test_a_row_carries_its_status_and_a_settle_only_moves_it_forward(
     assert owner.stamps([key]) == {key: gone}
     assert owner.settle(doc("cd" * 16, status="ready"), 0) is None  # nor where no row is
     assert owner.stamps([(TENANT, "cd" * 16)]) == {} and owner.counts["pending"] == 0
+
+
+def test_a_lapsed_lease_is_claimed_by_one_server_and_a_renewed_one_by_none(
+    valkey: ValkeyServer,
+) -> None:
+    owner, one, two = (registry(valkey.url, lease_s=1.0) for _ in range(3))
+    key = (TENANT, "ab" * 16)
+    assert owner.publish(doc(status="ingesting"))  # an upload takes the lease
+    assert 0 < valkey.client().pttl(lease_key(row_key(MODEL, *key))) <= 1000
+    # Renewed every 0.2 s, over three lease lengths: never claimed.
+    deadline = time.monotonic() + 3.0
+    while time.monotonic() < deadline:
+        assert owner.watch_round([key], renewing=[key]).claimed == set()
+        assert one.watch_round([key], claiming=[key]).claimed == set()
+        time.sleep(0.2)
+    time.sleep(1.2)  # the owner died: its lease lapses
+    with ThreadPoolExecutor(2) as pool:
+        claims = list(pool.map(lambda r: r.watch_round([], claiming=[key]).claimed, (one, two)))
+    assert sorted(claims, key=len) == [set(), {key}]
+    winner = one if claims[0] else two
+    assert winner.watch_round([], claiming=[key]).claimed == set()  # held, by itself too
+    assert owner.watch_round([key]).stamps[key].status == "ingesting"  # claiming writes no row
+
+
+def test_only_a_row_that_says_ingesting_has_a_lease_to_claim(valkey: ValkeyServer) -> None:
+    one, two = registry(valkey.url, lease_s=1.0), registry(valkey.url, lease_s=1.0)
+    ready, failed, patched = ("01" * 16, "ready"), ("02" * 16, "failed"), ("03" * 16, "ingesting")
+    for doc_id, status in (ready, failed):
+        assert one.publish(doc(doc_id, status=status))
+    # A PATCH takes no lease: its ingestion runs on another server, which renews its own.
+    assert one.publish(doc(patched[0], status=patched[1]), patch=True)
+    assert one.publish_gone(TENANT, "04" * 16)
+    keys = [(TENANT, doc_id) for doc_id in ("01" * 16, "02" * 16, "03" * 16, "04" * 16, "05" * 16)]
+    assert two.watch_round([], claiming=keys).claimed == {(TENANT, patched[0])}
 
 
 def test_a_long_error_is_cut(valkey: ValkeyServer) -> None:
