@@ -59,6 +59,7 @@ class DocumentPersistence:
         raise NotImplementedError
 
     def _register(self, doc: RegisteredDocument) -> None:
+        """Hold ``doc`` and start its ingestion."""
         raise NotImplementedError
 
     async def _purge(self, doc: RegisteredDocument, models: Sequence[KVModel | None]) -> None:
@@ -253,21 +254,33 @@ class DocumentPersistence:
 
     async def _sync_shared(self) -> int:
         """A watch round on the store: write what is pending (offering every row after an
-        outage), read the stamps of every known document's row, forget the documents
-        whose row another server replaced by a tombstone, take the newer rows (a PATCH or
-        a settle on another server) of the others, and settle the rows that say less of an
-        ingestion here than this server knows (its own settle failed or came too early, or
-        a PATCH elsewhere wrote an older status). Returns how many were forgotten."""
+        outage); in one round trip, read the stamps of every known document's row, renew
+        the leases of the ingestions running here and claim those of learned documents
+        whose ingestion's server stopped renewing them; forget the documents whose row
+        another server replaced by a tombstone, take the newer rows (a PATCH or a settle
+        on another server) of the others, take over the ingestions claimed, and settle the
+        rows that say less of an ingestion here than this server knows (its own settle
+        failed or came too early, or a PATCH elsewhere wrote an older status). Returns how
+        many were forgotten."""
         assert self.shared is not None
         holding = [(doc.stored(), doc.version) for doc in self._docs.values()]
         await self._shared_call(self.shared.retry, holding)
-        stamps = await self._shared_call(self.shared.stamps, sorted(self._docs)) or {}
+        renewing = sorted(key for key, doc in self._docs.items() if doc.ingesting_here)
+        claiming = sorted(
+            key for key, doc in self._docs.items() if doc.learned and doc.status == "ingesting"
+        )
+        read = await self._shared_call(
+            self.shared.watch_round, sorted(self._docs), renewing, claiming
+        )
+        stamps = read.stamps if read is not None else {}
         newer = [
             key
             for key, stamp in stamps.items()
             if not stamp.gone and key in self._docs and stamp.version > self._docs[key].version
         ]
         await self._refresh_shared(sorted(newer))
+        if read is not None:
+            await self._take_over(sorted(read.claimed))
         behind = [
             key
             for key, stamp in stamps.items()
@@ -301,6 +314,26 @@ class DocumentPersistence:
             logger.info("document %s was deleted by another server (store); forgotten", doc_id)
             forgotten += 1
         return forgotten
+
+    async def _take_over(self, keys: list[tuple[str, str]]) -> None:
+        """Ingest the learned documents ``keys`` here: this server claimed their lease, so
+        the server that was ingesting them stopped (see
+        :mod:`ragserve.server.ingest_leases`). This server then settles their rows (see
+        ``_ingest``), as it does an upload's."""
+        assert self.shared is not None
+        for namespace, doc_id in keys:
+            async with self.locks.hold(namespace, doc_id):
+                doc = self._docs.get((namespace, doc_id))
+                # NOTE: a document forgotten or settled since the claim: its lease lapses.
+                if doc is None or not doc.learned or doc.status != "ingesting":
+                    continue
+                doc.learned = False
+                self._register(doc)
+            self.shared.taken_over()
+            logger.warning(
+                "document %s: its ingestion's server stopped renewing its lease; ingested here",
+                doc_id,
+            )
 
     async def _refresh_shared(self, keys: list[tuple[str, str]]) -> None:
         """Take the store's rows of known documents ``keys`` (one round trip a tenant)

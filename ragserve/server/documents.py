@@ -21,8 +21,11 @@ another server deleted (see :mod:`ragserve.server.document_watch`), and learns a
 use a document another server uploaded (see ``learn``: replicas of one cluster share the
 registry this way). Servers that share no directory share the registry through the
 remote tier's store instead (see :mod:`ragserve.server.store_registry`): their rows are
-published there, ``learn`` and the listing read them, the watch reads tombstones. Upload,
-PATCH and DELETE of one document take turns (see :mod:`ragserve.server.document_locks`).
+published there, ``learn`` and the listing read them, the watch reads tombstones and
+statuses. An ingestion there holds a lease that its server renews: when that server dies
+mid-ingestion, a server that learned the document ingests it instead (see
+:mod:`ragserve.server.ingest_leases`). Upload, PATCH and DELETE of one document take turns
+(see :mod:`ragserve.server.document_locks`).
 
 This module holds the lifecycle (upload, ingest, PATCH, DELETE, expiry, purge);
 :mod:`ragserve.server.document_persistence` the registry rows and restore, and
@@ -121,7 +124,9 @@ class DocumentService(DocumentPersistence):
         computes each document once, on the replica the router sent it to. Its status is
         that replica's ingestion's, as the store's row says (``ingesting`` until that
         replica settles it, see :mod:`ragserve.server.store_values`); a row without one
-        (this server's own registry's) reads as ``ready``."""
+        (this server's own registry's) reads as ``ready``. When that replica dies before
+        it settles, one of the servers that learned the document takes the ingestion over
+        (see ``_take_over``)."""
         local = self.store is not None and self.store.is_open
         if not local and self.shared is None:
             return 0

@@ -157,6 +157,7 @@ _SHARED_REGISTRY = (
     ("published", "Rows and tombstones this server wrote to the store"),
     ("adopted", "Documents learned from rows another server published to the store"),
     ("refreshed", "Newer rows of known documents (a PATCH elsewhere) taken from the store"),
+    ("taken_over", "Ingestions taken over from a server that died before it ended them"),
     ("publish_failures", "Writes to the store that failed (each is retried)"),
     ("rejected", "Store values that did not verify (damaged, foreign, wrong key): ignored"),
 )

@@ -62,7 +62,8 @@ class RegisteredDocument:
     # yet); a higher one there is a PATCH on another server (see ``_sync_shared``).
     version: int = 0
     # Learned from another server's row (see ``DocumentService.learn``): that server
-    # ingests it, and its status is the one the store's row carries.
+    # ingests it, and its status is the one the store's row carries; until this server
+    # takes the ingestion over from a server that died (see ``_take_over``).
     learned: bool = False
     task: asyncio.Task[None] | None = field(default=None, repr=False)
 
@@ -88,6 +89,12 @@ class RegisteredDocument:
         server's to settle in the store (a document taken over from another model is
         not ingested until its first question)."""
         return not self.learned and self.previous_model is None and self.status != "ingesting"
+
+    @property
+    def ingesting_here(self) -> bool:
+        """Whether this server's own ingestion of it runs: its lease in the store is this
+        server's to renew (see :mod:`ragserve.server.ingest_leases`)."""
+        return not self.learned and self.status == "ingesting"
 
     def expired(self, now: float) -> bool:
         return self.expire_time is not None and self.expire_time <= now

@@ -8,13 +8,16 @@ same on both, a tombstone wins over a PATCH that comes late, values that do not 
 ignored and counted, tenants never see each other's rows, the store never holds token
 ids in the clear (the servers have a key), the other server shows the status of an
 ingestion on the first (``ingesting`` until it ends, then ``ready`` or ``failed`` with its
-error), and an upload while the store is down reaches the other server once the store is
-back. The tests run in order on one pair of servers.
+error), an upload while the store is down reaches the other server once the store is
+back, and the other server takes over an ingestion whose server died (``kill -9``) once
+its lease lapsed. The tests run in order on one pair of servers; the last one kills the
+first server.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 from array import array
@@ -34,7 +37,7 @@ from ragserve.server.registered_document import document_id
 from ragserve.server.registry_cipher import RegistryCipher
 from ragserve.server.registry_rows import decode_row
 from ragserve.server.store_registry import PREFIX, ids_key, row_key
-from ragserve.server.store_values import unpack_row
+from ragserve.server.store_values import stamp_of, unpack_row
 from tests.server.server_fixtures import BASE_ARGS, ServerProcess, wait_for, wait_ready
 from tests.valkey_server import ValkeyServer
 
@@ -53,6 +56,11 @@ LONG_TEXT = " ".join(
 # requests whose id holds this marker, and an ingestion's id holds its document's id.
 FAILING_TEXT = TEXT + " Addendum whose ingestion fails."
 FAILING_MARKER = document_id(tenant_name(KEY), FAILING_TEXT)[:16]
+# Ingested as slowly as LONG_TEXT, and sharing none of its blocks.
+ORPHAN_TEXT = LONG_TEXT.replace("warehouse log", "granary ledger")
+# NOTE: short, so a takeover comes soon; still over two watch rounds (2 s), so a live
+# ingestion renews its lease in time on a busy machine.
+LEASE_S = 5
 
 
 class Pair:
@@ -78,6 +86,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
             "--kv-remote-url", store.url,
             "--kv-remote-retry-s", "1",
             "--kv-encryption-key-file", str(key_file),
+            "--ingest-lease-seconds", str(LEASE_S),
             "--api-key", KEY,
             "--api-key", OTHER_KEY,
         )  # fmt: skip
@@ -359,3 +368,33 @@ def test_an_upload_while_the_store_is_down_reaches_the_other_once_it_is_back(
     # server's watch settles it.
     two = pair.two
     assert wait_for(lambda: document(two.url, doc_id).json()["status"] == "ready", 10, 0.2)
+
+
+def test_an_ingestion_whose_server_died_is_taken_over_by_the_other(pair: Pair) -> None:
+    """Last: it kills the first server. No document stays ``ingesting`` for good."""
+    uploaded = requests.post(
+        f"{pair.one.url}/v1/documents", json={"text": ORPHAN_TEXT}, headers=AUTH, timeout=120
+    )
+    assert uploaded.status_code == 202, uploaded.text
+    doc_id = uploaded.json()["id"]
+    assert document(pair.two.url, doc_id).json()["status"] == "ingesting"
+    assert document(pair.one.url, doc_id).json()["status"] == "ingesting", "ingested too fast"
+    pair.one.send_signal(signal.SIGKILL)
+    pair.one.wait(30)
+    # Its lease lapses, the second server claims it at a watch round and ingests the
+    # document itself (seconds on two cores).
+    two = pair.two
+    assert wait_for(
+        lambda: document(two.url, doc_id).json()["status"] != "ingesting",
+        LEASE_S + 2 * INTERVAL_S + 60,
+        interval=0.2,
+    )
+    assert document(two.url, doc_id).json()["status"] == "ready"
+    assert counter(two, "taken_over") == 1  # this one alone: live ingestions were left alone
+    value = pair.store.client().get(row_key(model_of_rows(pair), tenant_name(KEY), doc_id))
+    assert isinstance(value, bytes)
+    stamp = stamp_of(value)
+    assert stamp is not None and stamp.status == "ready"  # settled for every other server
+    answered = ask(two.url, doc_id)
+    assert answered.status_code == 200, answered.text
+    assert answered.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
