@@ -110,6 +110,7 @@ def create_app(
             engine.info,
             tokenizer_fingerprint(engine.tokenizer),
             Path(config.registry_dir) if config.registry_dir else None,
+            config.ingest_lease_seconds,
         ),
         config.document_ttl,
         DocumentLimits.from_config(config),
@@ -138,11 +139,15 @@ async def _start_draining(app: web.Application) -> None:
 
 
 def document_store(
-    info: EngineInfo, tokenizer: str | None = None, directory: Path | None = None
+    info: EngineInfo,
+    tokenizer: str | None = None,
+    directory: Path | None = None,
+    lease_s: float = 10.0,
 ) -> DocumentStore | None:
     """The registry file's home: ``directory`` when given, else the disk KV tier's
     directory when the engine has one. ``tokenizer``: the model's tokenizer digest
-    (documents of models sharing it are taken over after a model change)."""
+    (documents of models sharing it are taken over after a model change). ``lease_s``:
+    an ingestion's lease (see :mod:`ragserve.server.registry_ingestions`)."""
     directory = directory or info.disk_tier_dir
     if directory is None:
         return None
@@ -151,7 +156,7 @@ def document_store(
         # NOTE: the engine already read this file at start-up; it is readable and long enough.
         cipher = RegistryCipher.from_file(info.disk_tier_key_file)
     record = ModelRecord(info.kv_model, tokenizer) if tokenizer is not None else None
-    return DocumentStore(directory, info.model_fingerprint, cipher, record)
+    return DocumentStore(directory, info.model_fingerprint, cipher, record, lease_s)
 
 
 def store_registry(

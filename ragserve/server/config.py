@@ -36,12 +36,14 @@ class ServerConfig:
         "that share it share their documents (with --kv-remote-url they share them through "
         "the store, on any machine, whatever their folders)",
     )
-    # How a dead server's ingestion is taken over: ragserve.server.ingest_leases.
+    # How a dead server's ingestion is taken over: ragserve.server.ingest_leases (the
+    # store), ragserve.server.registry_ingestions (a shared registry directory).
     ingest_lease_seconds: float = option(
         10.0,
-        help="with --kv-remote-url: how long an ingestion's lease in the store lasts unless "
-        "its server renews it (every 2 s); a server that learned a document whose uploading "
-        "server died mid-ingestion runs the ingestion itself once the lease lapsed",
+        help="how long an ingestion's lease in the shared registry (the store of "
+        "--kv-remote-url, else the registry folder) lasts unless its server renews it "
+        "(every 2 s); a server that learned a document whose uploading server died "
+        "mid-ingestion runs the ingestion itself once the lease lapsed",
     )
     served_model_name: str | None = option(
         None, help="the model name clients use (default: the engine's)"

@@ -1,6 +1,8 @@
 """The document registry's persistence glue: restore at start-up, take over other
-models' documents, write and delete rows on the registry thread, and share them through
-the store (see :mod:`ragserve.server.store_registry`) when there is one.
+models' documents, write and delete rows on the registry thread, follow the ingestions
+of the servers sharing the directory (see :mod:`ragserve.server.registry_ingestions`),
+and share the rows through the store (see :mod:`ragserve.server.store_registry`) when
+there is one.
 
 :class:`~ragserve.server.documents.DocumentService` inherits this; it owns the state
 named below and the lifecycle these methods call back into (fit checks, registration,
@@ -29,8 +31,7 @@ from ragserve.server.errors import APIError
 from ragserve.server.prompts import PromptBuilder
 from ragserve.server.registered_document import RegisteredDocument
 from ragserve.server.store_registry import StoreRegistry
-from ragserve.server.store_values import PROGRESS
-from ragserve.server.stored_document import StoredDocument
+from ragserve.server.stored_document import PROGRESS, StoredDocument
 
 # NOTE: the registry's log lines keep the logger name they had before this module split off.
 logger = logging.getLogger("ragserve.server.documents")
@@ -184,9 +185,10 @@ class DocumentPersistence:
     # failed publish stays pending in ``shared``), so a store outage fails no upload.
     def _put_row(self, doc: StoredDocument, patch: bool = False) -> int:
         """Write the row of an upload (of a PATCH: ``patch``); returns the version the
-        store gave it, 0 when it was not published (no store, failed, or a tombstone)."""
+        store gave it, 0 when it was not published (no store, failed, or a tombstone).
+        An upload's row records its ingestion as started (a PATCH's leaves it be)."""
         if self.store is not None:
-            self.store.put(doc)
+            self.store.put(doc, None if patch else time.time())
         if self.shared is not None:
             return self.shared.publish(doc, patch) or 0
         return 0
@@ -202,6 +204,44 @@ class DocumentPersistence:
         version = await self._store_call("settled", self.shared.settle, doc.stored(), doc.version)
         if version:  # NOTE: written over the row this server held: it holds this one now
             doc.version = version
+
+    async def _settle_directory(self, doc: RegisteredDocument) -> None:
+        """Record in the directory how the ingestion of ``doc`` here ended (see
+        :mod:`ragserve.server.registry_ingestions`), so the servers sharing it that
+        learned the document show its status. The document's lock is held."""
+        if self.store is None or not self.store.is_open or not doc.ingested_here:
+            return
+        if self._docs.get((doc.namespace, doc.id)) is not doc:
+            return  # NOTE: deleted (or replaced by an upload) meanwhile
+        await self._store_call(
+            "settled", self.store.settle, doc.namespace, doc.id, doc.status, doc.error
+        )
+
+    async def _sync_ingestions(self) -> None:
+        """A watch round on the directory's ingestions, in one transaction: renew the
+        leases of the ingestions running here; without a store (whose rows then carry
+        the statuses, see ``_sync_shared``), claim the leases of learned documents still
+        ``ingesting`` whose server stopped renewing them, take over those ingestions, and
+        take the statuses of the others."""
+        assert self.store is not None
+        renewing = sorted(key for key, doc in self._docs.items() if doc.ingesting_here)
+        following = []
+        if self.shared is None:
+            following = sorted(
+                key for key, doc in self._docs.items() if doc.learned and doc.status == "ingesting"
+            )
+        if not renewing and not following:
+            return  # NOTE: an idle server takes no write lock
+        read = await self._store_call(
+            "followed", self.store.ingestions_round, renewing, following, time.time()
+        )
+        if read is None:
+            return
+        for key, (status, error) in read.statuses.items():
+            doc = self._docs.get(key)
+            if doc is not None and doc.learned and status != "ingesting":
+                doc.status, doc.error = status, error
+        await self._take_over(sorted(read.claimed), self.store.taken_over)
 
     def _copy_row(self, doc: StoredDocument) -> bool:
         """A row learned from the store, into this server's own registry only."""
@@ -280,7 +320,7 @@ class DocumentPersistence:
         ]
         await self._refresh_shared(sorted(newer))
         if read is not None:
-            await self._take_over(sorted(read.claimed))
+            await self._take_over(sorted(read.claimed), self.shared.taken_over)
         behind = [
             key
             for key, stamp in stamps.items()
@@ -315,12 +355,12 @@ class DocumentPersistence:
             forgotten += 1
         return forgotten
 
-    async def _take_over(self, keys: list[tuple[str, str]]) -> None:
-        """Ingest the learned documents ``keys`` here: this server claimed their lease, so
-        the server that was ingesting them stopped (see
-        :mod:`ragserve.server.ingest_leases`). This server then settles their rows (see
-        ``_ingest``), as it does an upload's."""
-        assert self.shared is not None
+    async def _take_over(self, keys: list[tuple[str, str]], counted: Callable[[], None]) -> None:
+        """Ingest the learned documents ``keys`` here: this server claimed their lease (in
+        the store, see :mod:`ragserve.server.ingest_leases`, or in the directory, see
+        :mod:`ragserve.server.registry_ingestions`), so the server that was ingesting them
+        stopped. This server then settles their rows (see ``_ingest``), as it does an
+        upload's; ``counted`` counts each one taken over."""
         for namespace, doc_id in keys:
             async with self.locks.hold(namespace, doc_id):
                 doc = self._docs.get((namespace, doc_id))
@@ -329,7 +369,7 @@ class DocumentPersistence:
                     continue
                 doc.learned = False
                 self._register(doc)
-            self.shared.taken_over()
+            counted()
             logger.warning(
                 "document %s: its ingestion's server stopped renewing its lease; ingested here",
                 doc_id,

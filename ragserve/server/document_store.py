@@ -1,8 +1,10 @@
 """The document registry: one SQLite database in the KV directory, one row per document.
 
 ``documents.sqlite3`` (WAL mode, ``synchronous=FULL``) holds a ``documents`` table keyed
-by (model fingerprint, tenant namespace, document id); ``PRAGMA user_version`` is the
-schema version. Contracts:
+by (model fingerprint, tenant namespace, document id), and beside it the status of each
+row's ingestion (see :mod:`ragserve.server.registry_ingestions`: servers that share the
+directory show it, and take over the ingestion of a server that died); ``PRAGMA
+user_version`` is the schema version. Contracts:
 
 - Atomic per document: ``put`` and ``delete`` are one transaction each, committed before
   they return, so after ``kill -9`` at any moment a row is there whole or not at all.
@@ -27,11 +29,14 @@ import sqlite3
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 from ragserve.engine.engine_info import KVModel
+from ragserve.server import registry_ingestions as ingestions
 from ragserve.server.legacy_registry import legacy_path, read_legacy
 from ragserve.server.registry_cipher import RegistryCipher
+from ragserve.server.registry_ingestions import IngestionRound, Key
 from ragserve.server.registry_models import (
     ModelRecord,
     among,
@@ -48,7 +53,7 @@ from ragserve.server.registry_rows import (
     decode_row,
     encode_row,
 )
-from ragserve.server.stored_document import StoredDocument
+from ragserve.server.stored_document import Status, StoredDocument
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +68,11 @@ class DocumentStore:
     Call :meth:`open` once (it checks, repairs and migrates), then :meth:`load`,
     :meth:`put`, :meth:`delete`. An instance that failed to open keeps working in memory
     only: its writes are logged and dropped.
+
+    ``lease_s``: how long an ingestion's lease lasts unless renewed (see
+    :mod:`ragserve.server.registry_ingestions`); ``counts``: ``taken_over`` (ingestions
+    taken over from a server that stopped renewing their lease, counted by the caller
+    through :meth:`taken_over`).
     """
 
     def __init__(
@@ -71,6 +81,7 @@ class DocumentStore:
         model_fingerprint: str,
         cipher: RegistryCipher | None = None,
         record: ModelRecord | None = None,
+        lease_s: float = 10.0,
     ) -> None:
         self.directory = Path(directory)
         self.model = model_fingerprint
@@ -79,8 +90,10 @@ class DocumentStore:
         # copied, and their KV purged with its own (None: neither, and it is not recorded).
         self.record = record
         self.path = self.directory / FILENAME
+        self.lease_s = lease_s
         self._lock = threading.Lock()
         self._db: sqlite3.Connection | None = None
+        self._taken_over = 0  # NOTE: counted and read on the event loop alone
 
     # -- opening -------------------------------------------------------------------------
     def open(self) -> list[str]:
@@ -291,30 +304,65 @@ class DocumentStore:
             return found.fetchone() is not None
 
     def find(self, namespace: str, doc_id: str) -> StoredDocument | None:
-        """This model's row of one document, decoded; None when absent or damaged (a
-        damaged row is left to ``load``, which reports it). Raises sqlite3.Error."""
+        """This model's row of one document, decoded, with its ingestion's status; None
+        when absent or damaged (a damaged row is left to ``load``, which reports it).
+        Raises sqlite3.Error."""
         with self._lock:
-            row = (
-                self._require()
-                .execute(
-                    _SELECT + " WHERE model = ? AND namespace = ? AND id = ?",
-                    (self.model, namespace, doc_id),
-                )
-                .fetchone()
-            )
-        if row is None:
-            return None
+            db = self._require()
+            row = db.execute(
+                _SELECT + " WHERE model = ? AND namespace = ? AND id = ?",
+                (self.model, namespace, doc_id),
+            ).fetchone()
+            if row is None:
+                return None
+            key = (namespace, doc_id)
+            status, error = ingestions.statuses(db, self.model, [key])[key]
         try:
-            return decode_row(row, self.cipher)
+            return replace(decode_row(row, self.cipher), status=status, error=error)
         except RowError:
             return None
 
-    def put(self, doc: StoredDocument) -> None:
-        """Insert or replace one document's row. Raises sqlite3.Error / OSError."""
+    def put(self, doc: StoredDocument, ingesting_since: float | None = None) -> None:
+        """Insert or replace one document's row; an upload's (``ingesting_since``: when its
+        ingestion started, wall clock) also records the ingestion ``ingesting``, with its
+        lease (see :mod:`ragserve.server.registry_ingestions`). Raises sqlite3.Error /
+        OSError."""
         with self._lock:
             db = self._require()
             with _transaction(db):
                 db.execute(_UPSERT, encode_row(self.model, doc, self.cipher))
+                if ingesting_since is not None:
+                    key = (doc.namespace, doc.id)
+                    ingestions.begin(db, self.model, key, ingesting_since + self.lease_s)
+
+    def settle(self, namespace: str, doc_id: str, status: Status, error: str | None) -> bool:
+        """Record how the document's ingestion here ended, where its entry says less;
+        whether it did. Raises sqlite3.Error."""
+        with self._lock:
+            db = self._require()
+            with _transaction(db):
+                return ingestions.settle(db, self.model, (namespace, doc_id), status, error)
+
+    def ingestions_round(
+        self, renewing: list[Key], following: list[Key], now: float
+    ) -> IngestionRound:
+        """A watch round, in one transaction: renew the leases of the ingestions running
+        here, claim those of the learned documents ``following`` whose lease lapsed at
+        ``now`` (wall clock), read the statuses of the others (see
+        :func:`registry_ingestions.watch_round`). Raises sqlite3.Error."""
+        with self._lock:
+            db = self._require()
+            with _transaction(db):
+                return ingestions.watch_round(
+                    db, self.model, renewing, following, now, now + self.lease_s
+                )
+
+    @property
+    def counts(self) -> dict[str, int]:
+        return {"taken_over": self._taken_over}
+
+    def taken_over(self) -> None:
+        self._taken_over += 1
 
     def delete(self, namespace: str, doc_id: str) -> bool:
         """Delete one document's rows, under every model (its id names its text, whichever
@@ -325,6 +373,7 @@ class DocumentStore:
                 cursor = db.execute(
                     "DELETE FROM documents WHERE namespace = ? AND id = ?", (namespace, doc_id)
                 )
+                ingestions.forget_gone(db, (namespace, doc_id))
             self._truncate_log(db)
             return cursor.rowcount > 0
 
@@ -343,6 +392,7 @@ class DocumentStore:
                 gone = db.execute("SELECT DISTINCT model FROM documents" + where,
                                   (namespace, doc_id, now)).fetchall()  # fmt: skip
                 db.execute("DELETE FROM documents" + where, (namespace, doc_id, now))
+                ingestions.forget_gone(db, (namespace, doc_id))
             if gone:
                 self._truncate_log(db)
             shared = sharing_models(db, self.record) if self.record is not None else []

@@ -6,6 +6,9 @@ gone: otherwise this server would go on listing one, answering from its pinned b
 and computing (and writing to disk) its KV again after an eviction.
 Through the store (see :mod:`ragserve.server.store_registry`) it also takes the newer
 rows of known documents: a PATCH's, or the status another server's ingestion ended in.
+On the directory it renews the leases of the ingestions running here and, without a
+store, follows the statuses of the others' (see
+:mod:`ragserve.server.registry_ingestions`).
 """
 
 from __future__ import annotations

@@ -19,10 +19,13 @@ directory: a start copies the other models' documents (see ``_adopt``), a DELETE
 every model's row and KV, and a server forgets within seconds a document whose row
 another server deleted (see :mod:`ragserve.server.document_watch`), and learns at first
 use a document another server uploaded (see ``learn``: replicas of one cluster share the
-registry this way). Servers that share no directory share the registry through the
-remote tier's store instead (see :mod:`ragserve.server.store_registry`): their rows are
-published there, ``learn`` and the listing read them, the watch reads tombstones and
-statuses. An ingestion there holds a lease that its server renews: when that server dies
+registry this way). The directory keeps each ingestion's status and lease beside its row
+(see :mod:`ragserve.server.registry_ingestions`): a server that learned a document shows
+its status, and takes its ingestion over when the uploading server died mid-ingestion.
+Servers that share no directory share the registry through the remote tier's store
+instead (see :mod:`ragserve.server.store_registry`): their rows are published there,
+``learn`` and the listing read them, the watch reads tombstones and statuses. An
+ingestion there holds a lease that its server renews: when that server dies
 mid-ingestion, a server that learned the document ingests it instead (see
 :mod:`ragserve.server.ingest_leases`). Upload, PATCH and DELETE of one document take turns
 (see :mod:`ragserve.server.document_locks`).
@@ -123,9 +126,10 @@ class DocumentService(DocumentPersistence):
         shared tier (the remote store) or computed by that first question, so a cluster
         computes each document once, on the replica the router sent it to. Its status is
         that replica's ingestion's, as the store's row says (``ingesting`` until that
-        replica settles it, see :mod:`ragserve.server.store_values`); a row without one
-        (this server's own registry's) reads as ``ready``. When that replica dies before
-        it settles, one of the servers that learned the document takes the ingestion over
+        replica settles it, see :mod:`ragserve.server.store_values`; a row the store lacks
+        reads as ``ready``), or without a store, as the directory says (see
+        :mod:`ragserve.server.registry_ingestions`). When that replica dies before it
+        settles, one of the servers that learned the document takes the ingestion over
         (see ``_take_over``)."""
         local = self.store is not None and self.store.is_open
         if not local and self.shared is None:
@@ -166,8 +170,10 @@ class DocumentService(DocumentPersistence):
                         saved = bool(await self._store_call("saved", self._copy_row, entry))
                     self.shared.adopted()
                 doc.status, doc.saved, doc.learned = "ready", saved, True
-                if doc_id in shared:  # NOTE: a shared directory's rows say nothing: ready
+                if doc_id in shared:  # NOTE: with a store, its rows' statuses alone count
                     doc.status, doc.error = shared[doc_id][0].status, shared[doc_id][0].error
+                elif self.shared is None and entry is not None:  # the directory's
+                    doc.status, doc.error = entry.status, entry.error
                 self._docs[(namespace, doc_id)] = doc
             logger.info("document %s: learned from the shared registry", doc_id)
             learned += 1
@@ -361,13 +367,14 @@ class DocumentService(DocumentPersistence):
         finally:
             if admission is not None and ticket is not None:
                 admission.release(ticket)
-        if self.shared is None:  # NOTE: no store, no row to settle: skip the lock
+        if self.shared is None and self.store is None:  # NOTE: no row to settle: no lock
             return
         # NOTE: under the lock, so after the upload's own write of the row (whose version
         # the settle names) and in turn with a PATCH's. A row this server has neither
         # written nor read yet (a restored document's, version 0) is settled by the watch
         # where the store's says less: a start sends no row for it.
         async with self.locks.hold(doc.namespace, doc.id):
+            await self._settle_directory(doc)
             if doc.version:
                 await self._settle(doc)
 
@@ -420,8 +427,9 @@ class DocumentService(DocumentPersistence):
     async def sync(self) -> int:
         """Learn the documents another server on the directory uploaded (see ``learn``)
         and forget those whose row another server deleted (see
-        :mod:`ragserve.server.document_watch`): unpinned, this model's KV purged here.
-        Returns how many were forgotten."""
+        :mod:`ragserve.server.document_watch`): unpinned, this model's KV purged here;
+        then follow the ingestions (see ``_sync_ingestions``). Returns how many were
+        forgotten."""
         forgotten = await self._sync_shared() if self.shared is not None else 0
         if self.store is None or not self.store.is_open:
             return forgotten
@@ -448,6 +456,7 @@ class DocumentService(DocumentPersistence):
                 await self._remove(doc, rows="none")
                 logger.info("document %s was deleted by another server; forgotten", doc.id)
                 forgotten += 1
+        await self._sync_ingestions()
         return forgotten
 
     async def _remove(

@@ -1,5 +1,7 @@
 """Who runs a document's ingestion, for the registry shared through the store (see
-:mod:`ragserve.server.store_registry`): a lease beside the document's row.
+:mod:`ragserve.server.store_registry`): a lease beside the document's row. (A registry
+directory shared without a store keeps the same lease in a table, see
+:mod:`ragserve.server.registry_ingestions`.)
 
 The upload's write of the ``ingesting`` row takes the lease with it (``WRITE``'s ``row``
 mode, see :mod:`ragserve.server.store_values`), and the server ingesting the document

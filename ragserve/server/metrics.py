@@ -40,6 +40,7 @@ class _EngineCollector(Collector):
         self.active_requests = 0
         self.documents: Mapping[str, int] = {}
         self.shared_registry: Mapping[str, int] | None = None
+        self.directory_registry: Mapping[str, int] | None = None
 
     def collect(self) -> Iterator[Metric]:
         alive = self.snapshot is not None
@@ -95,6 +96,11 @@ class _EngineCollector(Collector):
         yield from _tier_families(snap.tier_metrics)
         if self.shared_registry is not None:
             yield from _shared_registry_families(self.shared_registry)
+        if self.directory_registry is not None:
+            for name, doc in _DIRECTORY_REGISTRY:
+                yield _counter(
+                    f"ragserve_registry_directory_{name}", doc, self.directory_registry.get(name, 0)
+                )
 
 
 _NO_ENGINE = EngineSnapshot(
@@ -160,6 +166,16 @@ _SHARED_REGISTRY = (
     ("taken_over", "Ingestions taken over from a server that died before it ended them"),
     ("publish_failures", "Writes to the store that failed (each is retried)"),
     ("rejected", "Store values that did not verify (damaged, foreign, wrong key): ignored"),
+)
+
+
+# The registry's directory (ragserve.server.registry_ingestions): count name, help.
+_DIRECTORY_REGISTRY = (
+    (
+        "taken_over",
+        "Ingestions taken over from a server on the registry directory that died before it "
+        "ended them",
+    ),
 )
 
 
@@ -295,14 +311,17 @@ class ServerMetrics:
         active_requests: int,
         documents: Mapping[str, int],
         shared_registry: Mapping[str, int] | None = None,
+        directory_registry: Mapping[str, int] | None = None,
     ) -> bytes:
         """The Prometheus text of every metric. ``snapshot``: the engine's, None when it did
         not answer; ``active_requests``: engine requests in flight; ``documents``: by status;
-        ``shared_registry``: the store registry's counts (None: the server has none)."""
+        ``shared_registry``: the store registry's counts, ``directory_registry``: the
+        registry directory's (None: the server has none)."""
         self._engine.snapshot = snapshot
         self._engine.active_requests = active_requests
         self._engine.documents = documents
         self._engine.shared_registry = shared_registry
+        self._engine.directory_registry = directory_registry
         return generate_latest(self.registry)
 
 

@@ -50,12 +50,13 @@ async def metrics(request: web.Request) -> web.Response:
         logger.warning("metrics without engine values: %s", exc)
         snapshot = None
     app[METRICS].record_admission(app[ADMISSION])
-    shared = app[DOCUMENTS].shared
+    shared, directory = app[DOCUMENTS].shared, app[DOCUMENTS].store
     body = app[METRICS].render(
         snapshot,
         engine.num_active_requests,
         app[DOCUMENTS].count_by_status(),
         shared.counts if shared is not None else None,
+        directory.counts if directory is not None else None,
     )
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 

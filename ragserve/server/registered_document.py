@@ -62,8 +62,9 @@ class RegisteredDocument:
     # yet); a higher one there is a PATCH on another server (see ``_sync_shared``).
     version: int = 0
     # Learned from another server's row (see ``DocumentService.learn``): that server
-    # ingests it, and its status is the one the store's row carries; until this server
-    # takes the ingestion over from a server that died (see ``_take_over``).
+    # ingests it, and its status is the one the registry says (the store's row, else the
+    # directory's); until this server takes the ingestion over from a server that died
+    # (see ``_take_over``).
     learned: bool = False
     task: asyncio.Task[None] | None = field(default=None, repr=False)
 
@@ -92,8 +93,9 @@ class RegisteredDocument:
 
     @property
     def ingesting_here(self) -> bool:
-        """Whether this server's own ingestion of it runs: its lease in the store is this
-        server's to renew (see :mod:`ragserve.server.ingest_leases`)."""
+        """Whether this server's own ingestion of it runs: its lease (in the store, in the
+        directory) is this server's to renew (see :mod:`ragserve.server.ingest_leases`,
+        :mod:`ragserve.server.registry_ingestions`)."""
         return not self.learned and self.status == "ingesting"
 
     def expired(self, now: float) -> bool:

@@ -1,7 +1,9 @@
 """The registry's tables and how one document becomes one row and back.
 
 ``documents`` holds the rows; ``models`` the tokenizer digest of each model fingerprint
-that has served from this directory (see :mod:`ragserve.server.registry_models`).
+that has served from this directory (see :mod:`ragserve.server.registry_models`);
+``ingestions`` how far each row's ingestion got (see
+:mod:`ragserve.server.registry_ingestions`).
 
 A row's ``checksum`` (xxh3-64) covers every other field, so a row whose bytes were
 damaged on disk is caught when read even where SQLite's own structure still looks fine.
@@ -21,6 +23,7 @@ from typing import Any
 import xxhash
 
 from ragserve.server.registry_cipher import RegistryCipher, SealedFieldError
+from ragserve.server.registry_ingestions import TABLE as INGESTIONS
 from ragserve.server.stored_document import StoredDocument
 
 SCHEMA_VERSION = 1
@@ -46,6 +49,9 @@ SCHEMA = (
         block_size INTEGER NOT NULL,
         kv_dtype TEXT NOT NULL
     )""",
+    # NOTE: also without a version change. A rebuild does not keep it: the rows then read
+    # as ``ready`` (see :mod:`ragserve.server.registry_ingestions`).
+    INGESTIONS,
 )
 _ID = re.compile(r"[0-9a-f]{32}")
 Row = tuple[Any, ...]

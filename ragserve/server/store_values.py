@@ -37,7 +37,7 @@ import re
 from typing import NamedTuple, cast
 
 from ragserve.server.registry_rows import Row, RowError
-from ragserve.server.stored_document import Status
+from ragserve.server.stored_document import MAX_ERROR_CHARS, PROGRESS, Status
 
 _ROW_V1 = b"ragserve-row-v1\n"
 _GONE_V1 = b"ragserve-gone-v1\n"
@@ -46,11 +46,6 @@ _STATUS_WORD = re.compile(rb"(ingesting|ready|failed)[ \n]")
 # NOTE: enough for the longest stamp line and status word, so the watch never reads a
 # row's body (nor a failed one's error).
 STAMP_BYTES = 48
-# How far an ingestion got: a settle never writes a status that says less than the row's
-# (a server that holds the document's blocks wins over one whose ingestion failed).
-PROGRESS: dict[Status, int] = {"ingesting": 0, "failed": 1, "ready": 2}
-# NOTE: an error is only shown, and a row must stay small.
-MAX_ERROR_CHARS = 500
 
 # Modes of ``WRITE``: ``row`` (an upload: replaces a tombstone), ``patch`` (a PATCH or a
 # retried write: never replaces a tombstone), ``offer`` (a row the store lost: written at
