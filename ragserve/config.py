@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ragserve.config_flags import check_choices, option
 
@@ -14,6 +14,12 @@ KV_CACHE_DTYPES = ("auto", "fp8")
 QUANTIZATIONS = ("none", "fp8")
 # The disk tier's budget when --kv-disk-dir is given without --kv-disk-gib.
 DEFAULT_DISK_GIB = 16.0
+# Tokens one step computes at most, by device type, when --max-num-batched-tokens is not
+# given. NOTE: measured on an NVIDIA H200 (BENCHMARKS.md, FP8 weights): 8,192-token steps
+# gave 8-9% more batch throughput than 2,048 (prefill runs eagerly, so fewer and larger
+# steps pay fewer launches), while a step of decodes and one 8,192-token chunk of an 8B
+# model still ends in about 0.2 s. On two CPU cores a 2,048-token step takes seconds.
+DEFAULT_STEP_TOKENS = {"cpu": 2048, "cuda": 8192}
 
 
 @dataclass(frozen=True)
@@ -37,7 +43,12 @@ class EngineConfig:
     load_format: str = option("auto", help="how to read --model", choices=LOAD_FORMATS)
     seed: int = option(0, help="seed of dummy weights and of sampling")
     block_size: int = option(16, help="tokens per KV block (a power of two)")
-    max_num_batched_tokens: int = option(2048, help="tokens one step computes at most")
+    max_num_batched_tokens: int | None = option(
+        None,
+        help="tokens one step computes at most (default: "
+        + ", ".join(f"{n} on {d}" for d, n in DEFAULT_STEP_TOKENS.items())
+        + ")",
+    )
     max_num_seqs: int = option(256, help="sequences running at once at most")
     max_model_len: int | None = option(None, help="longest sequence (default: the model's)")
     kv_cache_gib: float | None = option(
@@ -118,9 +129,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         checks = {
             "block_size": (self.block_size, 1),
-            "max_num_batched_tokens": (self.max_num_batched_tokens, 1),
             "max_num_seqs": (self.max_num_seqs, 1),
         }
+        if self.max_num_batched_tokens is not None:
+            checks["max_num_batched_tokens"] = (self.max_num_batched_tokens, 1)
         for name, (value, low) in checks.items():
             if not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
@@ -165,6 +177,19 @@ class EngineConfig:
                 "caching (drop --no-prefix-caching, or the --kv-cpu-gib / --kv-disk-* / "
                 "--kv-remote-url flags)"
             )
+
+    def for_device(self, device_type: str) -> EngineConfig:
+        """This config with what it leaves to the device filled in for ``device_type``
+        (``cpu`` or ``cuda``): the step size (``DEFAULT_STEP_TOKENS``)."""
+        if self.max_num_batched_tokens is not None:
+            return self
+        return replace(self, max_num_batched_tokens=DEFAULT_STEP_TOKENS[device_type])
+
+    @property
+    def step_tokens(self) -> int:
+        """``max_num_batched_tokens`` of a config that :meth:`for_device` filled in."""
+        assert self.max_num_batched_tokens is not None, "call for_device first"
+        return self.max_num_batched_tokens
 
     @property
     def disk_tier_gib(self) -> float:

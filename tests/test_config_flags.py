@@ -103,6 +103,18 @@ def test_quantization_flag_defaults_to_none_and_takes_fp8() -> None:
     assert flags_by_name(EngineConfig)["--quantization"].option.choices == QUANTIZATIONS
 
 
+def test_the_step_size_defaults_by_device_and_a_given_one_is_kept() -> None:
+    parser = parser_for(EngineConfig)
+    unset = config_from_args(EngineConfig, parser.parse_args([]))
+    assert unset.max_num_batched_tokens is None
+    assert unset.for_device("cpu").step_tokens == 2048
+    assert unset.for_device("cuda").step_tokens == 8192
+    given = config_from_args(EngineConfig, parser.parse_args(["--max-num-batched-tokens", "512"]))
+    assert given.for_device("cuda").step_tokens == 512
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        EngineConfig(max_num_batched_tokens=0)
+
+
 def flags_by_name(config_type: type[Any]) -> dict[str, Flag]:
     return {flag.name: flag for flag in flags(config_type)}
 

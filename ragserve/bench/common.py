@@ -13,6 +13,15 @@ from typing import Any
 
 import torch
 
+from ragserve.config import EngineConfig
+from ragserve.devices import resolve_device
+
+
+def for_its_device(config: EngineConfig) -> EngineConfig:
+    """``config`` with its device's defaults filled in (see ``EngineConfig.for_device``), for a
+    benchmark that reads them before (or besides) the engine it builds."""
+    return config.for_device(resolve_device(config.device).type)
+
 
 def random_prompts(
     count: int, length: int | Sequence[int], vocab_size: int, seed: int = 0

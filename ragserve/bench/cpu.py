@@ -133,6 +133,7 @@ def _agreement(runs: dict[str, list[dict[str, Any]]], variant: str) -> float | N
 
 
 def run(args: argparse.Namespace, config: EngineConfig) -> int:
+    config = config.for_device("cpu")
     workload = workload_from_args(args)
     dtypes = list(DTYPES) if config.dtype == "auto" else [config.dtype]
     if not set(dtypes) <= set(DTYPES):

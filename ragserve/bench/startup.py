@@ -18,7 +18,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ragserve.bench.common import machine_description, random_prompts, write_json
+from ragserve.bench.common import (
+    for_its_device,
+    machine_description,
+    random_prompts,
+    write_json,
+)
 from ragserve.bench.cpu_engines import make_variants, run_variant
 from ragserve.config import EngineConfig
 from ragserve.table import print_table
@@ -34,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _spec(config: EngineConfig, vocab: int) -> dict[str, Any]:
-    chunk = random_prompts(1, config.max_num_batched_tokens, vocab, seed=11)[0]
+    chunk = random_prompts(1, config.step_tokens, vocab, seed=11)[0]
     return {
         "phases": [{"kind": "ttft", "prompts": [chunk]}],
         "warmup_prompt": random_prompts(1, 8, vocab, seed=3)[0],
@@ -51,6 +56,7 @@ def _vocab(config: EngineConfig) -> int:
 
 
 def run(args: argparse.Namespace, config: EngineConfig) -> int:
+    config = for_its_device(config)
     results: dict[str, Any] = {"machine": machine_description(), "runs": {}, "errors": []}
     with tempfile.TemporaryDirectory(prefix="ragserve-startup-") as scratch:
         work = Path(scratch)

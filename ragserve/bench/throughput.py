@@ -11,6 +11,7 @@ import torch
 
 from ragserve.bench.common import (
     add_peak_arguments,
+    for_its_device,
     load_transformers_model,
     peak_rss_mib,
     random_prompts,
@@ -245,6 +246,7 @@ def _floor(
 
 
 def run(args: argparse.Namespace, config: EngineConfig) -> int:
+    config = for_its_device(config)
     if args.hf_continuous and args.variable:
         raise ValueError(
             "--hf-continuous needs fixed lengths: generate_batch takes one max_new_tokens"

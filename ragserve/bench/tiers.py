@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ragserve.bench.common import (
+    for_its_device,
     random_prompts,
     release_device_memory,
     time_request,
@@ -194,7 +195,7 @@ class _Run:
             self.block_bytes = llm.info.kv_bytes_per_block
             self._check_capacity(cpu_gib or disk_gib)
             # Warm-up on unrelated tokens (Triton compiles once per process), then forget them.
-            chunk = self.config.max_num_batched_tokens
+            chunk = self.config.step_tokens
             warm = min(self.args.doc_tokens, 2 * chunk + chunk // 2)
         else:
             # NOTE: later engines only warm their own state; a prompt that fills no block
@@ -378,6 +379,7 @@ def _print(results: dict[str, Any], args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace, config: EngineConfig) -> int:
+    config = for_its_device(config)
     tier_gib = args.tier_gib
     if tier_gib is None:
         tier_gib = _auto_tier_gib(config, args.doc_tokens + args.question_tokens)

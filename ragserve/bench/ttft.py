@@ -13,6 +13,7 @@ import torch
 from ragserve.bench.common import (
     RequestTiming,
     add_peak_arguments,
+    for_its_device,
     load_transformers_model,
     random_prompts,
     release_device_memory,
@@ -103,7 +104,7 @@ def _run_ragserve(
         }
         # Warm-up: whole chunks, a chunk after cached context and decodes, so Triton
         # compiles before anything is timed.
-        chunk = config.max_num_batched_tokens
+        chunk = config.step_tokens
         warm_up = min(lengths[-1], 2 * chunk + chunk // 2)
         time_request(engine, random_prompts(1, warm_up, vocab, seed=7)[0], 3, request_id="warm-up")
         llm.reset_prefix_cache()
@@ -379,6 +380,7 @@ def _record_failure(results: dict[str, Any], phase: str, exc: Exception) -> None
 
 
 def run(args: argparse.Namespace, config: EngineConfig) -> int:
+    config = for_its_device(config)
     lengths = _lengths(args)
     results: dict[str, Any] = {
         "workload": {

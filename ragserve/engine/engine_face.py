@@ -53,7 +53,7 @@ def make_info(engine: LLMEngine, attention_backend: str) -> EngineInfo:
         num_kv_blocks=engine.num_kv_blocks,
         kv_bytes_per_block=engine.kv_spec.bytes_per_block,
         max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_num_batched_tokens=config.step_tokens,
         enable_prefix_caching=config.enable_prefix_caching,
         attention_backend=attention_backend,
         cpu_tier_bytes=cpu.capacity_bytes if cpu is not None else None,

@@ -30,7 +30,7 @@ def kv_budget_bytes(
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
         # Leave room for activations of the largest step and the allocator's slack.
-        reserve = 2**30 + config.max_num_batched_tokens * 64 * 1024
+        reserve = 2**30 + config.step_tokens * 64 * 1024
         return max(0.0, free - (1 - config.gpu_memory_utilization) * total - reserve)
     wanted = config.max_num_seqs * max_model_len * bytes_per_token
     return float(min(wanted, 4 * 2**30))

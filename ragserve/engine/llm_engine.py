@@ -73,6 +73,7 @@ class LLMEngine:
             keep_freed_memory()
         self.loaded: LoadedModel = load_model_from_config(config)
         self.device = self.loaded.device
+        config = self.config = config.for_device(self.device.type)
         self.dtype = self.loaded.dtype
         self.tokenizer: Any = self.loaded.tokenizer
         self.model_name = self.loaded.name
@@ -110,14 +111,12 @@ class LLMEngine:
             tiers=self.tiers,
             max_load_bytes_per_step=int(config.kv_load_gib_per_step * 2**30),
         )
-        self.scheduler = Scheduler(
-            self.kv_manager, config.max_num_batched_tokens, config.max_num_seqs
-        )
+        self.scheduler = Scheduler(self.kv_manager, config.step_tokens, config.max_num_seqs)
         self.runner = ModelRunner(
             self.loaded.model, self.kv_cache, backend, config.block_size, self.device
         )
         if self.device.type == "cuda":
-            self.runner.warm_up(config.max_num_batched_tokens, self.max_model_len, num_blocks)
+            self.runner.warm_up(config.step_tokens, self.max_model_len, num_blocks)
         if self.device.type == "cuda" and backend.supports_cuda_graphs and not config.enforce_eager:
             self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
         if prepare_this_thread:
@@ -182,9 +181,7 @@ class LLMEngine:
         self.prepared_threads.add(thread)
         started = time.perf_counter()
         capacity = self.block_pool.num_blocks * self.config.block_size
-        self.runner.prepare_attention(
-            self.config.max_num_batched_tokens, min(self.max_model_len, capacity)
-        )
+        self.runner.prepare_attention(self.config.step_tokens, min(self.max_model_len, capacity))
         if self.device.type == "cuda":
             logger.info("attention plans built in %.1fs", time.perf_counter() - started)
 
