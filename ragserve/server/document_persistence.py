@@ -217,6 +217,13 @@ class DocumentPersistence:
             "settled", self.store.settle, doc.namespace, doc.id, doc.status, doc.error
         )
 
+    def _leases(self) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+        """The keys of the ingestions whose lease this server renews (its own) and of
+        those whose lease it claims once lapsed (another server's)."""
+        renewing = sorted(key for key, doc in self._docs.items() if doc.ingesting_here)
+        claiming = sorted(key for key, doc in self._docs.items() if doc.ingesting_elsewhere)
+        return renewing, claiming
+
     async def _sync_ingestions(self) -> None:
         """A watch round on the directory's ingestions, in one transaction: renew the
         leases of the ingestions running here; without a store (whose rows then carry
@@ -224,12 +231,9 @@ class DocumentPersistence:
         ``ingesting`` whose server stopped renewing them, take over those ingestions, and
         take the statuses of the others."""
         assert self.store is not None
-        renewing = sorted(key for key, doc in self._docs.items() if doc.ingesting_here)
-        following = []
-        if self.shared is None:
-            following = sorted(
-                key for key, doc in self._docs.items() if doc.learned and doc.status == "ingesting"
-            )
+        renewing, following = self._leases()
+        if self.shared is not None:
+            following = []  # NOTE: the store's rows carry the statuses (see _sync_shared)
         if not renewing and not following:
             return  # NOTE: an idle server takes no write lock
         read = await self._store_call(
@@ -305,10 +309,7 @@ class DocumentPersistence:
         assert self.shared is not None
         holding = [(doc.stored(), doc.version) for doc in self._docs.values()]
         await self._shared_call(self.shared.retry, holding)
-        renewing = sorted(key for key, doc in self._docs.items() if doc.ingesting_here)
-        claiming = sorted(
-            key for key, doc in self._docs.items() if doc.learned and doc.status == "ingesting"
-        )
+        renewing, claiming = self._leases()
         read = await self._shared_call(
             self.shared.watch_round, sorted(self._docs), renewing, claiming
         )

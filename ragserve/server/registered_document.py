@@ -98,6 +98,12 @@ class RegisteredDocument:
         :mod:`ragserve.server.registry_ingestions`)."""
         return not self.learned and self.status == "ingesting"
 
+    @property
+    def ingesting_elsewhere(self) -> bool:
+        """Whether another server's ingestion of it runs, as far as this server knows: its
+        lease is the one to claim once it lapses (see ``ingesting_here``)."""
+        return self.learned and self.status == "ingesting"
+
     def expired(self, now: float) -> bool:
         return self.expire_time is not None and self.expire_time <= now
 
