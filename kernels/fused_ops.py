@@ -21,6 +21,36 @@ import triton.language as tl
 
 
 @triton.jit
+def add_rms_norm_row(
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    row,
+    stride_x,
+    stride_residual,
+    size,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Row ``row`` of RMSNorm(x [+ residual]) in the model dtype, zero past ``size``; with
+    ``HAS_RESIDUAL`` the sum is stored into ``residual``. One block holds the whole row."""
+    offs = tl.arange(0, BLOCK)
+    mask = offs < size
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    dtype = x.dtype
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_ptr + row * stride_residual + offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + residual.to(tl.float32)).to(dtype)
+        tl.store(residual_ptr + row * stride_residual + offs, x, mask=mask)
+    x32 = x.to(tl.float32)
+    variance = tl.sum(x32 * x32, axis=0) / size
+    normed = (x32 * tl.math.rsqrt(variance + eps)).to(dtype)
+    weight = tl.load(weight_ptr + offs, mask=mask, other=0.0)
+    return (weight.to(tl.float32) * normed.to(tl.float32)).to(dtype)
+
+
+@triton.jit
 def _add_rms_norm_kernel(
     x_ptr,
     residual_ptr,
@@ -35,20 +65,28 @@ def _add_rms_norm_kernel(
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
+    out = add_rms_norm_row(x_ptr, residual_ptr, weight_ptr, row, stride_x, stride_residual,
+                           size, eps, HAS_RESIDUAL, BLOCK)  # fmt: skip
     offs = tl.arange(0, BLOCK)
-    mask = offs < size
-    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
-    dtype = x.dtype
-    if HAS_RESIDUAL:
-        residual = tl.load(residual_ptr + row * stride_residual + offs, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + residual.to(tl.float32)).to(dtype)
-        tl.store(residual_ptr + row * stride_residual + offs, x, mask=mask)
-    x32 = x.to(tl.float32)
-    variance = tl.sum(x32 * x32, axis=0) / size
-    normed = (x32 * tl.math.rsqrt(variance + eps)).to(dtype)
-    weight = tl.load(weight_ptr + offs, mask=mask, other=0.0)
-    out = (weight.to(tl.float32) * normed.to(tl.float32)).to(dtype)
-    tl.store(out_ptr + row * stride_out + offs, out, mask=mask)
+    tl.store(out_ptr + row * stride_out + offs, out, mask=offs < size)
+
+
+def check_norm_operands(x: torch.Tensor, residual: torch.Tensor | None) -> None:
+    """ValueError unless ``x`` is ``[tokens, size]`` with rows of unit stride, as is
+    ``residual`` when given."""
+    if x.dim() != 2 or x.stride(-1) != 1:
+        raise ValueError(f"x must be [tokens, size] with a unit last stride, got {tuple(x.shape)}")
+    if residual is not None and (residual.shape != x.shape or residual.stride(-1) != 1):
+        raise ValueError(f"residual {tuple(residual.shape)} does not match x {tuple(x.shape)}")
+
+
+def norm_launch(size: int) -> dict[str, int]:
+    """The block and warps of a norm of rows of ``size``.
+
+    NOTE: the float32 sum of squares adds in an order set by the block and warps, so every
+    kernel that must match :func:`rms_norm` bit for bit launches with these.
+    """
+    return {"BLOCK": triton.next_power_of_2(size), "num_warps": 8 if size >= 4096 else 4}
 
 
 def rms_norm(
@@ -59,10 +97,7 @@ def rms_norm(
     The in-place update of ``residual`` is what lets a layer carry its residual stream
     without a separate add kernel.
     """
-    if x.dim() != 2 or x.stride(-1) != 1:
-        raise ValueError(f"x must be [tokens, size] with a unit last stride, got {tuple(x.shape)}")
-    if residual is not None and (residual.shape != x.shape or residual.stride(-1) != 1):
-        raise ValueError(f"residual {tuple(residual.shape)} does not match x {tuple(x.shape)}")
+    check_norm_operands(x, residual)
     out = torch.empty_like(x)
     num_tokens, size = x.shape
     if num_tokens:
@@ -70,10 +105,20 @@ def rms_norm(
             x, residual if residual is not None else x, weight, out,
             x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
             size, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(size),
-            num_warps=8 if size >= 4096 else 4,
+            HAS_RESIDUAL=residual is not None, **norm_launch(size),
         )  # fmt: skip
     return out
+
+
+@triton.jit
+def silu_and_mul_cols(gate_up_ptr, row, stride_in, size, offs, mask):
+    """``silu(gate) * up`` of columns ``offs`` of row ``row``, in the model dtype (zero where
+    not ``mask``)."""
+    gate = tl.load(gate_up_ptr + row * stride_in + offs, mask=mask, other=0.0)
+    up = tl.load(gate_up_ptr + row * stride_in + size + offs, mask=mask, other=0.0)
+    gate32 = gate.to(tl.float32)
+    activated = (gate32 / (1.0 + tl.exp(-gate32))).to(gate.dtype)
+    return (activated.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
 
 
 @triton.jit
@@ -81,18 +126,19 @@ def _silu_and_mul_kernel(gate_up_ptr, out_ptr, stride_in, stride_out, size, BLOC
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < size
-    gate = tl.load(gate_up_ptr + row * stride_in + offs, mask=mask, other=0.0)
-    up = tl.load(gate_up_ptr + row * stride_in + size + offs, mask=mask, other=0.0)
-    gate32 = gate.to(tl.float32)
-    activated = (gate32 / (1.0 + tl.exp(-gate32))).to(gate.dtype)
-    out = (activated.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
+    out = silu_and_mul_cols(gate_up_ptr, row, stride_in, size, offs, mask)
     tl.store(out_ptr + row * stride_out + offs, out, mask=mask)
+
+
+def check_gate_up(gate_up: torch.Tensor) -> None:
+    """ValueError unless ``gate_up`` is ``[tokens, 2 * size]`` with rows of unit stride."""
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2 or gate_up.stride(-1) != 1:
+        raise ValueError(f"gate_up must be [tokens, 2 * size], got {tuple(gate_up.shape)}")
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` of ``gate_up [T, 2 * size]`` (gate first): ``[T, size]``."""
-    if gate_up.dim() != 2 or gate_up.shape[1] % 2 or gate_up.stride(-1) != 1:
-        raise ValueError(f"gate_up must be [tokens, 2 * size], got {tuple(gate_up.shape)}")
+    check_gate_up(gate_up)
     num_tokens, size = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty((num_tokens, size), dtype=gate_up.dtype, device=gate_up.device)
     block = min(2048, triton.next_power_of_2(size))

@@ -3,7 +3,8 @@
 One program per row loads the row once and writes what :func:`kernels.fp8_linear.quantize_rows`
 writes, bit for bit: ``scale = max(amax(|row|) * (1 / 448), tiny)`` and the e4m3 codes of
 ``clamp(row * (1 / scale), -448, 448)`` rounded to nearest even. It replaces five torch kernels
-(abs, amax, scale, multiply-clamp, cast) and their float32 temporaries.
+(abs, amax, scale, multiply-clamp, cast) and their float32 temporaries. Its ``@triton.jit``
+helpers also quantize inside the kernels that make the activation (``kernels/fused_fp8_ops.py``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import triton.language as tl
 
 from kernels.fp8_kv import FP8_DTYPE, FP8_MAX
 
-_MIN_SCALE = torch.finfo(torch.float32).tiny
+MIN_SCALE = torch.finfo(torch.float32).tiny
 # NOTE: one row is one block; rows longer than this would spill registers (Llama's largest
 # activation row, down_proj's input, is 14336 wide).
 MAX_ROW = 32768
@@ -41,6 +42,25 @@ def round_to_e4m3(q):
 
 
 @triton.jit
+def row_scale(amax, FP8_MAX_VALUE: tl.constexpr, MIN_SCALE_VALUE: tl.constexpr):
+    """``(scale, 1 / scale)`` of a row whose largest magnitude is ``amax`` (float32).
+
+    NOTE: times the float32 reciprocal, as torch computes ``amax / 448`` on CUDA; the
+    row's reciprocal is an IEEE division (``/`` is an approximate one on the GPU).
+    """
+    scale = tl.maximum(amax * (1.0 / FP8_MAX_VALUE), MIN_SCALE_VALUE)
+    return scale, tl.math.div_rn(1.0, scale)
+
+
+@triton.jit
+def scaled_e4m3(x, inverse, FP8_MAX_VALUE: tl.constexpr):
+    """The e4m3 values (float32, exact in e4m3) of ``x`` (float32) times its row's
+    ``inverse`` scale: what :func:`kernels.fp8_linear.quantize_rows` casts to e4m3."""
+    q = tl.minimum(tl.maximum(x * inverse, -FP8_MAX_VALUE), FP8_MAX_VALUE)
+    return round_to_e4m3(q)
+
+
+@triton.jit
 def _quantize_rows_kernel(
     x_ptr,
     codes_ptr,
@@ -56,13 +76,8 @@ def _quantize_rows_kernel(
     offs = tl.arange(0, BLOCK)
     mask = offs < COLS
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=0)
-    # NOTE: times the float32 reciprocal, as torch computes ``amax / 448`` on CUDA; the
-    # row's reciprocal is an IEEE division (``/`` is an approximate one on the GPU).
-    scale = tl.maximum(amax * (1.0 / FP8_MAX_VALUE), MIN_SCALE)
-    q = x * tl.math.div_rn(1.0, scale)
-    q = tl.minimum(tl.maximum(q, -FP8_MAX_VALUE), FP8_MAX_VALUE)
-    codes = round_to_e4m3(q).to(codes_ptr.dtype.element_ty)
+    scale, inverse = row_scale(tl.max(tl.abs(x), axis=0), FP8_MAX_VALUE, MIN_SCALE)
+    codes = scaled_e4m3(x, inverse, FP8_MAX_VALUE).to(codes_ptr.dtype.element_ty)
     tl.store(codes_ptr + row * stride_codes + offs, codes, mask=mask)
     tl.store(scale_ptr + row, scale)
 
@@ -86,7 +101,7 @@ def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         COLS=cols,
         BLOCK=block,
         FP8_MAX_VALUE=FP8_MAX,
-        MIN_SCALE=_MIN_SCALE,
+        MIN_SCALE=MIN_SCALE,
         num_warps=max(1, min(16, block // 512)),
     )
     return codes, scale
