@@ -70,6 +70,17 @@ def fp8_matmul_reference(
     """float32 ``quant(x) @ dequant(weight).T + bias`` for ``x [M, K]``, ``weight [N, K]``
     e4m3 and ``weight_scale [N, 1]`` float32: the arithmetic of the GPU path, exactly."""
     x_codes, x_scale = quantize_rows(x)
+    return fp8_matmul_reference_quantized(x_codes, x_scale, weight, weight_scale, bias)
+
+
+def fp8_matmul_reference_quantized(
+    x_codes: torch.Tensor,
+    x_scale: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`fp8_matmul_reference` on an activation already quantized by row."""
     out = dequantize_rows(x_codes, x_scale) @ dequantize_rows(weight, weight_scale).t()
     return out if bias is None else out + bias.to(torch.float32)
 

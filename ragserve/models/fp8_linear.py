@@ -9,6 +9,11 @@ more rows get one scale per token from one fused Triton kernel, then ``torch._sc
 Anywhere else the float32 reference computes the second form (``kernels/fp8_linear.py``
 has the arithmetic and its accuracy).
 
+Where :meth:`Fp8Linear.wants_quantized_input` says so, the layer before quantizes for it:
+the fused norm and SiLU kernels (``kernels/fused_fp8_ops.py``) write :class:`QuantizedRows`,
+the very codes and scales the layer's own quantizer would compute from their bf16 output,
+so that output is never written to memory and read back.
+
 Weights arrive one shard at a time (q/k/v or gate/up into one packed layer) through
 :meth:`Fp8Linear.load`: in a float dtype they are quantized by row there, which equals
 quantizing the packed matrix (rows are independent); already in FP8 they are copied, with
@@ -18,16 +23,30 @@ per-channel scale of the packed layer).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
 from kernels.fp8_kv import FP8_DTYPE
 from kernels.fp8_linear import (
+    WEIGHT_ONLY_MAX_ROWS,
     fp8_linear_cuda,
     fp8_matmul_reference,
+    fp8_matmul_reference_quantized,
     quantize_rows,
+    scaled_mm_quantized,
     scaled_mm_usable,
 )
+
+
+@dataclass(frozen=True)
+class QuantizedRows:
+    """An activation quantized by row as :func:`kernels.fp8_linear.quantize_rows` does:
+    e4m3 ``codes [R, K]`` and float32 ``scales [R, 1]``."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
 
 
 class Fp8Linear(nn.Module):
@@ -58,10 +77,19 @@ class Fp8Linear(nn.Module):
             if bias
             else None
         )
+        self.out_dtype = dtype
         # NOTE: decided once here, not per call: the forward pass stays free of host queries.
         self.use_scaled_mm = scaled_mm_usable(device, dtype, in_features, out_features)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def wants_quantized_input(self, rows: int) -> bool:
+        """Whether an input of ``rows`` rows should come as :class:`QuantizedRows`: on the
+        ``_scaled_mm`` path, above the weight-only GEMV's rows. A host int, so the choice
+        costs no sync (and a captured decode graph keeps the one made at capture)."""
+        return self.use_scaled_mm and rows > WEIGHT_ONLY_MAX_ROWS
+
+    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
+        if isinstance(x, QuantizedRows):
+            return self._forward_quantized(x)
         rows = x.reshape(-1, self.in_features)
         if rows.shape[0] == 0:
             return x.new_empty(*x.shape[:-1], self.out_features)
@@ -70,6 +98,19 @@ class Fp8Linear(nn.Module):
         else:
             out = fp8_matmul_reference(rows, self.weight, self.weight_scale, self.bias)
         return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def _forward_quantized(self, x: QuantizedRows) -> torch.Tensor:
+        """``[R, out]`` in the model dtype: what :meth:`forward` gives for the bf16 rows that
+        ``x`` quantizes (above the GEMV's rows)."""
+        assert x.codes.shape[1:] == (self.in_features,), (x.codes.shape, self.in_features)
+        if self.use_scaled_mm:
+            return scaled_mm_quantized(
+                x.codes, x.scales, self.weight, self.weight_scale, self.out_dtype, self.bias
+            )
+        out = fp8_matmul_reference_quantized(
+            x.codes, x.scales, self.weight, self.weight_scale, self.bias
+        )
+        return out.to(self.out_dtype)
 
     @torch.no_grad()
     def load(self, kind: str, tensor: torch.Tensor, start: int, size: int) -> tuple[str, ...]:

@@ -39,6 +39,13 @@ def fused_ops() -> ModuleType:
     return module
 
 
+def fused_fp8_ops() -> ModuleType:
+    """``kernels/fused_fp8_ops.py``, imported on first use as :func:`fused_ops` is."""
+    from kernels import fused_fp8_ops as module
+
+    return module
+
+
 class Linear(nn.Module):
     """``y = x @ weight.T + bias`` with ``weight`` of shape ``[out_features, in_features]``.
 

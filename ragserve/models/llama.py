@@ -14,7 +14,8 @@ Parameter names mirror HF checkpoints except for the fused ``qkv_proj`` and ``ga
 ``load_weights`` takes HF names and writes each shard into its slice of the fused weight.
 With ``quantization="fp8"`` the four projections of each layer are ``Fp8Linear``s
 (``fp8_linear.py``), which take float shards (quantized on arrival) or FP8 shards with their
-``weight_scale``.
+``weight_scale``. Where one quantizes its input, the norm or SiLU before it writes that input
+quantized (``_quantizes_input``).
 """
 
 from __future__ import annotations
@@ -36,8 +37,15 @@ from kernels.cpu_linear import (
     small_linear_usable,
 )
 from ragserve.models.forward_context import OutputRows, get_forward_context
-from ragserve.models.fp8_linear import Fp8Linear
-from ragserve.models.layers import Embedding, Linear, RMSNorm, fused_ops, use_fused_kernels
+from ragserve.models.fp8_linear import Fp8Linear, QuantizedRows
+from ragserve.models.layers import (
+    Embedding,
+    Linear,
+    RMSNorm,
+    fused_fp8_ops,
+    fused_ops,
+    use_fused_kernels,
+)
 from ragserve.models.rotary import RotaryEmbedding, Rotation, compute_inv_freq, rope_parameters
 
 # HF projection name -> (our fused projection, shard index within it)
@@ -80,6 +88,26 @@ def linear_class(quantization: str) -> type[Linear] | type[Fp8Linear]:
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
     return Fp8Linear if quantization == "fp8" else Linear
+
+
+def _quantizes_input(linear: nn.Module, rows: int) -> bool:
+    """Whether ``linear`` takes its input of ``rows`` rows as :class:`QuantizedRows`, made by
+    the fused kernel that computes it (``kernels/fused_fp8_ops.py``) instead of bf16 rows the
+    linear would read back only to quantize them. The one place the decoder decides it."""
+    return isinstance(linear, Fp8Linear) and linear.wants_quantized_input(rows)
+
+
+def _norm_into(
+    norm: RMSNorm, hidden: torch.Tensor, residual: torch.Tensor | None, linear: nn.Module
+) -> tuple[torch.Tensor | QuantizedRows, torch.Tensor]:
+    """``(norm(hidden + residual), hidden + residual)`` (without ``residual``, of ``hidden``
+    alone), the first in the form ``linear``, its consumer, takes."""
+    if _quantizes_input(linear, hidden.shape[0]):
+        codes, scales = fused_fp8_ops().add_rms_norm_quant(hidden, norm.weight, norm.eps, residual)
+        return QuantizedRows(codes, scales), hidden if residual is None else residual
+    if residual is None:
+        return norm(hidden), hidden
+    return norm.add_forward(hidden, residual)
 
 
 @dataclass(frozen=True)
@@ -151,6 +179,7 @@ class LlamaAttention(nn.Module):
         self.q_size = shape.num_heads * shape.head_dim
         self.kv_size = shape.num_kv_heads * shape.head_dim
         self.scale = shape.head_dim**-0.5
+        self.hidden_size = shape.hidden_size
         self.qkv_proj = linear(
             shape.hidden_size,
             self.q_size + 2 * self.kv_size,
@@ -169,11 +198,14 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(shape.head_dim, eps, device=device, dtype=dtype)
 
     def forward(
-        self, hidden: torch.Tensor, rotation: Rotation, output_rows: OutputRows | None = None
+        self,
+        hidden: torch.Tensor | QuantizedRows,
+        rotation: Rotation,
+        output_rows: OutputRows | None = None,
     ) -> torch.Tensor:
         """Attention output ``[T, hidden]``, or ``[R, hidden]`` of ``output_rows`` only."""
-        num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
+        num_tokens = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is None and not rotation.fused and qkv.device.type == "cpu":
@@ -196,7 +228,7 @@ class LlamaAttention(nn.Module):
             # Later tokens attend to every row's K/V, but only these rows' outputs are read.
             ctx.backend.store_kv(k, v, kv_layer, ctx.meta.slot_mapping)
             if output_rows.count == 0:
-                return hidden[:0]
+                return qkv.new_empty(0, self.hidden_size)
             rows = output_rows.indices
             out = ctx.backend.forward(
                 q[rows], k[rows], v[rows], kv_layer, output_rows.meta, self.scale
@@ -232,8 +264,11 @@ class LlamaMLP(nn.Module):
             dtype=dtype,
         )
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor | QuantizedRows) -> torch.Tensor:
         gate_up = self.gate_up_proj(hidden)
+        if _quantizes_input(self.down_proj, gate_up.shape[0]):
+            codes, scales = fused_fp8_ops().silu_and_mul_quant(gate_up)
+            return self.down_proj(QuantizedRows(codes, scales))
         if use_fused_kernels(gate_up):
             return self.down_proj(fused_ops().silu_and_mul(gate_up))
         if gate_up.dim() == 2 and cpu_layer_ops.usable(gate_up):
@@ -277,18 +312,18 @@ class LlamaDecoderLayer(nn.Module):
         NOTE: the same additions as HF's ``hidden + sublayer(norm(hidden))``, in the model
         dtype, only carried one step later so that each add fuses with the norm after it.
         """
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm.add_forward(hidden, residual)
-        hidden = self.self_attn(hidden, rotation, output_rows)
+        normed, residual = _norm_into(
+            self.input_layernorm, hidden, residual, self.self_attn.qkv_proj
+        )
+        hidden = self.self_attn(normed, rotation, output_rows)
         if output_rows is not None:
             if output_rows.count == 0:
                 return hidden, residual[:0]
             residual = residual[output_rows.indices]
-        hidden, residual = self.post_attention_layernorm.add_forward(hidden, residual)
-        return self.mlp(hidden), residual
+        normed, residual = _norm_into(
+            self.post_attention_layernorm, hidden, residual, self.mlp.gate_up_proj
+        )
+        return self.mlp(normed), residual
 
 
 class LlamaModel(nn.Module):

@@ -13,7 +13,12 @@ import pytest
 import torch
 
 from kernels.fp8_kv import FP8_DTYPE
-from kernels.fp8_linear import WEIGHT_ONLY_MAX_ROWS, dequantize_rows, fp8_matmul_reference
+from kernels.fp8_linear import (
+    WEIGHT_ONLY_MAX_ROWS,
+    dequantize_rows,
+    fp8_matmul_reference,
+    quantize_rows,
+)
 from kernels.triton_fp8_gemv import fp8_gemv_reference
 from ragserve import LLM, SamplingParams
 from ragserve.bench.shapes import (
@@ -22,13 +27,20 @@ from ragserve.bench.shapes import (
     linear_params,
     write_shape_config,
 )
-from ragserve.models.fp8_linear import Fp8Linear
-from ragserve.models.layers import Linear
-from ragserve.models.llama import shape_from_config
+from ragserve.models.fp8_linear import Fp8Linear, QuantizedRows
+from ragserve.models.layers import Linear, RMSNorm
+from ragserve.models.llama import (
+    ArchFlags,
+    LlamaMLP,
+    ModelShape,
+    _norm_into,
+    shape_from_config,
+)
 from ragserve.models.loader import load_model
 from tests.model_factory import make_tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 NEW = 12
 
 
@@ -202,3 +214,88 @@ def test_the_layer_takes_the_weight_only_path_for_few_rows_only(rows: int) -> No
     tolerance = 2.0**-7 * want.abs() + 1e-3 * want.abs().max()
     assert ((got - want).abs() <= tolerance).all()
     assert ((got - other).abs() > tolerance).any()
+
+
+def _bf16_layer(in_features: int, out_features: int, seed: int) -> Fp8Linear:
+    layer = Fp8Linear(in_features, out_features, bias=True, device=DEVICE, dtype=torch.bfloat16)
+    generator = torch.Generator().manual_seed(seed)
+    layer.load(
+        "weight", torch.randn(out_features, in_features, generator=generator), 0, out_features
+    )
+    assert layer.bias is not None
+    layer.bias.data.copy_(torch.randn(out_features, generator=generator))
+    return layer
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_quantized_rows_give_what_their_bf16_rows_give(rows: int) -> None:
+    """On the reference path (the CPU) bit for bit; on the GPU above the GEMV's rows, where
+    the bf16 rows would be quantized by the same arithmetic before the same ``_scaled_mm``."""
+    layer = _bf16_layer(512, 384, seed=rows)
+    if layer.use_scaled_mm and rows <= WEIGHT_ONLY_MAX_ROWS:
+        pytest.skip("few rows take the weight-only GEMV, which quantizes no activation")
+    generator = torch.Generator().manual_seed(rows + 1)
+    x = torch.randn(rows, 512, generator=generator).to(torch.bfloat16).to(DEVICE)
+    got = layer(QuantizedRows(*quantize_rows(x)))
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 384)
+    assert torch.equal(got, layer(x))
+
+
+def test_the_layer_wants_quantized_input_on_scaled_mm_above_the_gemv_rows() -> None:
+    layer = Fp8Linear(64, 32, bias=False, device=torch.device("cpu"), dtype=torch.bfloat16)
+    assert not layer.wants_quantized_input(1000)  # the CPU's reference quantizes itself
+    layer.use_scaled_mm = True
+    assert not layer.wants_quantized_input(WEIGHT_ONLY_MAX_ROWS)
+    assert layer.wants_quantized_input(WEIGHT_ONLY_MAX_ROWS + 1)
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_norms_and_the_mlp_hand_an_fp8_linear_its_input_quantized(
+    monkeypatch: pytest.MonkeyPatch, with_residual: bool
+) -> None:
+    """The decoder's fused norm + quantize and SiLU + quantize feed an FP8 linear that wants
+    its input quantized (forced on the CPU, where the kernels run interpreted), bit for bit
+    the unfused kernels then the layer's own quantizer; other consumers get bf16 rows."""
+    from kernels.fused_ops import rms_norm, silu_and_mul
+    from kernels.triton_fp8_quant import quantize_rows_triton
+
+    monkeypatch.setattr(
+        Fp8Linear, "wants_quantized_input", lambda self, rows: rows > WEIGHT_ONLY_MAX_ROWS
+    )
+    generator = torch.Generator().manual_seed(7)
+    hidden = torch.randn(5, 256, generator=generator).to(torch.bfloat16).to(DEVICE)
+    residual = torch.randn(5, 256, generator=generator).to(torch.bfloat16).to(DEVICE)
+    norm = RMSNorm(256, 1e-5, device=DEVICE, dtype=torch.bfloat16)
+    norm.weight.data.copy_(torch.rand(256, generator=generator))
+    consumer = _bf16_layer(256, 384, seed=3)
+    want_residual = residual.clone() if with_residual else hidden
+    want_codes, want_scales = quantize_rows_triton(
+        rms_norm(hidden, norm.weight, norm.eps, want_residual if with_residual else None)
+    )
+    got_residual = residual.clone() if with_residual else None
+    normed, summed = _norm_into(norm, hidden, got_residual, consumer)
+    assert isinstance(normed, QuantizedRows)
+    assert torch.equal(normed.scales, want_scales)
+    assert torch.equal(normed.codes.view(torch.uint8), want_codes.view(torch.uint8))
+    assert torch.equal(summed, want_residual)
+    assert not isinstance(_norm_into(norm, hidden[:2], None, consumer)[0], QuantizedRows)
+    plain = Linear(256, 384, bias=False, device=DEVICE, dtype=torch.bfloat16)
+    assert not isinstance(_norm_into(norm, hidden, None, plain)[0], QuantizedRows)
+
+    shape = ModelShape(
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=4,
+        head_dim=64,
+        hidden_size=256,
+        intermediate_size=192,
+        vocab_size=128,
+    )
+    mlp = LlamaMLP(shape, ArchFlags(), device=DEVICE, dtype=torch.bfloat16, quantization="fp8")
+    for layer, seed in ((mlp.gate_up_proj, 4), (mlp.down_proj, 5)):
+        assert isinstance(layer, Fp8Linear)
+        fill = torch.Generator().manual_seed(seed)
+        weight = torch.randn(layer.out_features, layer.in_features, generator=fill)
+        layer.load("weight", weight, 0, layer.out_features)
+    codes, scales = quantize_rows_triton(silu_and_mul(mlp.gate_up_proj(hidden)))
+    assert torch.equal(mlp(hidden), mlp.down_proj(QuantizedRows(codes, scales)))
