@@ -17,6 +17,15 @@ graphs:
 It checks the dispatched output against its float32 reference and the fused quantizer
 against ``quantize_rows`` bit for bit; exits 1 when either is off. ``--sweep`` also times
 the GEMV's alternative tile shapes per shape and row count and prints the fastest.
+
+``--fused-ops`` times instead the kernels that quantize the activation where it is made
+(``kernels/fused_fp8_ops.py``) against the unfused pair they replace, at the 8B's widths
+(rows default 256,4096,16384): ``add_rms_norm`` (with the residual, hidden 4096) then
+``quantize_rows_triton`` against ``add_rms_norm_quant``, and ``silu_and_mul`` (intermediate
+14336) then ``quantize_rows_triton`` against ``silu_and_mul_quant`` (also forced into its
+two-pass loop over 4096-wide blocks, ``loop``). Each time is the median over 30 replays of a
+CUDA graph of 20 calls, by CUDA events, after a warm-up. It checks every fused output bit
+for bit against the unfused one; exits 1 when one is off or failed to compile.
 """
 
 from __future__ import annotations
@@ -24,7 +33,9 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import statistics
 from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -154,6 +165,116 @@ def bench(name: str, k: int, n: int, rows: int, do_sweep: bool) -> dict[str, obj
     return row
 
 
+def graph_time_us(fn: Callable[[], object], calls: int = 20, replays: int = 30) -> float:
+    """Median µs of one ``fn()`` call: CUDA events around replays of a graph of ``calls``
+    calls (no launch overhead in the time), after a warm-up."""
+    for _ in range(3):
+        fn()  # compiles, and warms the caches
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    samples = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(samples)
+
+
+def _same(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    return torch.equal(got[1], want[1]) and torch.equal(
+        got[0].view(torch.uint8), want[0].view(torch.uint8)
+    )
+
+
+def bench_fused_ops(rows: int, device: torch.device) -> list[dict[str, object]]:
+    """The norm and SiLU rows of ``--fused-ops`` at ``rows`` rows (errors reported, not raised)."""
+    from kernels import fused_fp8_ops, fused_ops
+
+    hidden, intermediate = 4096, 14336
+    x = torch.randn(rows, hidden, device=device).to(torch.bfloat16)
+    residual = torch.randn(rows, hidden, device=device).to(torch.bfloat16)
+    weight = (1 + 0.1 * torch.randn(hidden, device=device)).to(torch.bfloat16)
+    gate_up = (3 * torch.randn(rows, 2 * intermediate, device=device)).to(torch.bfloat16)
+
+    def norm_unfused() -> tuple[torch.Tensor, torch.Tensor]:
+        return quantize_rows_triton(fused_ops.rms_norm(x, weight, 1e-5, residual=residual))
+
+    def norm_fused() -> tuple[torch.Tensor, torch.Tensor]:
+        return fused_fp8_ops.add_rms_norm_quant(x, weight, 1e-5, residual=residual)
+
+    def silu_unfused() -> tuple[torch.Tensor, torch.Tensor]:
+        return quantize_rows_triton(fused_ops.silu_and_mul(gate_up))
+
+    def silu_fused() -> tuple[torch.Tensor, torch.Tensor]:
+        return fused_fp8_ops.silu_and_mul_quant(gate_up)
+
+    def silu_loop() -> tuple[torch.Tensor, torch.Tensor]:
+        return fused_fp8_ops.silu_and_mul_quant(gate_up, block=fused_fp8_ops.SILU_LOOP_BLOCK)
+
+    cases = (
+        ("add_rms_norm", hidden, norm_unfused, {"fused": norm_fused}),
+        ("silu_and_mul", intermediate, silu_unfused, {"fused": silu_fused, "loop": silu_loop}),
+    )
+    results: list[dict[str, object]] = []
+    for name, width, unfused, variants in cases:
+        errors: list[str] = []
+        row: dict[str, object] = {"op": name, "width": width, "rows": rows, "errors": errors}
+        start = residual.clone()
+        try:
+            want = unfused()
+            row["unfused_us"] = graph_time_us(unfused)
+        except Exception as exc:  # NOTE: a kernel that fails to compile is reported
+            errors.append(f"unfused: {type(exc).__name__}: {exc}"[:300])
+            want = None
+        for variant, fn in variants.items():
+            residual.copy_(start)  # the norm adds into it: both sides start from one stream
+            try:
+                got = fn()
+                row[f"{variant}_exact"] = want is not None and _same(got, want)
+                row[f"{variant}_us"] = graph_time_us(fn)
+            except Exception as exc:
+                errors.append(f"{variant}: {type(exc).__name__}: {exc}"[:300])
+        residual.copy_(start)
+        results.append(row)
+    return results
+
+
+def fused_ops_main(rows_list: list[int], json_path: str | None) -> int:
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, microseconds")
+    print(f"{'op':<14}{'width':>7}{'rows':>7}{'unfused':>10}{'fused':>10}{'x':>7}{'loop':>10}")
+    results = []
+    ok = True
+    for rows in rows_list:
+        for row in bench_fused_ops(rows, torch.device("cuda")):
+            results.append(row)
+            unfused, fused = row.get("unfused_us"), row.get("fused_us")
+            speedup = (
+                f"{unfused / fused:.2f}"
+                if isinstance(unfused, float) and isinstance(fused, float)
+                else "-"
+            )
+            exact = all(row[key] for key in row if key.endswith("_exact"))
+            status = "" if exact else "  NOT BIT-EXACT"
+            for error in cast(list[str], row["errors"]):
+                status += f"\n  {error}"
+            ok = ok and exact and not row["errors"]
+            print(
+                f"{row['op']:<14}{row['width']:>7}{rows:>7}{_us(unfused):>10}{_us(fused):>10}"
+                f"{speedup:>7}{_us(row.get('loop_us')):>10}{status}",
+                flush=True,
+            )
+    if json_path:
+        with open(json_path, "w") as handle:
+            json.dump(results, handle, indent=2)
+    return 0 if ok else 1
+
+
 def _us(value: object) -> str:
     return f"{value:.1f}" if isinstance(value, float) else "-"
 
@@ -161,15 +282,25 @@ def _us(value: object) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--rows", default="1,4,16,64,256,4096", help="row counts (tokens), comma-separated"
+        "--rows",
+        default=None,
+        help="row counts (tokens), comma-separated (default 1,4,16,64,256,4096; with "
+        "--fused-ops 256,4096,16384)",
     )
     parser.add_argument("--sweep", action="store_true", help="also time other GEMV tiles")
+    parser.add_argument(
+        "--fused-ops", action="store_true", help="time the fused norm/SiLU + quantize kernels"
+    )
     parser.add_argument("--json", default=None, help="also write the rows to this file")
     args = parser.parse_args()
     device = torch.device("cuda")
     if not scaled_mm_usable(device, torch.bfloat16, 4096, 4096):
         print("needs a CUDA device of compute capability >= 8.9 (torch._scaled_mm, row-wise)")
         return 2
+    if args.fused_ops:
+        rows = args.rows or "256,4096,16384"
+        return fused_ops_main([int(r) for r in rows.split(",")], args.json)
+    args.rows = args.rows or "1,4,16,64,256,4096"
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, microseconds")
     columns = ("bf16", "fp8", "x", "quant", "q-torch", "mm", "mm-fast", "gemv", "TB/s")
     header = f"{'linear':<13}{'K':>6}{'N':>7}{'rows':>6}{'path':>6}"
