@@ -193,6 +193,26 @@ def test_fp8_engine_on_the_gpu_runs_scaled_mm_and_graphs_give_the_eager_outputs(
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not _sm89(), reason="torch._scaled_mm needs compute capability >= 8.9")
+def test_inputs_quantized_by_the_fused_kernels_give_the_unfused_tokens(
+    model_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fused norm/SiLU + quantize kernels are bit for bit the unfused pair, so prompts
+    and graph-replayed decode batches give the same greedy tokens without them."""
+    generator = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(3, 128, (n,), generator=generator).tolist() for n in (1, 9, 17, 40)]
+    outputs = []
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(Fp8Linear, "wants_quantized_input", lambda self, rows: False)
+        with LLM(
+            model_dir, dtype="bfloat16", device="cuda", quantization="fp8", kv_cache_gib=0.05
+        ) as llm:
+            outputs.append(generate(llm, prompts, NEW))
+    assert outputs[0] == outputs[1]
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(not _sm89(), reason="FP8 kernels need compute capability >= 8.9")
 @pytest.mark.parametrize("rows", [1, WEIGHT_ONLY_MAX_ROWS, WEIGHT_ONLY_MAX_ROWS + 1, 300])
 def test_the_layer_takes_the_weight_only_path_for_few_rows_only(rows: int) -> None:
