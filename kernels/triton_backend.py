@@ -66,7 +66,7 @@ class TritonBackend(AttentionBackend):
 
     name = "triton"
     supports_cuda_graphs = True
-    supports_fp8_kv = True
+    supports_quantized_kv = True
 
     def __init__(
         self,

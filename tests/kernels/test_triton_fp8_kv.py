@@ -17,7 +17,7 @@ import triton.language as tl
 from kernels.fp8_kv import FP8_DTYPE, FP8_MAX, dequantize_slots, quantize_slots
 from kernels.interface import write_kv
 from kernels.reference import ReferenceBackend
-from kernels.registry import FP8_KV_BACKENDS, choose_backend_name
+from kernels.registry import QUANTIZED_KV_BACKENDS, choose_backend_name
 from kernels.triton_attention import paged_attention
 from kernels.triton_backend import TritonBackend
 from kernels.triton_kv_write import _e4m3_codes, gather_fp8_context, write_kv_triton
@@ -233,12 +233,15 @@ def test_fp8_decode_under_a_cuda_graph_replays_new_inputs() -> None:
     assert rel_error(out, ref_out) < 1e-2
 
 
-def test_fp8_backend_selection() -> None:
-    """FP8 on CUDA: Triton; on the CPU: the reference (the native kernels read plain caches)."""
-    assert choose_backend_name(None, "cuda", ["triton", "reference"], fp8_kv=True) == "triton"
-    assert choose_backend_name(None, "cuda", ["reference"], fp8_kv=True) == "reference"
-    assert choose_backend_name(None, "cpu", ["cpu", "reference"], fp8_kv=True) == "reference"
-    assert choose_backend_name(None, "cpu", ["cpu", "reference"]) == "cpu"
-    assert choose_backend_name("cpu", "cpu", ["cpu", "reference"], fp8_kv=True) == "cpu"
-    assert set(FP8_KV_BACKENDS) == {"triton", "reference"}
-    TritonBackend().check_kv_cache(torch.zeros((2, 1, 2, 4, 1, 20), dtype=torch.uint8))
+def test_8bit_backend_selection() -> None:
+    """An 8-bit cache (fp8 or int8) on CUDA: Triton; on the CPU: the reference (the native
+    kernels read plain caches)."""
+    choose = choose_backend_name
+    assert choose(None, "cuda", ["triton", "reference"], quantized_kv=True) == "triton"
+    assert choose(None, "cuda", ["reference"], quantized_kv=True) == "reference"
+    assert choose(None, "cpu", ["cpu", "reference"], quantized_kv=True) == "reference"
+    assert choose(None, "cpu", ["cpu", "reference"]) == "cpu"
+    assert choose("cpu", "cpu", ["cpu", "reference"], quantized_kv=True) == "cpu"
+    assert set(QUANTIZED_KV_BACKENDS) == {"triton", "reference"}
+    for storage in (torch.uint8, torch.int8):
+        TritonBackend().check_kv_cache(torch.zeros((2, 1, 2, 4, 1, 20), dtype=storage))
