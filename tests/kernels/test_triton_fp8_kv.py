@@ -1,7 +1,8 @@
-"""The Triton KV write and paged attention over an FP8 cache (``kernels/fp8_kv.py``).
+"""The Triton KV write and paged attention over an 8-bit cache (``kernels/fp8_kv.py``: e4m3
+codes in ``uint8``, int8 codes in ``int8``; the shared behaviour is tested for both).
 
 The write must store the bytes ``quantize_slots`` stores; attention must match the
-reference backend reading the same FP8 cache (both attend over the same dequantized
+reference backend reading the same 8-bit cache (both attend over the same dequantized
 values, so the tolerance is the plain path's). Without CUDA the kernels run under
 ``TRITON_INTERPRET=1`` on small shapes; on a GPU the same tests take larger shapes, in
 float32 and bf16, plus a CUDA graph capture.
@@ -20,7 +21,12 @@ from kernels.reference import ReferenceBackend
 from kernels.registry import QUANTIZED_KV_BACKENDS, choose_backend_name
 from kernels.triton_attention import paged_attention
 from kernels.triton_backend import TritonBackend
-from kernels.triton_kv_write import _e4m3_codes, gather_fp8_context, write_kv_triton
+from kernels.triton_kv_write import (
+    _e4m3_codes,
+    _int8_codes,
+    gather_fp8_context,
+    write_kv_triton,
+)
 from tests.kernels.test_triton_kernels import (  # the interpreter fix comes with it
     CASES,
     CUDA,
@@ -29,6 +35,9 @@ from tests.kernels.test_triton_kernels import (  # the interpreter fix comes wit
     Batch,
     rel_error,
 )
+
+# The two 8-bit formats, by the cache's storage dtype: e4m3 codes in uint8, int8 codes.
+FORMATS = pytest.mark.parametrize("storage", [torch.uint8, torch.int8], ids=["fp8", "int8"])
 
 
 def fp8_batch(
@@ -39,10 +48,11 @@ def fp8_batch(
     block_size: int,
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
+    storage: torch.dtype = torch.uint8,
 ) -> Batch:
-    """A ``Batch`` whose cache is the FP8 rows of its random values."""
+    """A ``Batch`` whose cache is the 8-bit rows (of ``storage``) of its random values."""
     batch = Batch(seqs, num_heads, num_kv_heads, head_dim, block_size, dtype=dtype, seed=seed)
-    batch.cache = quantize_slots(batch.cache)
+    batch.cache = quantize_slots(batch.cache, storage)
     return batch
 
 
@@ -67,6 +77,29 @@ def _codes_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
     tl.store(out_ptr + offs, _e4m3_codes(x).to(tl.uint8), mask=offs < n)
 
 
+@triton.jit
+def _int8_codes_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n)
+    tl.store(out_ptr + offs, _int8_codes(x), mask=offs < n)
+
+
+def test_int8_rounding_matches_torch_on_every_half_and_its_neighbours() -> None:
+    """Every integer and half in [-130, 130] (ties to even), the floats just either side of
+    each, fractions, signed zeros, denormals and values past +-127 (clamped, never -128)
+    round as ``torch.round(...).clamp(-127, 127)``."""
+    halves = torch.arange(-260, 261, dtype=torch.float32) / 2
+    around = torch.cat([halves.nextafter(halves - 1), halves.nextafter(halves + 1)])
+    odd = torch.tensor([0.0, -0.0, 1e-45, -1e-40, 0.3, -0.7, 126.9, -127.4, 1e9, -3e38])
+    fractions = torch.randn(2048, generator=torch.Generator().manual_seed(0)) * 60
+    x = torch.cat([halves, around, odd, fractions]).to(DEVICE)
+    codes = torch.empty(x.shape, dtype=torch.int8, device=DEVICE)
+    _int8_codes_kernel[(triton.cdiv(x.numel(), 1024),)](x, codes, x.numel(), BLOCK=1024)
+    expected = x.round().clamp(-127, 127).to(torch.int8)
+    assert torch.equal(codes, expected), x[codes != expected]
+    assert int(codes.min()) == -127
+
+
 def test_e4m3_rounding_matches_torch_on_every_value_and_tie() -> None:
     """Every e4m3 value, the midpoints between neighbours (ties to even), values just
     either side of them, subnormals and the float32 denormals all round as torch does."""
@@ -83,9 +116,10 @@ def test_e4m3_rounding_matches_torch_on_every_value_and_tie() -> None:
     assert torch.equal(codes, expected), x[codes != expected]
 
 
+@FORMATS
 @pytest.mark.parametrize("num_kv_heads,head_dim,block_size", [(3, 32, 4), (1, 128, 16), (2, 20, 8)])
 def test_write_kernel_is_bit_identical_to_the_torch_quantizer(
-    num_kv_heads: int, head_dim: int, block_size: int
+    num_kv_heads: int, head_dim: int, block_size: int, storage: torch.dtype
 ) -> None:
     """Rows of magnitudes 1e-30..1e30, outliers, zero, denormal and negative-zero rows,
     into a non-contiguous layer view; negative slots are skipped."""
@@ -97,8 +131,11 @@ def test_write_kernel_is_bit_identical_to_the_torch_quantizer(
     x[1, 0] = 1e-41
     x[2, -1] = -0.0
     x[3, :, ::5] *= 60.0
+    # Exact ties under int8's scale (amax 31.75: scale 1/4): -1.5 -> -2, 2.5 -> 2.
+    x[4] = x[4].clamp(-1.0, 1.0)
+    x[4, :, :3] = torch.tensor([31.75, -0.375, 0.625])
     cache = torch.randint(0, 256, (num_blocks, 2, 2, block_size, num_kv_heads, head_dim + 4),
-                          dtype=torch.uint8, generator=gen)  # fmt: skip
+                          dtype=torch.uint8, generator=gen).view(storage)  # fmt: skip
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
     slots[5] = -1
     expected = cache.clone()
@@ -162,9 +199,12 @@ def test_long_chunk_routing_over_fp8_matches_reference(
     assert torch.equal(batch.cache, ref_cache)
 
 
+@FORMATS
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_gather_fp8_context_equals_dequantized_rows(dtype: torch.dtype) -> None:
-    batch = fp8_batch([(37, 1)], 4, 2, 32, 16, seed=3)
+def test_gather_fp8_context_equals_dequantized_rows(
+    dtype: torch.dtype, storage: torch.dtype
+) -> None:
+    batch = fp8_batch([(37, 1)], 4, 2, 32, 16, seed=3, storage=storage)
     table = batch.meta.block_tables[0]
     key, value = gather_fp8_context(batch.layer(), table, 37, dtype)
     blocks = table[:3].long()
