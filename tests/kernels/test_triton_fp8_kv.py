@@ -147,23 +147,25 @@ def test_write_kernel_is_bit_identical_to_the_torch_quantizer(
     assert torch.equal(cache.cpu(), expected)
 
 
+@FORMATS
 @pytest.mark.parametrize("case", range(len(CASES)))
-def test_backend_over_fp8_matches_reference_over_fp8(case: int) -> None:
+def test_backend_over_8bit_matches_reference_over_8bit(case: int, storage: torch.dtype) -> None:
     """Decodes, mixed batches and chunks over context, several GQA ratios and block sizes."""
     seqs, heads, kv_heads, head_dim, block_size = CASES[case]
-    batch = fp8_batch(seqs, heads, kv_heads, head_dim, block_size, seed=case)
+    batch = fp8_batch(seqs, heads, kv_heads, head_dim, block_size, seed=case, storage=storage)
     ref_out, ref_cache = reference_fp8(batch)
     out = TritonBackend(None, None, None).forward(
         batch.query, batch.key, batch.value, batch.layer(), batch.meta, batch.scale
     )
-    assert torch.equal(batch.cache, ref_cache), "FP8 KV write differs from the reference"
+    assert torch.equal(batch.cache, ref_cache), "8-bit KV write differs from the reference"
     torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-4)
 
 
+@FORMATS
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_split_k_over_fp8_matches_reference(num_splits: int) -> None:
+def test_split_k_over_8bit_matches_reference(num_splits: int, storage: torch.dtype) -> None:
     seqs = [(300, 1), (70, 1), (1, 1), (120, 13)] if CUDA else [(45, 1), (1, 1), (30, 5)]
-    batch = fp8_batch(seqs, 6, 2, 32, 16, seed=num_splits)
+    batch = fp8_batch(seqs, 6, 2, 32, 16, seed=num_splits, storage=storage)
     ref_out, _ = reference_fp8(batch)
     write_kv_triton(batch.key, batch.value, batch.layer(), batch.meta.slot_mapping)
     out = paged_attention(
@@ -182,12 +184,13 @@ def test_split_k_over_fp8_matches_reference(num_splits: int) -> None:
         [(0, 37)],  # one whole prompt: SDPA over its FP8 round-tripped K/V
     ],
 )
-def test_long_chunk_routing_over_fp8_matches_reference(
-    seqs: list[tuple[int, int]], fp8_chunk_limit: int | None
+@FORMATS
+def test_long_chunk_routing_over_8bit_matches_reference(
+    seqs: list[tuple[int, int]], fp8_chunk_limit: int | None, storage: torch.dtype
 ) -> None:
-    """A chunk over FP8 context stays in Triton (None) or goes to SDPA over its gathered,
+    """A chunk over 8-bit context stays in Triton (None) or goes to SDPA over its gathered,
     dequantized context (8)."""
-    batch = fp8_batch(seqs, 8, 2, 64, 16, seed=len(seqs))
+    batch = fp8_batch(seqs, 8, 2, 64, 16, seed=len(seqs), storage=storage)
     ref_out, ref_cache = reference_fp8(batch)
     backend = TritonBackend(
         sdpa_min_tokens=8, sdpa_min_chunk_tokens=8, sdpa_min_fp8_chunk_tokens=fp8_chunk_limit
@@ -223,10 +226,15 @@ def test_gather_fp8_context_equals_dequantized_rows(
     ],
 )
 @pytest.mark.parametrize("case", [0, 1] if not CUDA else range(len(CASES)))
-def test_half_precision_over_fp8_close_to_fp32_reference(dtype: torch.dtype, case: int) -> None:
-    """Tensor-core tile shapes: codes converted to bf16/fp16, scales outside the dots."""
+@FORMATS
+def test_half_precision_over_8bit_close_to_fp32_reference(
+    dtype: torch.dtype, case: int, storage: torch.dtype
+) -> None:
+    """Tensor-core tile shapes: codes converted to fp16, scales outside the dots."""
     seqs, heads, kv_heads, head_dim, block_size = CASES[case]
-    batch = fp8_batch(seqs, heads, kv_heads, head_dim, block_size, dtype=dtype, seed=7 + case)
+    batch = fp8_batch(
+        seqs, heads, kv_heads, head_dim, block_size, dtype=dtype, seed=7 + case, storage=storage
+    )
     ref_out, _ = reference_fp8(batch)
     out = TritonBackend(None, None, None).forward(
         batch.query, batch.key, batch.value, batch.layer(), batch.meta, batch.scale
@@ -236,10 +244,11 @@ def test_half_precision_over_fp8_close_to_fp32_reference(dtype: torch.dtype, cas
 
 
 @pytest.mark.gpu  # cuDNN/flash through SDPA
+@FORMATS
 @pytest.mark.parametrize("fp8_chunk_limit", [None, 2048])
-def test_fp8_bf16_default_routing(fp8_chunk_limit: int | None) -> None:
+def test_8bit_bf16_default_routing(fp8_chunk_limit: int | None, storage: torch.dtype) -> None:
     seqs = [(3000, 1), (9000, 1), (700, 100), (12000, 2100), (0, 4000)]
-    batch = fp8_batch(seqs, 32, 8, 128, 16, dtype=torch.bfloat16, seed=42)
+    batch = fp8_batch(seqs, 32, 8, 128, 16, dtype=torch.bfloat16, seed=42, storage=storage)
     ref_out, ref_cache = reference_fp8(batch)
     out = TritonBackend(sdpa_min_fp8_chunk_tokens=fp8_chunk_limit).forward(
         batch.query, batch.key, batch.value, batch.layer(), batch.meta, batch.scale
@@ -250,10 +259,11 @@ def test_fp8_bf16_default_routing(fp8_chunk_limit: int | None) -> None:
 
 
 @pytest.mark.gpu
-def test_fp8_decode_under_a_cuda_graph_replays_new_inputs() -> None:
+@FORMATS
+def test_8bit_decode_under_a_cuda_graph_replays_new_inputs(storage: torch.dtype) -> None:
     """Capture write + attention once (no host sync inside), replay for other inputs."""
     seqs = [(1000, 1), (37, 1), (4000, 1), (250, 1)]
-    batch = fp8_batch(seqs, 32, 8, 128, 16, dtype=torch.bfloat16, seed=5)
+    batch = fp8_batch(seqs, 32, 8, 128, 16, dtype=torch.bfloat16, seed=5, storage=storage)
     backend = TritonBackend()
     query, key, value = (t.clone() for t in (batch.query, batch.key, batch.value))
     layer = batch.layer()
@@ -263,7 +273,8 @@ def test_fp8_decode_under_a_cuda_graph_replays_new_inputs() -> None:
     with torch.cuda.graph(graph):
         out = backend.forward(query, key, value, layer, batch.meta, batch.scale)
     # New inputs in the captured buffers, same slots and block tables.
-    batch.cache.copy_(quantize_slots(torch.randn(batch.cache.shape[:-1] + (128,), device=DEVICE)))
+    fresh = torch.randn(batch.cache.shape[:-1] + (128,), device=DEVICE)
+    batch.cache.copy_(quantize_slots(fresh, storage))
     for buffer in (query, key, value):
         buffer.copy_(torch.randn_like(buffer))
     batch.query, batch.key, batch.value = query, key, value
