@@ -144,9 +144,9 @@ def _find_seq(query_start_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
 @triton.jit
 def _widen_codes(codes, dtype: tl.constexpr, INT8: tl.constexpr):
     """Loaded 8-bit codes (``int8``, or ``uint8`` e4m3 bytes) as ``dtype``, exactly."""
-    if INT8:
-        return codes.to(dtype)
-    return codes.to(tl.float8e4nv, bitcast=True).to(dtype)
+    # NOTE: a constexpr ternary, not an early return: compiled, code after a return is
+    # still generated (and must type-check).
+    return codes.to(dtype) if INT8 else codes.to(tl.float8e4nv, bitcast=True).to(dtype)
 
 
 @triton.jit
@@ -236,8 +236,10 @@ def _attend_tile(
         # finer than bf16; the largest multiplies the tile's product (0 scales: masked).
         v_top = tl.maximum(tl.max(v_scale, 0), 1e-30)
         p = (p * (v_scale / v_top)[None, :]).to(tl.float16)
-        v = _widen_codes(v, tl.float16, INT8)
-        pv = tl.dot(p, v, input_precision=DOT_PRECISION) * v_top
+        # NOTE: v is not reassigned here: compiled, the code after this return is still
+        # generated, and it must see the codes (a second widening of fp16 fails to build).
+        v_half = _widen_codes(v, tl.float16, INT8)
+        pv = tl.dot(p, v_half, input_precision=DOT_PRECISION) * v_top
         return acc * alpha[:, None] + pv, m_new, l_i
     if QUANT:
         p = p * v_scale[None, :]

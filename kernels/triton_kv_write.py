@@ -81,9 +81,9 @@ def _int8_codes(y):
 def dequantize_codes(codes, INT8: tl.constexpr):
     """Loaded codes of an 8-bit cache (``int8``, or ``uint8`` e4m3 bytes) as float32;
     ``dequantize_slots`` multiplies these by the row's scale."""
-    if INT8:
-        return codes.to(tl.float32)
-    return codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    # NOTE: a constexpr ternary, not an early return: compiled, the code after a return
+    # inside a constexpr branch is still generated (and must type-check).
+    return codes.to(tl.float32) if INT8 else codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
 
 
 @triton.jit
@@ -165,9 +165,7 @@ def _store_quantized_rows(x, code_ptrs, scale_ptrs, mask, head_valid, INT8: tl.c
 @triton.jit
 def quantized_safe_scale(amax, INT8: tl.constexpr):
     """``amax / 448`` (int8: ``/ 127``; IEEE division), at least float32's smallest normal."""
-    if INT8:
-        return tl.maximum(tl.div_rn(amax, _INT8_MAX), _MIN_SCALE)
-    return tl.maximum(tl.div_rn(amax, _FP8_MAX), _MIN_SCALE)
+    return tl.maximum(tl.div_rn(amax, _INT8_MAX if INT8 else _FP8_MAX), _MIN_SCALE)
 
 
 @triton.jit
@@ -175,10 +173,12 @@ def quantized_codes(x, safe, INT8: tl.constexpr):
     """The codes of ``x / safe``: ``int8`` ones, or e4m3 bytes (``uint8``) clamped to
     +-448 first."""
     scaled = tl.div_rn(x, safe)
+    # NOTE: one return: compiled, both branches' returns must have one type otherwise.
     if INT8:
-        return _int8_codes(scaled)
-    scaled = tl.minimum(tl.maximum(scaled, -_FP8_MAX), _FP8_MAX)
-    return _e4m3_codes(scaled).to(tl.uint8)
+        codes = _int8_codes(scaled)
+    else:
+        codes = _e4m3_codes(tl.minimum(tl.maximum(scaled, -_FP8_MAX), _FP8_MAX)).to(tl.uint8)
+    return codes
 
 
 def write_kv_triton(
