@@ -1,12 +1,14 @@
 """GPU microbenchmarks of the Triton attention, KV-write and block-copy kernels.
 
 Run ``python -m kernels.bench_attention [--sections decode,prefill,...] [--json PATH]
-[--kv-cache-dtype auto|fp8]`` on a CUDA machine. Shapes are Llama-3.1-8B attention (32
-query heads, 8 KV heads, head_dim 128, bf16). Decode times are compared with torch SDPA
-on contiguous K/V and with the memory floor (KV bytes read / 4.25 TB/s); prefill with
-SDPA and the bf16 matmul rate. ``--kv-cache-dtype fp8`` runs the paged-cache sections
-over an FP8 cache (``kernels/fp8_kv.py``; floors count its bytes); the ``fp8_kv`` section
-times decode, chunks over cached context and the KV write over both caches side by side.
+[--kv-cache-dtype auto|fp8|int8]`` on a CUDA machine. Shapes are Llama-3.1-8B attention
+(32 query heads, 8 KV heads, head_dim 128, bf16). Decode times are compared with torch
+SDPA on contiguous K/V and with the memory floor (KV bytes read / 4.25 TB/s); prefill
+with SDPA and the bf16 matmul rate. ``--kv-cache-dtype fp8`` (or ``int8``) runs the
+paged-cache sections over an 8-bit cache (``kernels/fp8_kv.py``; floors count its
+bytes); the ``fp8_kv`` section times decode, chunks over cached context and the KV write
+over a bf16 and an 8-bit cache side by side (its "fp8" columns hold int8 codes under
+``--kv-cache-dtype int8``, e4m3 ones otherwise).
 """
 
 from __future__ import annotations
@@ -43,6 +45,11 @@ Rows = list[dict[str, object]]
 KV_CACHE_DTYPE = ["auto"]
 
 
+def quantized_storage() -> torch.dtype:
+    """The 8-bit caches' storage dtype: int8 codes under ``--kv-cache-dtype int8``, else e4m3."""
+    return torch.int8 if KV_CACHE_DTYPE[0] == "int8" else torch.uint8
+
+
 def time_us(fn: Callable[[], object]) -> float:
     """Median time of ``fn`` in microseconds (CUDA events, after warm-up, L2 flushed)."""
     return float(do_bench(fn, warmup=10, rep=60, return_mode="median")) * 1e3
@@ -58,22 +65,23 @@ def graph_us(fn: Callable[[], object]) -> float:
 
 
 class Pool:
-    """One random block pool (bf16, or its FP8 slots); cases take random distinct blocks."""
+    """One random block pool (bf16, or its 8-bit slots); cases take random distinct blocks."""
 
     def __init__(self, num_tokens: int, block_size: int = 16, fp8: bool | None = None) -> None:
         self.block_size = block_size
         self.num_blocks = num_tokens // block_size + 1
-        self.fp8 = KV_CACHE_DTYPE[0] == "fp8" if fp8 is None else fp8
+        self.fp8 = KV_CACHE_DTYPE[0] != "auto" if fp8 is None else fp8
         shape = (self.num_blocks, 1, 2, block_size, KV_HEADS)
         if not self.fp8:
             self.cache = torch.randn(*shape, HEAD_DIM, device="cuda", dtype=DTYPE)
             return
-        self.cache = torch.empty(*shape, HEAD_DIM + SCALE_BYTES, device="cuda", dtype=torch.uint8)
+        storage = quantized_storage()
+        self.cache = torch.empty(*shape, HEAD_DIM + SCALE_BYTES, device="cuda", dtype=storage)
         step = 4096  # blocks quantized at a time: bounded float32 temporaries
         for start in range(0, self.num_blocks, step):
             part = self.cache[start : start + step]
             values = torch.randn(*part.shape[:-1], HEAD_DIM, device="cuda", dtype=DTYPE)
-            part.copy_(quantize_slots(values))
+            part.copy_(quantize_slots(values, storage))
 
     def layer(self) -> torch.Tensor:
         return self.cache[:, 0]
@@ -155,7 +163,7 @@ def backend_fn(
 
 def kv_bytes(tokens: int, fp8: bool | None = None) -> int:
     """Bytes of K and V for ``tokens`` in the cache format (``--kv-cache-dtype`` by default)."""
-    fp8 = KV_CACHE_DTYPE[0] == "fp8" if fp8 is None else fp8
+    fp8 = KV_CACHE_DTYPE[0] != "auto" if fp8 is None else fp8
     row_bytes = HEAD_DIM + SCALE_BYTES if fp8 else HEAD_DIM * DTYPE.itemsize
     return tokens * KV_HEADS * row_bytes * 2
 
@@ -466,9 +474,9 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="write all rows to this file")
     parser.add_argument(
         "--kv-cache-dtype",
-        choices=["auto", "fp8"],
+        choices=["auto", "fp8", "int8"],
         default="auto",
-        help="the paged cache of the other sections: bf16 (auto) or FP8 rows",
+        help="the paged cache of the other sections: bf16 (auto), or FP8 or INT8 rows",
     )
     args = parser.parse_args()
     KV_CACHE_DTYPE[0] = args.kv_cache_dtype

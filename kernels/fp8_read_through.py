@@ -1,12 +1,13 @@
-"""A plain pure-torch backend run over an FP8 cache: quantized writes, dequantized reads.
+"""A plain pure-torch backend run over an 8-bit cache: quantized writes, dequantized reads.
 
-Each layer call quantizes the new K/V into the FP8 cache (``interface.scatter_rows``), then
+Either kind of ``kernels/fp8_kv.py`` (e4m3 or int8 codes, told by the cache's dtype). Each
+layer call quantizes the new K/V into the cache (``interface.scatter_rows``), then
 dequantizes the blocks this step reads into a compact dense layer (``[used blocks, 2,
 block_size, kv_heads, head_dim]`` in the query's dtype) and hands the step, with its block
 tables and slots renumbered into that layer, to the plain backend. So attention runs in
 the query's dtype over exactly the values the cache holds.
 
-NOTE: the new tokens' own K/V are passed on round-tripped through FP8 too. A chunk with
+NOTE: the new tokens' own K/V are passed on round-tripped through the 8-bit format too. A chunk with
 nothing cached before it attends over the K/V in hand; were those left exact, its output
 would differ from the same tokens read back from the cache, and outputs would depend on
 chunk size and on prefix hits (the engine's invariant is that they do not).
@@ -19,14 +20,14 @@ from dataclasses import dataclass, replace
 import torch
 
 from kernels.cpu_paged_attention import GatherWorkspace
-from kernels.fp8_kv import dequantize_slots, quantize_slots
+from kernels.fp8_kv import SCALE_BYTES, dequantize_slots, quantize_slots
 from kernels.interface import AttentionBackend, AttentionMetadata, scatter_rows
 
 
 @dataclass(frozen=True)
 class _DenseStep:
     meta: AttentionMetadata  # the step as the engine gave it
-    layout: tuple[object, ...]  # the FP8 layer's shape and block stride
+    layout: tuple[object, ...]  # the 8-bit layer's shape and block stride
     blocks: torch.Tensor  # int64: the cache blocks the step reads, in dense order
     dense_meta: AttentionMetadata  # the same step over the dense layer
 
@@ -46,11 +47,12 @@ class Fp8ReadThrough:
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        kv_layer: torch.Tensor,  # uint8 [num_blocks, 2, block_size, kv_heads, head_dim + 4]
+        kv_layer: torch.Tensor,  # 8-bit [num_blocks, 2, block_size, kv_heads, head_dim + 4]
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        key_rows, value_rows = quantize_slots(key), quantize_slots(value)
+        key_rows = quantize_slots(key, kv_layer.dtype)
+        value_rows = quantize_slots(value, kv_layer.dtype)
         scatter_rows(key_rows, value_rows, kv_layer, meta.slot_mapping)
         step = self._plan(meta, kv_layer)
         dense = self.dequantize_blocks(kv_layer, step.blocks, query.dtype)
@@ -68,7 +70,7 @@ class Fp8ReadThrough:
         shape = (blocks.numel(), *kv_layer.shape[1:])
         codes = self._codes.take(shape, kv_layer.dtype, kv_layer.device)
         torch.index_select(kv_layer, 0, blocks, out=codes)
-        dense = self._dense.take((*shape[:-1], shape[-1] - 4), dtype, kv_layer.device)
+        dense = self._dense.take((*shape[:-1], shape[-1] - SCALE_BYTES), dtype, kv_layer.device)
         return dequantize_slots(codes, dtype, out=dense)
 
     def _plan(self, meta: AttentionMetadata, kv_layer: torch.Tensor) -> _DenseStep:

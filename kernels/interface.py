@@ -5,11 +5,12 @@ The KV cache of an engine is one block-major tensor
 its slice ``kv_cache[:, layer]`` of shape ``[num_blocks, 2, block_size, num_kv_heads, head_dim]``
 (index 0 along dim 1 is K, 1 is V). A *slot* is ``block_id * block_size + offset``.
 
-An FP8 cache (``--kv-cache-dtype fp8``) has the same block-major shape in ``uint8`` with a
-last dim of ``head_dim + 4``, but each slot's ``[num_kv_heads, head_dim + 4]`` bytes are
-one record: all heads' e4m3 codes, then all heads' float32 scales (``kernels/fp8_kv.py``),
-so only the FP8 readers index into a slot. ``write_kv`` quantizes into it; a backend that
-cannot read it says so with ``supports_fp8_kv = False`` and refuses it at start-up
+An 8-bit cache (``--kv-cache-dtype fp8``: ``uint8`` holding e4m3 codes; ``int8``:
+``torch.int8`` holding int8 codes) has the same block-major shape with a last dim of
+``head_dim + 4``, but each slot's ``[num_kv_heads, head_dim + 4]`` bytes are one record:
+all heads' codes, then all heads' float32 scales (``kernels/fp8_kv.py``), so only the
+8-bit readers index into a slot. ``write_kv`` quantizes into it; a backend that cannot
+read it says so with ``supports_quantized_kv = False`` and refuses it at start-up
 (``check_kv_cache``).
 
 A forward pass runs over a flat batch of ``T`` new tokens belonging to ``B`` sequences,
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.fp8_kv import is_fp8_cache, quantize_slots
+from kernels.fp8_kv import is_fp8_cache, is_quantized_cache, quantize_slots
 
 
 @dataclass(frozen=True)
@@ -57,14 +58,16 @@ class AttentionBackend(ABC):
     # True when forward reads only the metadata's device tensors (never the host lists,
     # beyond sizing its grid), so a CUDA graph captured once replays right for new inputs.
     supports_cuda_graphs: bool = False
-    # True when forward reads an FP8 cache (``kernels/fp8_kv.py``) as well as a plain one.
-    supports_fp8_kv: bool = False
+    # True when forward reads an 8-bit cache of either kind (``kernels/fp8_kv.py``) as well
+    # as a plain one.
+    supports_quantized_kv: bool = False
 
     def check_kv_cache(self, kv_cache: torch.Tensor) -> None:
         """ValueError, at start-up, for a cache this backend cannot read."""
-        if is_fp8_cache(kv_cache) and not self.supports_fp8_kv:
+        if is_quantized_cache(kv_cache) and not self.supports_quantized_kv:
+            kind = "FP8" if is_fp8_cache(kv_cache) else "INT8"
             raise ValueError(
-                f"the {self.name!r} attention backend cannot read an FP8 KV cache yet; "
+                f"the {self.name!r} attention backend cannot read an {kind} KV cache yet; "
                 "use --attention-backend reference (or --kv-cache-dtype auto)"
             )
 
@@ -118,14 +121,14 @@ def write_kv(
 ) -> None:
     """Scatter new K/V rows into their slots (pure torch; used by the reference backend).
 
-    Into an FP8 cache the slots are quantized first, each (token, kv head) row on its own."""
+    Into an 8-bit cache the slots are quantized first, each (token, kv head) row on its own."""
     scatter_rows(cache_rows(key, kv_layer), cache_rows(value, kv_layer), kv_layer, slot_mapping)
 
 
 def cache_rows(x: torch.Tensor, kv_layer: torch.Tensor) -> torch.Tensor:
     """``[T, kv_heads, head_dim]`` as the ``[T, kv_heads, row_width]`` slots ``kv_layer`` stores."""
-    if is_fp8_cache(kv_layer):
-        return quantize_slots(x)
+    if is_quantized_cache(kv_layer):
+        return quantize_slots(x, kv_layer.dtype)
     return x.to(kv_layer.dtype)
 
 
@@ -135,7 +138,7 @@ def scatter_rows(
     kv_layer: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Copy slots already in the cache's format into place: whole slots, so an FP8 slot's
+    """Copy slots already in the cache's format into place: whole slots, so an 8-bit slot's
     codes and scales move together."""
     block_size, heads, width = kv_layer.shape[2:]
     rows_per_block = kv_layer.stride(0) // (heads * width)

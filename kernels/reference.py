@@ -17,7 +17,7 @@ from kernels.cpu_paged_attention import (
     plan_prefill,
     ungroup_output,
 )
-from kernels.fp8_kv import is_fp8_cache
+from kernels.fp8_kv import is_quantized_cache
 from kernels.fp8_read_through import Fp8ReadThrough
 from kernels.interface import AttentionBackend, AttentionMetadata, slot_rows
 
@@ -49,12 +49,12 @@ class ReferenceBackend(AttentionBackend):
     layers reuse the plan. Context K/V are gathered into a workspace this backend owns (see
     ``kernels/cpu_paged_attention.py``), so one instance serves one forward pass at a time.
 
-    An FP8 cache is read through ``kernels/fp8_read_through.py``: the blocks a step reads
-    are dequantized, and attention runs in the query's dtype.
+    An 8-bit cache (e4m3 or int8 codes) is read through ``kernels/fp8_read_through.py``: the
+    blocks a step reads are dequantized, and attention runs in the query's dtype.
     """
 
     name = "reference"
-    supports_fp8_kv = True
+    supports_quantized_kv = True
 
     def __init__(self) -> None:
         self._workspace = GatherWorkspace()
@@ -70,7 +70,7 @@ class ReferenceBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        if is_fp8_cache(kv_layer):
+        if is_quantized_cache(kv_layer):
             if self._fp8 is None:
                 self._fp8 = Fp8ReadThrough(self)
             return self._fp8.forward(query, key, value, kv_layer, meta, scale)

@@ -27,22 +27,22 @@ def available_backends(device: torch.device) -> list[str]:
     return names
 
 
-# Backends whose kernels read an FP8 KV cache (``kernels/fp8_kv.py``).
-FP8_KV_BACKENDS = ("triton", "reference")
+# Backends whose kernels read an 8-bit KV cache of either kind (``kernels/fp8_kv.py``).
+QUANTIZED_KV_BACKENDS = ("triton", "reference")
 
 
 def choose_backend_name(
-    name: str | None, device_type: str, choices: list[str], fp8_kv: bool = False
+    name: str | None, device_type: str, choices: list[str], quantized_kv: bool = False
 ) -> str:
     """The backend ``get_backend`` builds: ``name``, or else the first of ``choices`` (the
     device's available backends, best first) that can read the cache.
 
-    With an FP8 cache that is Triton on CUDA and the reference backend on the CPU (the
-    native CPU kernels read plain caches only). A named backend is kept as named: one
-    that cannot read FP8 refuses it at start-up (``check_kv_cache``)."""
+    With an 8-bit cache (fp8 or int8) that is Triton on CUDA and the reference backend on
+    the CPU (the native CPU kernels read plain caches only). A named backend is kept as
+    named: one that cannot read the cache refuses it at start-up (``check_kv_cache``)."""
     chosen = name or choices[0]
-    if fp8_kv and name is None and chosen not in FP8_KV_BACKENDS:
-        fallback = next(c for c in choices if c in FP8_KV_BACKENDS)
+    if quantized_kv and name is None and chosen not in QUANTIZED_KV_BACKENDS:
+        fallback = next(c for c in choices if c in QUANTIZED_KV_BACKENDS)
         log = logger.warning if device_type == "cuda" else logger.info
         log(
             "attention backend: %s, not %s: the %s kernels read plain KV caches only",
@@ -54,12 +54,15 @@ def choose_backend_name(
     return chosen
 
 
-def get_backend(name: str | None, device: torch.device, fp8_kv: bool = False) -> AttentionBackend:
+def get_backend(
+    name: str | None, device: torch.device, quantized_kv: bool = False
+) -> AttentionBackend:
     """The named backend, or the best one available on ``device`` when ``name`` is None.
 
-    ``fp8_kv``: the cache is FP8 (``kernels/fp8_kv.py``): see ``choose_backend_name``."""
+    ``quantized_kv``: the cache is 8-bit, fp8 or int8 (``kernels/fp8_kv.py``): see
+    ``choose_backend_name``."""
     choices = available_backends(device)
-    chosen = choose_backend_name(name, device.type, choices, fp8_kv)
+    chosen = choose_backend_name(name, device.type, choices, quantized_kv)
     if chosen not in choices:
         raise ValueError(
             f"attention backend {chosen!r} is not available on {device.type}; available: {choices}"

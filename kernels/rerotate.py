@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.fp8_kv import dequantize_slots, is_fp8_cache, quantize_slots
+from kernels.fp8_kv import dequantize_slots, is_quantized_cache, quantize_slots
 
 
 def rotation_angles(
@@ -65,9 +65,9 @@ def rerotate_copy(
     """Copy every layer's K/V of cache slots ``source`` to slots ``target`` (``[T]`` int64,
     not overlapping), keys rotated from ``source_positions`` to ``target_positions``.
 
-    ``kv_cache``: ``[num_blocks, layers, 2, block_size, kv_heads, head_dim]``, or an FP8
-    cache (``kernels/fp8_kv.py``), whose keys are dequantized, rotated and quantized
-    again, each row under its own new scale. On CUDA one
+    ``kv_cache``: ``[num_blocks, layers, 2, block_size, kv_heads, head_dim]``, or an 8-bit
+    cache of either kind (``kernels/fp8_kv.py``), whose keys are dequantized, rotated and
+    quantized again in the same format, each row under its own new scale. On CUDA one
     Triton launch (:mod:`kernels.triton_rerotate`); elsewhere torch indexing.
     """
     if kv_cache.device.type == "cuda":
@@ -91,13 +91,15 @@ def rerotate_copy_torch(
     size = kv_cache.shape[3]
     rows = kv_cache[source // size, :, :, source % size]  # [T, layers, 2, kv_heads, width]
     keys = rows[:, :, 0]
-    fp8 = is_fp8_cache(kv_cache)
-    if fp8:  # NOTE: dequantize, rotate in float32, quantize under the rotated row's scale
+    quantized = is_quantized_cache(kv_cache)
+    if quantized:  # NOTE: dequantize, rotate in float32, quantize under the rotated row's scale
         keys = dequantize_slots(keys, torch.float32)
     n, layers, heads, dim = keys.shape
     # NOTE: every layer of a token moves by the same angle: one rotation of all heads.
     flat = keys.reshape(n, layers * heads, dim)
     moved = rerotate_keys(flat, inv_freq, source_positions, target_positions)
     moved = moved.view(n, layers, heads, dim)
-    kv_cache[target // size, :, 0, target % size] = quantize_slots(moved) if fp8 else moved
+    kv_cache[target // size, :, 0, target % size] = (
+        quantize_slots(moved, kv_cache.dtype) if quantized else moved
+    )
     kv_cache[target // size, :, 1, target % size] = rows[:, :, 1]

@@ -29,11 +29,12 @@ fp32 scratch, and ``_merge_splits_kernel`` combines them per (token, head).
 
 Output rows past ``query_start_loc[B]`` (padding tokens) are not written.
 
-FP8 cache (``kernels/fp8_kv.py``, a constexpr branch; the plain path compiles as before):
-K and V tiles are loaded as e4m3 codes (``uint8`` bitcast to ``float8e4nv``) and widened in
-registers, exactly, to fp16 for bf16 and fp16 queries (one conversion instruction, where
-bf16 takes a detour through fp32; the query is converted to fp16 once) and to fp32 for
-fp32 ones. Each token's float32 scale is loaded beside them, from the scales after its
+8-bit cache (``kernels/fp8_kv.py``, a constexpr branch ``QUANT``; the plain path compiles
+as before; ``INT8`` picks the code type): K and V tiles are loaded as codes, e4m3 (``uint8``
+bitcast to ``float8e4nv``) or int8, and widened in registers, exactly, to fp16 for bf16
+and fp16 queries (one conversion instruction, where bf16 takes a detour through fp32;
+fp16 holds every integer up to 2048, so int8 codes too; the query is converted to fp16
+once) and to fp32 for fp32 ones. Each token's float32 scale is loaded beside them, from the scales after its
 slot's codes. The scales are applied outside the dots, where they are per-column factors:
 a key's scale multiplies its column of ``q @ k`` (folded into ``qk_scale``), a value's
 scale its column of ``p`` before ``p @ v``, divided by the tile's largest value scale so
@@ -44,7 +45,7 @@ than bf16's: measured on an NVIDIA H200 against attention over the dequantized c
 float32, mean error 3.4e-5 against 5.3e-5 with bf16 dots). Nothing dequantized is ever
 written to memory.
 
-FP8 loads are vectorised only as far as Triton can prove the codes aligned: a head's codes
+8-bit loads are vectorised only as far as Triton can prove the codes aligned: a head's codes
 start ``kv_head * HEAD_DIM`` (a constexpr) into its slot, Triton marks integer arguments
 divisible by 16 as such, and ``SLOT_ALIGN`` tells it the slots' common power of two when
 that is below 16 (it learns nothing from a stride of 264). Compiled for sm_90 (PTX, 8 kv
@@ -61,7 +62,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8_kv import SCALE_BYTES, is_fp8_cache
+from kernels.fp8_kv import SCALE_BYTES, is_int8_cache, is_quantized_cache
 from kernels.triton_kv_write import fp8_scale_index, fp8_scale_view
 
 LOG2_E = 1.4426950408889634
@@ -88,9 +89,9 @@ class AttentionConfig:
 # NOTE: picked by measurement on an NVIDIA H200, bf16, head_dim 128 (docs/kernels.md).
 DECODE_CONFIG = AttentionConfig(block_m=16, tile_n=64, num_warps=4, num_stages=2)
 PREFILL_CONFIG = AttentionConfig(block_m=64, tile_n=64, num_warps=4, num_stages=2)
-# NOTE: an FP8 tile of 128 tokens is as many bytes as a bf16 one of 64. Measured on an
+# NOTE: an 8-bit tile of 128 tokens is as many bytes as a bf16 one of 64. Measured on an
 # NVIDIA H200 (BENCHMARKS.md, FP8 KV cache): against 64-token tiles, decode 1.15-1.55x
-# faster (batch 64 at 8k: 800 -> 520 us), chunks 1.1-1.3x.
+# faster (batch 64 at 8k: 800 -> 520 us), chunks 1.1-1.3x. int8 caches take the same.
 FP8_DECODE_CONFIG = AttentionConfig(block_m=16, tile_n=128, num_warps=4, num_stages=2)
 FP8_PREFILL_CONFIG = AttentionConfig(block_m=64, tile_n=128, num_warps=4, num_stages=2)
 # NOTE: fp32 dots run on FMA units, not tensor cores; small tiles keep them out of
@@ -99,15 +100,15 @@ FP32_CONFIG = AttentionConfig(block_m=16, tile_n=32, num_warps=4, num_stages=1)
 
 
 def default_config(
-    max_query_len: int, group: int, dtype: torch.dtype, fp8: bool = False
+    max_query_len: int, group: int, dtype: torch.dtype, quantized: bool = False
 ) -> AttentionConfig:
     """Small tiles when every sequence fits a 16-row tile (decodes), big ones otherwise;
-    over an FP8 cache, twice the context tokens per step."""
+    over an 8-bit cache (fp8 or int8), twice the context tokens per step."""
     if dtype == torch.float32:
         return FP32_CONFIG
     if max_query_len * group <= DECODE_CONFIG.block_m:
-        return FP8_DECODE_CONFIG if fp8 else DECODE_CONFIG
-    return FP8_PREFILL_CONFIG if fp8 else PREFILL_CONFIG
+        return FP8_DECODE_CONFIG if quantized else DECODE_CONFIG
+    return FP8_PREFILL_CONFIG if quantized else PREFILL_CONFIG
 
 
 def choose_num_splits(num_programs: int, max_seq_len: int, num_sms: int) -> int:
@@ -141,6 +142,14 @@ def _find_seq(query_start_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _widen_codes(codes, dtype: tl.constexpr, INT8: tl.constexpr):
+    """Loaded 8-bit codes (``int8``, or ``uint8`` e4m3 bytes) as ``dtype``, exactly."""
+    # NOTE: a constexpr ternary, not an early return: compiled, code after a return is
+    # still generated (and must type-check).
+    return codes.to(dtype) if INT8 else codes.to(tl.float8e4nv, bitcast=True).to(dtype)
+
+
+@triton.jit
 def _attend_tile(
     acc,
     m_i,
@@ -167,8 +176,9 @@ def _attend_tile(
     TILE_N: tl.constexpr,
     MASKED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    FP8: tl.constexpr,
-    FP8_HALF: tl.constexpr,
+    QUANT: tl.constexpr,
+    QUANT_HALF: tl.constexpr,
+    INT8: tl.constexpr,
 ):
     """One online-softmax step of a q-block over context tokens ``[tile * TILE_N, +TILE_N)``."""
     offs_n = tile * TILE_N + tl.arange(0, TILE_N)
@@ -192,7 +202,7 @@ def _attend_tile(
         kv_ptr + stride_kv_kind + kv_rows[:, None] + offs_d[None, :], mask=v_mask, other=0.0
     )
 
-    if FP8:
+    if QUANT:
         k_scales = scale_ptr + fp8_scale_index(slots, kv_head, NUM_KV_HEADS, HEAD_DIM)
         v_scales = scale_ptr + fp8_scale_index(
             slots + stride_kv_kind, kv_head, NUM_KV_HEADS, HEAD_DIM
@@ -204,10 +214,9 @@ def _attend_tile(
         else:
             k_scale = tl.load(k_scales)
             v_scale = tl.load(v_scales)
-        k = k.to(tl.float8e4nv, bitcast=True)
-        v = v.to(tl.float8e4nv, bitcast=True)
-        # NOTE: FP8_HALF: q arrives in fp16; e4m3 widens to fp16 in one exact conversion.
-        k = k.to(tl.float16) if FP8_HALF else k.to(q.dtype)
+        # NOTE: QUANT_HALF: q arrives in fp16; e4m3 and int8 codes widen to it exactly.
+        # The value codes stay 8-bit until their dot.
+        k = _widen_codes(k, tl.float16 if QUANT_HALF else q.dtype, INT8)
         qk = tl.dot(q, k, input_precision=DOT_PRECISION)
         qk = qk * (k_scale * qk_scale)[None, :]  # [M, N]
     else:
@@ -222,15 +231,19 @@ def _attend_tile(
     p = tl.exp2(qk - m_sub[:, None])
     alpha = tl.exp2(m_i - m_sub)
     l_i = l_i * alpha + tl.sum(p, 1)
-    if FP8_HALF:
+    if QUANT_HALF:
         # NOTE: each value's scale over the tile's largest keeps p in [0, 1], where fp16 is
         # finer than bf16; the largest multiplies the tile's product (0 scales: masked).
         v_top = tl.maximum(tl.max(v_scale, 0), 1e-30)
         p = (p * (v_scale / v_top)[None, :]).to(tl.float16)
-        pv = tl.dot(p, v.to(tl.float16), input_precision=DOT_PRECISION) * v_top
+        # NOTE: v is not reassigned here: compiled, the code after this return is still
+        # generated, and it must see the codes (a second widening of fp16 fails to build).
+        v_half = _widen_codes(v, tl.float16, INT8)
+        pv = tl.dot(p, v_half, input_precision=DOT_PRECISION) * v_top
         return acc * alpha[:, None] + pv, m_new, l_i
-    if FP8:
+    if QUANT:
         p = p * v_scale[None, :]
+        v = _widen_codes(v, q.dtype, INT8)
     acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
     return acc, m_new, l_i
 
@@ -273,8 +286,9 @@ def _paged_attention_kernel(
     TILE_N: tl.constexpr,
     SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    FP8: tl.constexpr,
-    FP8_HALF: tl.constexpr,
+    QUANT: tl.constexpr,
+    QUANT_HALF: tl.constexpr,
+    INT8: tl.constexpr,
 ):
     """Attention of one q-block and one kv head over (one split of) its paged context."""
     q_block = tl.program_id(0)
@@ -304,7 +318,7 @@ def _paged_attention_kernel(
         mask=row_valid[:, None] & d_valid[None, :],
         other=0.0,
     )
-    if FP8_HALF:
+    if QUANT_HALF:
         # NOTE: exact for magnitudes in fp16's normal range (6.1e-5 to 65,504): queries stay
         # far below its top, and an element below its bottom weighs nothing in the dot.
         q = q.to(tl.float16)
@@ -318,8 +332,8 @@ def _paged_attention_kernel(
     tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
 
     table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_table
-    # NOTE: an FP8 slot holds its heads' codes first, head after head (fp8_kv.py).
-    head_off = kv_head * HEAD_DIM if FP8 else kv_head * stride_kv_head
+    # NOTE: an 8-bit slot holds its heads' codes first, head after head (fp8_kv.py).
+    head_off = kv_head * HEAD_DIM if QUANT else kv_head * stride_kv_head
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
@@ -328,14 +342,14 @@ def _paged_attention_kernel(
             acc, m_i, l_i, q, q_pos, kv_ptr, scale_ptr, table_ptr, tile, kv_end, kv_head,
             head_off, stride_kv_block, stride_kv_kind, stride_kv_slot, offs_d, d_valid,
             qk_scale, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, SLOT_ALIGN, TILE_N, False,
-            DOT_PRECISION, FP8, FP8_HALF,
+            DOT_PRECISION, QUANT, QUANT_HALF, INT8,
         )  # fmt: skip
     for tile in range(tl.maximum(tile_begin, full_tiles), tile_end):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, q_pos, kv_ptr, scale_ptr, table_ptr, tile, kv_end, kv_head,
             head_off, stride_kv_block, stride_kv_kind, stride_kv_slot, offs_d, d_valid,
             qk_scale, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, SLOT_ALIGN, TILE_N, True,
-            DOT_PRECISION, FP8, FP8_HALF,
+            DOT_PRECISION, QUANT, QUANT_HALF, INT8,
         )  # fmt: skip
 
     if SPLIT:
@@ -423,8 +437,9 @@ def paged_attention(
 
     ``query`` is ``[T, num_heads, head_dim]`` (any token and head strides, unit stride on
     the last dim); ``kv_layer`` is ``[num_blocks, 2, block_size, num_kv_heads, head_dim]``
-    with any strides but a unit last one (a layer view of the engine's cache), or an FP8
-    layer, ``uint8`` with a last dim of ``head_dim + 4`` (``kernels/fp8_kv.py``). The other
+    with any strides but a unit last one (a layer view of the engine's cache), or an 8-bit
+    layer, ``uint8`` (e4m3) or ``int8`` with a last dim of ``head_dim + 4``
+    (``kernels/fp8_kv.py``). The other
     tensors are those of ``AttentionMetadata``; ``max_query_len`` and ``max_seq_len``
     only pick tile shapes and the split count. ``num_splits`` forces the split-K degree.
     Returns ``out`` (allocated when None), ``[T, num_heads, head_dim]`` in ``query.dtype``.
@@ -439,8 +454,8 @@ def paged_attention(
             f"kv_layer must be [num_blocks, 2, block_size, kv_heads, head_dim], got {tuple(kv_layer.shape)}"
         )
     _, _, block_size, num_kv_heads, row_width = kv_layer.shape
-    fp8 = is_fp8_cache(kv_layer)
-    kv_head_dim = row_width - SCALE_BYTES if fp8 else row_width
+    quantized = is_quantized_cache(kv_layer)
+    kv_head_dim = row_width - SCALE_BYTES if quantized else row_width
     if kv_head_dim != head_dim:
         raise ValueError(f"query head_dim {head_dim} != kv cache head_dim {kv_head_dim}")
     if num_heads % num_kv_heads:
@@ -454,7 +469,7 @@ def paged_attention(
         return out
 
     group = num_heads // num_kv_heads
-    config = config or default_config(max_query_len, group, query.dtype, fp8)
+    config = config or default_config(max_query_len, group, query.dtype, quantized)
     block_m = max(config.block_m, triton.next_power_of_2(group))
     block_q = block_m // group
     num_q_blocks = num_tokens // block_q + num_seqs
@@ -478,7 +493,8 @@ def paged_attention(
         part_acc = part_max = part_sum = out  # unused
 
     _paged_attention_kernel[(num_q_blocks, num_kv_heads, num_splits)](
-        out, query, kv_layer, fp8_scale_view(kv_layer) if fp8 else kv_layer, block_tables, seq_lens, query_start_loc,
+        out, query, kv_layer, fp8_scale_view(kv_layer) if quantized else kv_layer, block_tables,
+        seq_lens, query_start_loc,
         part_acc, part_max, part_sum,
         scale * LOG2_E, num_seqs, num_splits,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
@@ -490,8 +506,8 @@ def paged_attention(
         BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=config.tile_n,
         SPLIT=split,
         # NOTE: fp32 inputs get exact fp32 dots (the test oracle); tf32 would cost ~1e-3.
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", FP8=fp8,
-        FP8_HALF=fp8 and query.dtype != torch.float32,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", QUANT=quantized,
+        QUANT_HALF=quantized and query.dtype != torch.float32, INT8=is_int8_cache(kv_layer),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     if split:

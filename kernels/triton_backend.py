@@ -14,14 +14,15 @@ sequences) and has at least
   by log-sum-exp (one Triton kernel, ``attention_merge``), in float32 one SDPA call
   with a bottom-right causal mask.
 
-An FP8 cache (``kernels/fp8_kv.py``) is written and read by the same kernels (quantized
-slots in the KV write, codes and scales dequantized in registers in paged attention). A
-chunk after cached context stays in the Triton launch, which reads the FP8 cache in
-place, unless it has ``sdpa_min_fp8_chunk_tokens`` new tokens (2,048 by default, as
-over a plain cache): then its context is gathered and dequantized into a working copy
-(``gather_fp8_context``, as a plain cache's context is gathered into one) for the two
-fused passes, which run as fast as over a bf16 cache. Whatever goes to SDPA attends over its own new K/V
-round-tripped through FP8 (bit-identical to what the KV write stored), so its output is
+An 8-bit cache (``kernels/fp8_kv.py``: e4m3 or int8 codes, the same layout) is written
+and read by the same kernels (quantized slots in the KV write, codes and scales
+dequantized in registers in paged attention). A chunk after cached context stays in the
+Triton launch, which reads the 8-bit cache in place, unless it has
+``sdpa_min_fp8_chunk_tokens`` new tokens (2,048 by default, as over a plain cache): then
+its context is gathered and dequantized into a working copy (``gather_fp8_context``, as a
+plain cache's context is gathered into one) for the two fused passes, which run as fast
+as over a bf16 cache. Whatever goes to SDPA attends over its own new K/V round-tripped
+through the 8-bit format (bit-identical to what the KV write stored), so its output is
 the one the paged path would give and outputs do not depend on chunking or on prefix
 hits.
 
@@ -41,7 +42,7 @@ import triton
 from torch.nn.attention.bias import causal_lower_right
 
 from kernels.attention_merge import merge_attention_states
-from kernels.fp8_kv import is_fp8_cache
+from kernels.fp8_kv import is_quantized_cache
 from kernels.interface import AttentionBackend, AttentionMetadata
 from kernels.triton_attention import paged_attention
 from kernels.triton_kv_write import gather_fp8_context, write_kv_triton
@@ -66,7 +67,7 @@ class TritonBackend(AttentionBackend):
 
     name = "triton"
     supports_cuda_graphs = True
-    supports_fp8_kv = True
+    supports_quantized_kv = True
 
     def __init__(
         self,
@@ -74,8 +75,8 @@ class TritonBackend(AttentionBackend):
         sdpa_min_chunk_tokens: int | None = DEFAULT_SDPA_MIN_CHUNK_TOKENS,
         sdpa_min_fp8_chunk_tokens: int | None = DEFAULT_SDPA_MIN_FP8_CHUNK_TOKENS,
     ) -> None:
-        """Shortest whole prompt / chunk over cached context (plain cache / FP8 cache) sent
-        to SDPA; None: never."""
+        """Shortest whole prompt / chunk over cached context (plain cache / 8-bit cache)
+        sent to SDPA; None: never."""
         self.sdpa_min_tokens = sdpa_min_tokens
         self.sdpa_min_chunk_tokens = sdpa_min_chunk_tokens
         self.sdpa_min_fp8_chunk_tokens = sdpa_min_fp8_chunk_tokens
@@ -90,7 +91,7 @@ class TritonBackend(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         write_kv_triton(key, value, kv_layer, meta.slot_mapping)
-        fp8 = is_fp8_cache(kv_layer)
+        fp8 = is_quantized_cache(kv_layer)  # either 8-bit format
         first_long = self._first_long_chunk(meta, fp8)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         starts = [0]
@@ -229,8 +230,8 @@ def _gather_context(
     kv_layer: torch.Tensor, block_table: torch.Tensor, seq_len: int, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of a sequence's first ``seq_len`` tokens, each ``[seq_len, kv_heads, head_dim]``
-    (an FP8 cache's dequantized into ``dtype``)."""
-    if is_fp8_cache(kv_layer):
+    (an 8-bit cache's dequantized into ``dtype``)."""
+    if is_quantized_cache(kv_layer):
         return gather_fp8_context(kv_layer, block_table, seq_len, dtype)
     _, _, block_size, num_kv_heads, head_dim = kv_layer.shape
     num_blocks = -(-seq_len // block_size)

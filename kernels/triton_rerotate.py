@@ -5,10 +5,11 @@ slot ``source[t]`` of the block-major cache ``[num_blocks, layers, 2, block_size
 kv_heads, head_dim]``, rotates the key's frequency pairs by the token's angles (float32),
 and writes both rows to slot ``target[t]``. Source and target slots must not overlap.
 
-In an FP8 cache (``kernels/fp8_kv.py``: per slot all heads' codes, then their scales)
-each key row is dequantized (codes times its scale, float32), rotated, and quantized
-again under its own new scale exactly as the KV write does (``kernels/triton_kv_write.py``);
-the value rows move as they are, scales included.
+In an 8-bit cache of either kind (``kernels/fp8_kv.py``: per slot all heads' e4m3 or int8
+codes, then their scales) each key row is dequantized (codes times its scale, float32),
+rotated, and quantized again in the same format under its own new scale exactly as the KV
+write does (``kernels/triton_kv_write.py``); the value rows move as they are, scales
+included.
 """
 
 from __future__ import annotations
@@ -17,8 +18,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8_kv import SCALE_BYTES, is_fp8_cache
-from kernels.triton_kv_write import _fp8_codes, _fp8_safe_scale, fp8_scale_index, fp8_scale_view
+from kernels.fp8_kv import SCALE_BYTES, is_int8_cache, is_quantized_cache
+from kernels.triton_kv_write import (
+    dequantize_codes,
+    fp8_scale_index,
+    fp8_scale_view,
+    quantized_codes,
+    quantized_safe_scale,
+)
 
 
 @triton.jit
@@ -39,7 +46,8 @@ def _rerotate_copy_kernel(
     HEADS_PAD: tl.constexpr,
     HALF_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
-    FP8: tl.constexpr,
+    QUANT: tl.constexpr,
+    INT8: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     layer = tl.program_id(1).to(tl.int64)
@@ -48,7 +56,7 @@ def _rerotate_copy_kernel(
     offs_h = tl.arange(0, HEADS_PAD)
     offs_d = tl.arange(0, HALF_PAD)
     mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HALF)
-    if FP8:
+    if QUANT:
         rows = offs_h[:, None] * (2 * HALF) + offs_d[None, :]  # codes first, head after head
     else:
         rows = offs_h[:, None] * stride_head + offs_d[None, :]
@@ -64,19 +72,19 @@ def _rerotate_copy_kernel(
     sin = tl.load(sin_ptr + tok * HALF + offs_d, mask=offs_d < HALF)[None, :]
     x1 = tl.load(src_base + rows, mask=mask)
     x2 = tl.load(src_base + rows + HALF, mask=mask)
-    if FP8:
+    if QUANT:
         head_valid = offs_h < NUM_KV_HEADS
         src_scale = fp8_scale_index(src_off, offs_h, NUM_KV_HEADS, 2 * HALF)
         dst_scale = fp8_scale_index(dst_off, offs_h, NUM_KV_HEADS, 2 * HALF)
         key_scale = tl.load(scale_ptr + src_scale, mask=head_valid, other=0.0)[:, None]
-        x1 = x1.to(tl.float8e4nv, bitcast=True).to(tl.float32) * key_scale
-        x2 = x2.to(tl.float8e4nv, bitcast=True).to(tl.float32) * key_scale
+        x1 = dequantize_codes(x1, INT8) * key_scale
+        x2 = dequantize_codes(x2, INT8) * key_scale
         r1 = tl.where(mask, x1 * cos - x2 * sin, 0.0)
         r2 = tl.where(mask, x2 * cos + x1 * sin, 0.0)
         amax = tl.maximum(tl.max(tl.abs(r1), 1), tl.max(tl.abs(r2), 1))
-        safe = _fp8_safe_scale(amax)
-        tl.store(dst_base + rows, _fp8_codes(r1, safe[:, None]), mask=mask)
-        tl.store(dst_base + rows + HALF, _fp8_codes(r2, safe[:, None]), mask=mask)
+        safe = quantized_safe_scale(amax, INT8)
+        tl.store(dst_base + rows, quantized_codes(r1, safe[:, None], INT8), mask=mask)
+        tl.store(dst_base + rows + HALF, quantized_codes(r2, safe[:, None], INT8), mask=mask)
         tl.store(scale_ptr + dst_scale, tl.where(amax > 0, safe, 0.0), mask=head_valid)
         value_scale = tl.load(scale_ptr + src_scale + stride_kind // 4, mask=head_valid)
         tl.store(scale_ptr + dst_scale + stride_kind // 4, value_scale, mask=head_valid)
@@ -104,12 +112,12 @@ def rerotate_copy_triton(
     _, num_layers, _, block_size, num_kv_heads, row_width = kv_cache.shape
     if source.numel() == 0:
         return
-    fp8 = is_fp8_cache(kv_cache)
-    head_dim = row_width - SCALE_BYTES if fp8 else row_width
+    quantized = is_quantized_cache(kv_cache)
+    head_dim = row_width - SCALE_BYTES if quantized else row_width
     half = head_dim // 2
     _rerotate_copy_kernel[(source.numel(), num_layers)](
         kv_cache,
-        fp8_scale_view(kv_cache) if fp8 else kv_cache,
+        fp8_scale_view(kv_cache) if quantized else kv_cache,
         source,
         target,
         cos.contiguous(),
@@ -124,5 +132,6 @@ def rerotate_copy_triton(
         HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         HALF_PAD=triton.next_power_of_2(half),
         BLOCK_SIZE=block_size,
-        FP8=fp8,
+        QUANT=quantized,
+        INT8=is_int8_cache(kv_cache),
     )

@@ -11,8 +11,9 @@ import torch
 @dataclass(frozen=True)
 class KVCacheSpec:
     """The cache's layout. ``row_width`` is its last dim, elements of ``dtype`` per (slot,
-    kv head): ``head_dim`` for a plain cache, ``head_dim + 4`` uint8 for FP8 (a slot's
-    bytes hold its heads' codes, then their scales: ``kernels/fp8_kv.py``)."""
+    kv head): ``head_dim`` for a plain cache, ``head_dim + 4`` bytes for an 8-bit one
+    (``uint8`` e4m3 or ``int8`` codes: a slot's bytes hold its heads' codes, then their
+    scales, ``kernels/fp8_kv.py``)."""
 
     num_layers: int
     num_kv_heads: int

@@ -9,7 +9,7 @@ from ragserve.config_flags import check_choices, option
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 # NOTE: the same names as kernels.fp8_kv.KV_CACHE_DTYPES; the config stays free of torch.
-KV_CACHE_DTYPES = ("auto", "fp8")
+KV_CACHE_DTYPES = ("auto", "fp8", "int8")
 # NOTE: the same names as ragserve.models.llama.QUANTIZATIONS, for the same reason.
 QUANTIZATIONS = ("none", "fp8")
 # The disk tier's budget when --kv-disk-dir is given without --kv-disk-gib.
@@ -59,8 +59,10 @@ class EngineConfig:
     )
     kv_cache_dtype: str = option(
         "auto",
-        help="KV cache storage: auto (the model's dtype) or fp8 (e4m3 with a float32 scale "
-        "per token and KV head: about half of bf16's bytes)",
+        help="KV cache storage: auto (the model's dtype), fp8 (e4m3 with a float32 scale "
+        "per token and KV head: about half of bf16's bytes) or int8 (int8 codes with a "
+        "float32 scale per token and KV head: the same bytes as fp8, about ten times closer "
+        "to the model's dtype)",
         choices=KV_CACHE_DTYPES,
     )
     enable_prefix_caching: bool = option(

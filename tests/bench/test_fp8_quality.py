@@ -34,13 +34,31 @@ def test_top_kl_is_zero_for_equal_distributions_and_tracks_the_full_kl() -> None
 def test_compare_counts_steps_whose_top_token_is_the_baseline_answer() -> None:
     ref = [[{1: math.log(0.6), 2: math.log(0.4)}, {3: math.log(0.9), 4: math.log(0.1)}]]
     var = [[{2: math.log(0.7), 1: math.log(0.3)}, {3: math.log(0.8), 4: math.log(0.2)}]]
-    agree, kl = compare(ref, var, answers=[[1, 3]])
-    assert agree == 0.5
+    scores = compare(ref, var, answers=[[1, 3]])
+    agree, kl = scores.top1_agreement, scores.mean_kl
+    assert agree == 0.5 and scores.top1_forced_agreement == 0.5
     expected = (
         0.6 * math.log(0.6 / 0.3) + 0.4 * math.log(0.4 / 0.7)
         + 0.9 * math.log(0.9 / 0.8) + 0.1 * math.log(0.1 / 0.2)
     ) / 2  # fmt: skip
     assert abs(kl - expected) < 1e-9
+
+
+def test_forced_agreement_scores_against_the_forced_baseline_not_the_greedy_answer() -> None:
+    """Where the teacher-forced baseline's own top-1 differs from its greedy answer (a
+    near tie flipped by other step shapes), the baseline scores 1.0 against itself, and a
+    variant that follows the forced baseline is not counted wrong there."""
+    ref = [[{1: math.log(0.51), 2: math.log(0.49)}, {3: math.log(0.9), 4: math.log(0.1)}]]
+    follows = [[{1: math.log(0.52), 2: math.log(0.48)}, {3: math.log(0.9), 4: math.log(0.1)}]]
+    answers = [[2, 3]]  # the greedy run picked 2 at the first step
+    baseline = compare(ref, ref, answers)
+    assert (baseline.top1_agreement, baseline.top1_forced_agreement, baseline.mean_kl) == (
+        0.5,
+        1.0,
+        0.0,
+    )
+    variant = compare(ref, follows, answers)
+    assert (variant.top1_agreement, variant.top1_forced_agreement) == (0.5, 1.0)
 
 
 def test_fp8_compute_floor_runs_only_the_projections_at_the_fp8_rate() -> None:

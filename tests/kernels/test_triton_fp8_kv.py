@@ -1,7 +1,8 @@
-"""The Triton KV write and paged attention over an FP8 cache (``kernels/fp8_kv.py``).
+"""The Triton KV write and paged attention over an 8-bit cache (``kernels/fp8_kv.py``: e4m3
+codes in ``uint8``, int8 codes in ``int8``; the shared behaviour is tested for both).
 
 The write must store the bytes ``quantize_slots`` stores; attention must match the
-reference backend reading the same FP8 cache (both attend over the same dequantized
+reference backend reading the same 8-bit cache (both attend over the same dequantized
 values, so the tolerance is the plain path's). Without CUDA the kernels run under
 ``TRITON_INTERPRET=1`` on small shapes; on a GPU the same tests take larger shapes, in
 float32 and bf16, plus a CUDA graph capture.
@@ -17,10 +18,15 @@ import triton.language as tl
 from kernels.fp8_kv import FP8_DTYPE, FP8_MAX, dequantize_slots, quantize_slots
 from kernels.interface import write_kv
 from kernels.reference import ReferenceBackend
-from kernels.registry import FP8_KV_BACKENDS, choose_backend_name
+from kernels.registry import QUANTIZED_KV_BACKENDS, choose_backend_name
 from kernels.triton_attention import paged_attention
 from kernels.triton_backend import TritonBackend
-from kernels.triton_kv_write import _e4m3_codes, gather_fp8_context, write_kv_triton
+from kernels.triton_kv_write import (
+    _e4m3_codes,
+    _int8_codes,
+    gather_fp8_context,
+    write_kv_triton,
+)
 from tests.kernels.test_triton_kernels import (  # the interpreter fix comes with it
     CASES,
     CUDA,
@@ -29,6 +35,9 @@ from tests.kernels.test_triton_kernels import (  # the interpreter fix comes wit
     Batch,
     rel_error,
 )
+
+# The two 8-bit formats, by the cache's storage dtype: e4m3 codes in uint8, int8 codes.
+FORMATS = pytest.mark.parametrize("storage", [torch.uint8, torch.int8], ids=["fp8", "int8"])
 
 
 def fp8_batch(
@@ -39,10 +48,11 @@ def fp8_batch(
     block_size: int,
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
+    storage: torch.dtype = torch.uint8,
 ) -> Batch:
-    """A ``Batch`` whose cache is the FP8 rows of its random values."""
+    """A ``Batch`` whose cache is the 8-bit rows (of ``storage``) of its random values."""
     batch = Batch(seqs, num_heads, num_kv_heads, head_dim, block_size, dtype=dtype, seed=seed)
-    batch.cache = quantize_slots(batch.cache)
+    batch.cache = quantize_slots(batch.cache, storage)
     return batch
 
 
@@ -67,6 +77,29 @@ def _codes_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
     tl.store(out_ptr + offs, _e4m3_codes(x).to(tl.uint8), mask=offs < n)
 
 
+@triton.jit
+def _int8_codes_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n)
+    tl.store(out_ptr + offs, _int8_codes(x), mask=offs < n)
+
+
+def test_int8_rounding_matches_torch_on_every_half_and_its_neighbours() -> None:
+    """Every integer and half in [-130, 130] (ties to even), the floats just either side of
+    each, fractions, signed zeros, denormals and values past +-127 (clamped, never -128)
+    round as ``torch.round(...).clamp(-127, 127)``."""
+    halves = torch.arange(-260, 261, dtype=torch.float32) / 2
+    around = torch.cat([halves.nextafter(halves - 1), halves.nextafter(halves + 1)])
+    odd = torch.tensor([0.0, -0.0, 1e-45, -1e-40, 0.3, -0.7, 126.9, -127.4, 1e9, -3e38])
+    fractions = torch.randn(2048, generator=torch.Generator().manual_seed(0)) * 60
+    x = torch.cat([halves, around, odd, fractions]).to(DEVICE)
+    codes = torch.empty(x.shape, dtype=torch.int8, device=DEVICE)
+    _int8_codes_kernel[(triton.cdiv(x.numel(), 1024),)](x, codes, x.numel(), BLOCK=1024)
+    expected = x.round().clamp(-127, 127).to(torch.int8)
+    assert torch.equal(codes, expected), x[codes != expected]
+    assert int(codes.min()) == -127
+
+
 def test_e4m3_rounding_matches_torch_on_every_value_and_tie() -> None:
     """Every e4m3 value, the midpoints between neighbours (ties to even), values just
     either side of them, subnormals and the float32 denormals all round as torch does."""
@@ -83,9 +116,10 @@ def test_e4m3_rounding_matches_torch_on_every_value_and_tie() -> None:
     assert torch.equal(codes, expected), x[codes != expected]
 
 
+@FORMATS
 @pytest.mark.parametrize("num_kv_heads,head_dim,block_size", [(3, 32, 4), (1, 128, 16), (2, 20, 8)])
 def test_write_kernel_is_bit_identical_to_the_torch_quantizer(
-    num_kv_heads: int, head_dim: int, block_size: int
+    num_kv_heads: int, head_dim: int, block_size: int, storage: torch.dtype
 ) -> None:
     """Rows of magnitudes 1e-30..1e30, outliers, zero, denormal and negative-zero rows,
     into a non-contiguous layer view; negative slots are skipped."""
@@ -97,8 +131,11 @@ def test_write_kernel_is_bit_identical_to_the_torch_quantizer(
     x[1, 0] = 1e-41
     x[2, -1] = -0.0
     x[3, :, ::5] *= 60.0
+    # Exact ties under int8's scale (amax 31.75: scale 1/4): -1.5 -> -2, 2.5 -> 2.
+    x[4] = x[4].clamp(-1.0, 1.0)
+    x[4, :, :3] = torch.tensor([31.75, -0.375, 0.625])
     cache = torch.randint(0, 256, (num_blocks, 2, 2, block_size, num_kv_heads, head_dim + 4),
-                          dtype=torch.uint8, generator=gen)  # fmt: skip
+                          dtype=torch.uint8, generator=gen).view(storage)  # fmt: skip
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
     slots[5] = -1
     expected = cache.clone()
@@ -110,23 +147,25 @@ def test_write_kernel_is_bit_identical_to_the_torch_quantizer(
     assert torch.equal(cache.cpu(), expected)
 
 
+@FORMATS
 @pytest.mark.parametrize("case", range(len(CASES)))
-def test_backend_over_fp8_matches_reference_over_fp8(case: int) -> None:
+def test_backend_over_8bit_matches_reference_over_8bit(case: int, storage: torch.dtype) -> None:
     """Decodes, mixed batches and chunks over context, several GQA ratios and block sizes."""
     seqs, heads, kv_heads, head_dim, block_size = CASES[case]
-    batch = fp8_batch(seqs, heads, kv_heads, head_dim, block_size, seed=case)
+    batch = fp8_batch(seqs, heads, kv_heads, head_dim, block_size, seed=case, storage=storage)
     ref_out, ref_cache = reference_fp8(batch)
     out = TritonBackend(None, None, None).forward(
         batch.query, batch.key, batch.value, batch.layer(), batch.meta, batch.scale
     )
-    assert torch.equal(batch.cache, ref_cache), "FP8 KV write differs from the reference"
+    assert torch.equal(batch.cache, ref_cache), "8-bit KV write differs from the reference"
     torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-4)
 
 
+@FORMATS
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_split_k_over_fp8_matches_reference(num_splits: int) -> None:
+def test_split_k_over_8bit_matches_reference(num_splits: int, storage: torch.dtype) -> None:
     seqs = [(300, 1), (70, 1), (1, 1), (120, 13)] if CUDA else [(45, 1), (1, 1), (30, 5)]
-    batch = fp8_batch(seqs, 6, 2, 32, 16, seed=num_splits)
+    batch = fp8_batch(seqs, 6, 2, 32, 16, seed=num_splits, storage=storage)
     ref_out, _ = reference_fp8(batch)
     write_kv_triton(batch.key, batch.value, batch.layer(), batch.meta.slot_mapping)
     out = paged_attention(
@@ -145,12 +184,13 @@ def test_split_k_over_fp8_matches_reference(num_splits: int) -> None:
         [(0, 37)],  # one whole prompt: SDPA over its FP8 round-tripped K/V
     ],
 )
-def test_long_chunk_routing_over_fp8_matches_reference(
-    seqs: list[tuple[int, int]], fp8_chunk_limit: int | None
+@FORMATS
+def test_long_chunk_routing_over_8bit_matches_reference(
+    seqs: list[tuple[int, int]], fp8_chunk_limit: int | None, storage: torch.dtype
 ) -> None:
-    """A chunk over FP8 context stays in Triton (None) or goes to SDPA over its gathered,
+    """A chunk over 8-bit context stays in Triton (None) or goes to SDPA over its gathered,
     dequantized context (8)."""
-    batch = fp8_batch(seqs, 8, 2, 64, 16, seed=len(seqs))
+    batch = fp8_batch(seqs, 8, 2, 64, 16, seed=len(seqs), storage=storage)
     ref_out, ref_cache = reference_fp8(batch)
     backend = TritonBackend(
         sdpa_min_tokens=8, sdpa_min_chunk_tokens=8, sdpa_min_fp8_chunk_tokens=fp8_chunk_limit
@@ -162,9 +202,12 @@ def test_long_chunk_routing_over_fp8_matches_reference(
     assert torch.equal(batch.cache, ref_cache)
 
 
+@FORMATS
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_gather_fp8_context_equals_dequantized_rows(dtype: torch.dtype) -> None:
-    batch = fp8_batch([(37, 1)], 4, 2, 32, 16, seed=3)
+def test_gather_fp8_context_equals_dequantized_rows(
+    dtype: torch.dtype, storage: torch.dtype
+) -> None:
+    batch = fp8_batch([(37, 1)], 4, 2, 32, 16, seed=3, storage=storage)
     table = batch.meta.block_tables[0]
     key, value = gather_fp8_context(batch.layer(), table, 37, dtype)
     blocks = table[:3].long()
@@ -183,10 +226,15 @@ def test_gather_fp8_context_equals_dequantized_rows(dtype: torch.dtype) -> None:
     ],
 )
 @pytest.mark.parametrize("case", [0, 1] if not CUDA else range(len(CASES)))
-def test_half_precision_over_fp8_close_to_fp32_reference(dtype: torch.dtype, case: int) -> None:
-    """Tensor-core tile shapes: codes converted to bf16/fp16, scales outside the dots."""
+@FORMATS
+def test_half_precision_over_8bit_close_to_fp32_reference(
+    dtype: torch.dtype, case: int, storage: torch.dtype
+) -> None:
+    """Tensor-core tile shapes: codes converted to fp16, scales outside the dots."""
     seqs, heads, kv_heads, head_dim, block_size = CASES[case]
-    batch = fp8_batch(seqs, heads, kv_heads, head_dim, block_size, dtype=dtype, seed=7 + case)
+    batch = fp8_batch(
+        seqs, heads, kv_heads, head_dim, block_size, dtype=dtype, seed=7 + case, storage=storage
+    )
     ref_out, _ = reference_fp8(batch)
     out = TritonBackend(None, None, None).forward(
         batch.query, batch.key, batch.value, batch.layer(), batch.meta, batch.scale
@@ -196,10 +244,11 @@ def test_half_precision_over_fp8_close_to_fp32_reference(dtype: torch.dtype, cas
 
 
 @pytest.mark.gpu  # cuDNN/flash through SDPA
+@FORMATS
 @pytest.mark.parametrize("fp8_chunk_limit", [None, 2048])
-def test_fp8_bf16_default_routing(fp8_chunk_limit: int | None) -> None:
+def test_8bit_bf16_default_routing(fp8_chunk_limit: int | None, storage: torch.dtype) -> None:
     seqs = [(3000, 1), (9000, 1), (700, 100), (12000, 2100), (0, 4000)]
-    batch = fp8_batch(seqs, 32, 8, 128, 16, dtype=torch.bfloat16, seed=42)
+    batch = fp8_batch(seqs, 32, 8, 128, 16, dtype=torch.bfloat16, seed=42, storage=storage)
     ref_out, ref_cache = reference_fp8(batch)
     out = TritonBackend(sdpa_min_fp8_chunk_tokens=fp8_chunk_limit).forward(
         batch.query, batch.key, batch.value, batch.layer(), batch.meta, batch.scale
@@ -210,10 +259,11 @@ def test_fp8_bf16_default_routing(fp8_chunk_limit: int | None) -> None:
 
 
 @pytest.mark.gpu
-def test_fp8_decode_under_a_cuda_graph_replays_new_inputs() -> None:
+@FORMATS
+def test_8bit_decode_under_a_cuda_graph_replays_new_inputs(storage: torch.dtype) -> None:
     """Capture write + attention once (no host sync inside), replay for other inputs."""
     seqs = [(1000, 1), (37, 1), (4000, 1), (250, 1)]
-    batch = fp8_batch(seqs, 32, 8, 128, 16, dtype=torch.bfloat16, seed=5)
+    batch = fp8_batch(seqs, 32, 8, 128, 16, dtype=torch.bfloat16, seed=5, storage=storage)
     backend = TritonBackend()
     query, key, value = (t.clone() for t in (batch.query, batch.key, batch.value))
     layer = batch.layer()
@@ -223,7 +273,8 @@ def test_fp8_decode_under_a_cuda_graph_replays_new_inputs() -> None:
     with torch.cuda.graph(graph):
         out = backend.forward(query, key, value, layer, batch.meta, batch.scale)
     # New inputs in the captured buffers, same slots and block tables.
-    batch.cache.copy_(quantize_slots(torch.randn(batch.cache.shape[:-1] + (128,), device=DEVICE)))
+    fresh = torch.randn(batch.cache.shape[:-1] + (128,), device=DEVICE)
+    batch.cache.copy_(quantize_slots(fresh, storage))
     for buffer in (query, key, value):
         buffer.copy_(torch.randn_like(buffer))
     batch.query, batch.key, batch.value = query, key, value
@@ -233,12 +284,15 @@ def test_fp8_decode_under_a_cuda_graph_replays_new_inputs() -> None:
     assert rel_error(out, ref_out) < 1e-2
 
 
-def test_fp8_backend_selection() -> None:
-    """FP8 on CUDA: Triton; on the CPU: the reference (the native kernels read plain caches)."""
-    assert choose_backend_name(None, "cuda", ["triton", "reference"], fp8_kv=True) == "triton"
-    assert choose_backend_name(None, "cuda", ["reference"], fp8_kv=True) == "reference"
-    assert choose_backend_name(None, "cpu", ["cpu", "reference"], fp8_kv=True) == "reference"
-    assert choose_backend_name(None, "cpu", ["cpu", "reference"]) == "cpu"
-    assert choose_backend_name("cpu", "cpu", ["cpu", "reference"], fp8_kv=True) == "cpu"
-    assert set(FP8_KV_BACKENDS) == {"triton", "reference"}
-    TritonBackend().check_kv_cache(torch.zeros((2, 1, 2, 4, 1, 20), dtype=torch.uint8))
+def test_8bit_backend_selection() -> None:
+    """An 8-bit cache (fp8 or int8) on CUDA: Triton; on the CPU: the reference (the native
+    kernels read plain caches)."""
+    choose = choose_backend_name
+    assert choose(None, "cuda", ["triton", "reference"], quantized_kv=True) == "triton"
+    assert choose(None, "cuda", ["reference"], quantized_kv=True) == "reference"
+    assert choose(None, "cpu", ["cpu", "reference"], quantized_kv=True) == "reference"
+    assert choose(None, "cpu", ["cpu", "reference"]) == "cpu"
+    assert choose("cpu", "cpu", ["cpu", "reference"], quantized_kv=True) == "cpu"
+    assert set(QUANTIZED_KV_BACKENDS) == {"triton", "reference"}
+    for storage in (torch.uint8, torch.int8):
+        TritonBackend().check_kv_cache(torch.zeros((2, 1, 2, 4, 1, 20), dtype=storage))
