@@ -63,7 +63,7 @@ import triton
 import triton.language as tl
 
 from kernels.fp8_kv import SCALE_BYTES, is_int8_cache, is_quantized_cache
-from kernels.triton_kv_write import fp8_scale_index, fp8_scale_view
+from kernels.triton_kv_write import fp8_scale_index, fp8_scale_view, widen_codes
 
 LOG2_E = 1.4426950408889634
 
@@ -142,14 +142,6 @@ def _find_seq(query_start_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
-def _widen_codes(codes, dtype: tl.constexpr, INT8: tl.constexpr):
-    """Loaded 8-bit codes (``int8``, or ``uint8`` e4m3 bytes) as ``dtype``, exactly."""
-    # NOTE: a constexpr ternary, not an early return: compiled, code after a return is
-    # still generated (and must type-check).
-    return codes.to(dtype) if INT8 else codes.to(tl.float8e4nv, bitcast=True).to(dtype)
-
-
-@triton.jit
 def _attend_tile(
     acc,
     m_i,
@@ -216,7 +208,7 @@ def _attend_tile(
             v_scale = tl.load(v_scales)
         # NOTE: QUANT_HALF: q arrives in fp16; e4m3 and int8 codes widen to it exactly.
         # The value codes stay 8-bit until their dot.
-        k = _widen_codes(k, tl.float16 if QUANT_HALF else q.dtype, INT8)
+        k = widen_codes(k, tl.float16 if QUANT_HALF else q.dtype, INT8)
         qk = tl.dot(q, k, input_precision=DOT_PRECISION)
         qk = qk * (k_scale * qk_scale)[None, :]  # [M, N]
     else:
@@ -238,12 +230,12 @@ def _attend_tile(
         p = (p * (v_scale / v_top)[None, :]).to(tl.float16)
         # NOTE: v is not reassigned here: compiled, the code after this return is still
         # generated, and it must see the codes (a second widening of fp16 fails to build).
-        v_half = _widen_codes(v, tl.float16, INT8)
+        v_half = widen_codes(v, tl.float16, INT8)
         pv = tl.dot(p, v_half, input_precision=DOT_PRECISION) * v_top
         return acc * alpha[:, None] + pv, m_new, l_i
     if QUANT:
         p = p * v_scale[None, :]
-        v = _widen_codes(v, q.dtype, INT8)
+        v = widen_codes(v, q.dtype, INT8)
     acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
     return acc, m_new, l_i
 

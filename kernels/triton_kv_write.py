@@ -78,12 +78,13 @@ def _int8_codes(y):
 
 
 @triton.jit
-def dequantize_codes(codes, INT8: tl.constexpr):
-    """Loaded codes of an 8-bit cache (``int8``, or ``uint8`` e4m3 bytes) as float32;
-    ``dequantize_slots`` multiplies these by the row's scale."""
+def widen_codes(codes, dtype: tl.constexpr, INT8: tl.constexpr):
+    """Loaded codes of an 8-bit cache (``int8``, or ``uint8`` e4m3 bytes) as ``dtype``,
+    exactly (fp16 holds every e4m3 value and every integer up to 2048); ``dequantize_slots``
+    multiplies them by the row's scale."""
     # NOTE: a constexpr ternary, not an early return: compiled, the code after a return
     # inside a constexpr branch is still generated (and must type-check).
-    return codes.to(tl.float32) if INT8 else codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    return codes.to(dtype) if INT8 else codes.to(tl.float8e4nv, bitcast=True).to(dtype)
 
 
 @triton.jit
@@ -267,7 +268,7 @@ def _gather_fp8_kernel(
         scale = tl.load(
             scale_ptr + fp8_scale_index(base, offs_h, NUM_KV_HEADS, HEAD_DIM), mask=head_valid
         )
-        values = dequantize_codes(codes, INT8) * scale[:, None]
+        values = widen_codes(codes, tl.float32, INT8) * scale[:, None]
         dst = key_ptr if kind == 0 else value_ptr
         tl.store(dst + out, values.to(dst.dtype.element_ty), mask=mask)
 

@@ -20,11 +20,11 @@ import triton.language as tl
 
 from kernels.fp8_kv import SCALE_BYTES, is_int8_cache, is_quantized_cache
 from kernels.triton_kv_write import (
-    dequantize_codes,
     fp8_scale_index,
     fp8_scale_view,
     quantized_codes,
     quantized_safe_scale,
+    widen_codes,
 )
 
 
@@ -77,8 +77,8 @@ def _rerotate_copy_kernel(
         src_scale = fp8_scale_index(src_off, offs_h, NUM_KV_HEADS, 2 * HALF)
         dst_scale = fp8_scale_index(dst_off, offs_h, NUM_KV_HEADS, 2 * HALF)
         key_scale = tl.load(scale_ptr + src_scale, mask=head_valid, other=0.0)[:, None]
-        x1 = dequantize_codes(x1, INT8) * key_scale
-        x2 = dequantize_codes(x2, INT8) * key_scale
+        x1 = widen_codes(x1, tl.float32, INT8) * key_scale
+        x2 = widen_codes(x2, tl.float32, INT8) * key_scale
         r1 = tl.where(mask, x1 * cos - x2 * sin, 0.0)
         r2 = tl.where(mask, x2 * cos + x1 * sin, 0.0)
         amax = tl.maximum(tl.max(tl.abs(r1), 1), tl.max(tl.abs(r2), 1))
