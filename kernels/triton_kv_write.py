@@ -82,9 +82,26 @@ def widen_codes(codes, dtype: tl.constexpr, INT8: tl.constexpr):
     """Loaded codes of an 8-bit cache (``int8``, or ``uint8`` e4m3 bytes) as ``dtype``,
     exactly (fp16 holds every e4m3 value and every integer up to 2048); ``dequantize_slots``
     multiplies them by the row's scale."""
-    # NOTE: a constexpr ternary, not an early return: compiled, the code after a return
+    # NOTE: constexpr ternaries, not early returns: compiled, the code after a return
     # inside a constexpr branch is still generated (and must type-check).
-    return codes.to(dtype) if INT8 else codes.to(tl.float8e4nv, bitcast=True).to(dtype)
+    return (
+        (_int8_as_half(codes) if dtype == tl.float16 else codes.to(dtype))
+        if INT8
+        else codes.to(tl.float8e4nv, bitcast=True).to(dtype)
+    )
+
+
+@triton.jit
+def _int8_as_half(codes):
+    """int8 ``codes`` as fp16, exactly, by bits: ``0x6400 | (c + 128)`` is the fp16
+    ``1024 + c + 128``, so subtracting 1152 leaves ``c``.
+
+    NOTE: integer ops and one fp16 subtraction, where ``codes.to(tl.float16)`` compiles
+    to two conversions an element (``cvt.s16.s8``, ``cvt.rn.f16.s16``); e4m3 widens a pair
+    in one instruction.
+    """
+    biased = (codes.to(tl.uint8, bitcast=True).to(tl.uint16) ^ 0x80) | 0x6400
+    return biased.to(tl.uint16).to(tl.float16, bitcast=True) - 1152.0
 
 
 @triton.jit

@@ -25,6 +25,7 @@ from kernels.triton_kv_write import (
     _e4m3_codes,
     _int8_codes,
     gather_fp8_context,
+    widen_codes,
     write_kv_triton,
 )
 from tests.kernels.test_triton_kernels import (  # the interpreter fix comes with it
@@ -98,6 +99,26 @@ def test_int8_rounding_matches_torch_on_every_half_and_its_neighbours() -> None:
     expected = x.round().clamp(-127, 127).to(torch.int8)
     assert torch.equal(codes, expected), x[codes != expected]
     assert int(codes.min()) == -127
+
+
+@triton.jit
+def _widen_kernel(codes_ptr, out_ptr, INT8: tl.constexpr):
+    offs = tl.arange(0, 256)
+    tl.store(out_ptr + offs, widen_codes(tl.load(codes_ptr + offs), out_ptr.dtype.element_ty, INT8))
+
+
+@FORMATS
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_every_code_widens_exactly(storage: torch.dtype, dtype: torch.dtype) -> None:
+    """All 256 codes of each format, as the attention kernels widen them (int8 to fp16 by
+    bits), equal torch's conversion of the same codes."""
+    codes = torch.arange(256, dtype=torch.int16).to(torch.uint8).view(storage).to(DEVICE)
+    out = torch.empty(256, dtype=dtype, device=DEVICE)
+    _widen_kernel[(1,)](codes, out, INT8=storage == torch.int8)
+    reference = codes.view(FP8_DTYPE) if storage == torch.uint8 else codes
+    expected = reference.float().to(dtype)
+    finite = ~expected.isnan()
+    assert torch.equal(out[finite], expected[finite])
 
 
 def test_e4m3_rounding_matches_torch_on_every_value_and_tie() -> None:
