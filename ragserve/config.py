@@ -61,8 +61,8 @@ class EngineConfig:
         "auto",
         help="KV cache storage: auto (the model's dtype), fp8 (e4m3 with a float32 scale "
         "per token and KV head: about half of bf16's bytes) or int8 (int8 codes with a "
-        "float32 scale per token and KV head: the same bytes as fp8, about ten times closer "
-        "to the model's dtype)",
+        "float32 scale per token and KV head: the same bytes as fp8, within the model "
+        "dtype's own rounding noise where fp8 is five times further off)",
         choices=KV_CACHE_DTYPES,
     )
     enable_prefix_caching: bool = option(
