@@ -31,11 +31,11 @@ Output rows past ``query_start_loc[B]`` (padding tokens) are not written.
 
 8-bit cache (``kernels/fp8_kv.py``, a constexpr branch ``QUANT``; the plain path compiles
 as before; ``INT8`` picks the code type): K and V tiles are loaded as codes, e4m3 (``uint8``
-bitcast to ``float8e4nv``) or int8, and widened in registers, exactly, to fp16 for bf16
-and fp16 queries (one conversion instruction, where bf16 takes a detour through fp32;
-fp16 holds every integer up to 2048, so int8 codes too; the query is converted to fp16
-once) and to fp32 for fp32 ones. Each token's float32 scale is loaded beside them, from the scales after its
-slot's codes. The scales are applied outside the dots, where they are per-column factors:
+bitcast to ``float8e4nv``) or int8, and widened in registers, exactly
+(``triton_kv_write.widen_codes``), to fp16 for bf16 and fp16 queries (e4m3: one
+conversion instruction a pair, where bf16 takes a detour through fp32; int8: by bits;
+the query is converted to fp16 once) and to fp32 for fp32 ones. Each token's float32
+scale is loaded beside them, from the scales after its slot's codes. The scales are applied outside the dots, where they are per-column factors:
 a key's scale multiplies its column of ``q @ k`` (folded into ``qk_scale``), a value's
 scale its column of ``p`` before ``p @ v``, divided by the tile's largest value scale so
 that ``p`` stays in [0, 1] (fp16's range; the largest multiplies the tile's product).
