@@ -38,10 +38,11 @@ WEIGHT_ONLY_MAX_ROWS = (
 
 # NOTE: Hopper's tensor cores sum FP8 products in fewer bits than float32; without fast
 # accumulation cuBLAS adds each partial sum into float32 registers. vLLM's FP8 GEMMs take
-# the fast form too. Measured on an NVIDIA H200 (kernels/bench_fp8_linear.py, 8B shape): the
-# engine's FP8 prompt of 32k tokens 0.915 -> 0.889 s, 256 x (512, 128) 9,631 -> 10,224
-# tok/s; the error against float32 sums of the same codes, over sum_k |xq * wq|, 0.2-0.3e-3
-# -> 0.6-0.9e-3, far under the codes' own rounding (2^-3 of the same sum).
+# the fast form too. Measured on an NVIDIA H200 (8B shape, BENCHMARKS.md, FP8 weights):
+# `_scaled_mm` 0.85-0.95x the time at 256 and 4,096 rows; the engine's 32k-token prompt
+# 0.894 s and 256 x (512, 128) 10,245 tok/s (before: 0.915 s, 9,631 tok/s); the error
+# against float32 sums of the same codes, over sum_k |xq * wq|, at most 1.0e-3 (float32
+# accumulation: 0.3e-3), far under the codes' own rounding (2^-3 of the same sum).
 FAST_ACCUM = True
 ACCUMULATION_TOLERANCE = 2.0**-9
 
