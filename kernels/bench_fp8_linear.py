@@ -44,9 +44,9 @@ from triton.testing import do_bench_cudagraph
 from kernels.fp8_linear import (
     ACCUMULATION_TOLERANCE,
     WEIGHT_ONLY_MAX_ROWS,
-    dequantize_rows,
     fp8_linear_cuda,
     fp8_matmul_reference,
+    product_magnitudes,
     quantize_rows,
     scaled_mm_quantized,
     scaled_mm_usable,
@@ -128,13 +128,12 @@ def bench(name: str, k: int, n: int, rows: int, do_sweep: bool) -> dict[str, obj
     error = float((got - want).abs().max() / want.abs().max())
     # NOTE: the bound of kernels/fp8_linear.py: bf16 rounding of the output, plus the fast
     # FP8 accumulation's error relative to the summed magnitudes of the products.
-    operand = x.float() if weight_only else dequantize_rows(*quantize_rows(x))
-    magnitudes = operand.abs() @ dequantize_rows(codes, scale).abs().t()
+    magnitudes = product_magnitudes(x, codes, scale, quantized=not weight_only)
     within = bool(
         ((got - want).abs() <= TOLERANCE * want.abs() + ACCUMULATION_TOLERANCE * magnitudes).all()
     )
     accumulation_error = float(((got - want).abs() / magnitudes.clamp_min(1e-30)).max())
-    del operand, magnitudes
+    del magnitudes
     x_codes, x_scale = quantize_rows_triton(x)
     want_codes, want_scale = quantize_rows(x)
     quant_exact = torch.equal(x_scale, want_scale) and torch.equal(

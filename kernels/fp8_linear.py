@@ -73,6 +73,16 @@ def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return codes.to(torch.float32) * scale
 
 
+def product_magnitudes(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, quantized: bool = True
+) -> torch.Tensor:
+    """float32 ``sum_k |x[m, k] * w[n, k]|`` of what the path multiplies (``x``'s e4m3 codes
+    times their scales when ``quantized``, else ``x`` itself, as the GEMV does): the scale
+    :data:`ACCUMULATION_TOLERANCE` applies to."""
+    operand = dequantize_rows(*quantize_rows(x)) if quantized else x.to(torch.float32)
+    return operand.abs() @ dequantize_rows(weight, weight_scale).abs().t()
+
+
 def fp8_matmul_reference(
     x: torch.Tensor,
     weight: torch.Tensor,

@@ -18,6 +18,7 @@ from kernels.fp8_linear import (
     WEIGHT_ONLY_MAX_ROWS,
     dequantize_rows,
     fp8_matmul_reference,
+    product_magnitudes,
     quantize_rows,
 )
 from kernels.triton_fp8_gemv import fp8_gemv_reference
@@ -233,9 +234,10 @@ def test_the_layer_takes_the_weight_only_path_for_few_rows_only(rows: int) -> No
     )
     # bf16 output rounding and the accumulation (fast FP8 past the threshold); the other
     # path is off by ~2^-5.
-    weights = dequantize_rows(layer.weight, layer.weight_scale).abs().t()
-    operand = x.float() if rows <= WEIGHT_ONLY_MAX_ROWS else dequantize_rows(*quantize_rows(x))
-    tolerance = 2.0**-7 * want.abs() + ACCUMULATION_TOLERANCE * (operand.abs() @ weights)
+    magnitudes = product_magnitudes(
+        x, layer.weight, layer.weight_scale, quantized=rows > WEIGHT_ONLY_MAX_ROWS
+    )
+    tolerance = 2.0**-7 * want.abs() + ACCUMULATION_TOLERANCE * magnitudes
     assert ((got - want).abs() <= tolerance).all()
     assert ((got - other).abs() > tolerance).any()
 
