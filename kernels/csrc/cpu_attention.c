@@ -21,6 +21,8 @@
  *
  * Arithmetic is float32 throughout; bfloat16 K/V/Q are widened on load and the output is
  * rounded to nearest even. Scores are kept in base 2 (scale * log2(e) folded into Q).
+ * Where the CPU has AVX-512 BF16, bf16 tiles instead multiply bf16 pairs with float32 sums
+ * (cpu_bf16_dot.h): K/V are read in place, probabilities are rounded to bf16 for P . V.
  */
 #include <math.h>
 #include <stdint.h>
@@ -42,6 +44,8 @@
 #define TILE_ROWS 256   /* most query rows per tile (fewer when tiles would be too few) */
 #define MIN_TILE_ROWS 32
 #define MIN_PART_KEYS 256
+
+#include "cpu_bf16_dot.h"
 
 typedef struct {
     int32_t num_seqs, num_heads, num_kv_heads, head_dim;
@@ -79,6 +83,8 @@ typedef struct { /* per-thread buffers */
     float *st;        /* tile: S^T [KC + RBK][rpad]; small: S [rows][KC] */
     float *o;         /* [rows][D] */
     float *kf, *vf_;  /* [KC][D] widened bf16 K/V rows */
+    uint32_t *qp, *pp, *vp; /* bf16 dot: Q, P, V packed in pairs (see cpu_bf16_dot.h) */
+    const uint16_t **khrow; /* bf16 dot: K rows in place */
     float *m, *l, *alpha;
     int32_t *lim;
     const float **krow, **vrow;
@@ -104,7 +110,7 @@ static inline const char *key_addr(const AttnParams *p, const Operands *ops, con
  * blocks anywhere), so without prefetching the tile loops stall on every block's first
  * rows: a 20-token question over 4k fp32 keys ran at 0.9 GB/s of K/V, 2.3x slower. */
 static void chunk_rows(const AttnParams *p, const Operands *ops, const int32_t *table, int kv_head,
-                       int64_t kc, int n, int64_t next_end, Work *w) {
+                       int64_t kc, int n, int64_t next_end, int dot, Work *w) {
     const int D = p->head_dim, bs = p->block_size;
     const int64_t es = (int64_t)elem_size(p), token_stride = (int64_t)p->num_kv_heads * D * es;
     const int64_t v_off = p->kv_offset * es, row_bytes = D * es;
@@ -114,7 +120,10 @@ static void chunk_rows(const AttnParams *p, const Operands *ops, const int32_t *
         int64_t left_in_block = bs - ((kc + j) & (bs - 1));
         int run = (int)(left_in_block < n - j ? left_in_block : n - j);
         for (int i = 0; i < run; i++, j++, k += token_stride) {
-            if (p->is_bf16) {
+            if (dot) {
+                w->khrow[j] = (const uint16_t *)k;
+                w->vrow[j] = (const float *)(k + v_off); /* bf16 rows, paired below */
+            } else if (p->is_bf16) {
                 const uint16_t *kh = (const uint16_t *)k, *vh_ = (const uint16_t *)(k + v_off);
                 for (int d = 0; d < D; d += VL) {
                     storeu(w->kf + (int64_t)j * D + d, load_bf16(kh + d));
@@ -128,6 +137,14 @@ static void chunk_rows(const AttnParams *p, const Operands *ops, const int32_t *
             }
         }
     }
+#if HAVE_BF16_DOT
+    if (dot)
+        for (int i = 0; 2 * i < n; i++) {
+            const uint16_t *v0 = (const uint16_t *)w->vrow[2 * i];
+            const uint16_t *v1 = 2 * i + 1 < n ? (const uint16_t *)w->vrow[2 * i + 1] : (const uint16_t *)ZERO_ROW;
+            for (int d = 0; d < D; d += VL) *(vpair *)(w->vp + (int64_t)i * D + d) = interleave_bf16(v0 + d, v1 + d);
+        }
+#endif
     for (int64_t a = kc + n; a < next_end;) {
         const char *k = key_addr(p, ops, table, a, kv_head);
         int64_t left_in_block = bs - (a & (bs - 1));
@@ -233,9 +250,19 @@ static void run_tile(const AttnParams *p, const Operands *ops, const Item *it, W
     const int64_t context = p->seq_lens[it->seq] - query_len;
     const int32_t *table = p->block_tables + (int64_t)it->seq * p->table_stride;
     const float qscale = p->scale * 1.4426950408889634f;
+    const int dot = HAVE_BF16_DOT && p->is_bf16;
 
     for (int r = 0; r < rpad; r++) {
         float *column = w->qt + r;
+        if (dot) {
+            uint32_t *pairs = w->qp + r;
+            const uint16_t *src = (const uint16_t *)ops->q + (q_first + it->t0 + r / group) * ops->q_token_stride +
+                                  (int64_t)(it->kv_head * group + r % group) * D;
+            for (int i = 0; i < D / 2; i++)
+                pairs[(int64_t)i * rpad] = r < rows ? (uint32_t)src[2 * i] | (uint32_t)src[2 * i + 1] << 16 : 0u;
+            w->lim[r] = r < rows ? (int32_t)(context + it->t0 + r / group) : INT32_MAX;
+            continue;
+        }
         if (r >= rows) {
             for (int d = 0; d < D; d++) column[(int64_t)d * rpad] = 0.0f;
             w->lim[r] = INT32_MAX;
@@ -262,8 +289,11 @@ static void run_tile(const AttnParams *p, const Operands *ops, const Item *it, W
         int n = (int)(it->k1 - kc < KC ? it->k1 - kc : KC);
         int npad = (n + RBK - 1) / RBK * RBK;
         int64_t next_end = kc + n + KC < it->k1 ? kc + n + KC : it->k1;
-        chunk_rows(p, ops, table, it->kv_head, kc, n, next_end, w);
-        for (int j = n; j < npad; j++) w->krow[j] = ZERO_ROW;
+        chunk_rows(p, ops, table, it->kv_head, kc, n, next_end, dot, w);
+        for (int j = n; j < npad; j++) {
+            w->krow[j] = ZERO_ROW;
+            if (dot) w->khrow[j] = (const uint16_t *)ZERO_ROW;
+        }
         /* Causal skip: keys past a row block's last position need no product. */
         int block_keys[TILE_ROWS / (NV * VL) + 2];
         for (int r0 = 0; r0 < rpad; r0 += NV * VL) {
@@ -272,7 +302,11 @@ static void run_tile(const AttnParams *p, const Operands *ops, const Item *it, W
             needed = needed < 0 ? 0 : (needed > n ? n : needed);
             block_keys[r0 / (NV * VL)] = (int)((needed + RBK - 1) / RBK * RBK);
         }
-        qk_tile(w->krow, w->qt, w->st, block_keys, rpad, D);
+#if HAVE_BF16_DOT
+        if (dot) qk_tile_dot(w->khrow, w->qp, w->st, block_keys, rpad, D, qscale);
+        else
+#endif
+            qk_tile(w->krow, w->qt, w->st, block_keys, rpad, D);
         int masked = kc + n - 1 > context + it->t0;
         for (int r = 0; r < rpad; r += VL) {
             vf mx = splat(-INFINITY);
@@ -296,6 +330,14 @@ static void run_tile(const AttnParams *p, const Operands *ops, const Item *it, W
             storeu(w->m + r, m);
             storeu(w->l + r, l + sum);
             storeu(w->alpha + r, alpha);
+#if HAVE_BF16_DOT
+            if (dot)
+                for (int i = 0; 2 * i < n; i++) {
+                    vf e0 = loadu(w->st + (int64_t)(2 * i) * rpad + r);
+                    vf e1 = 2 * i + 1 < n ? loadu(w->st + (int64_t)(2 * i + 1) * rpad + r) : splat(0.0f);
+                    *(vpair *)(w->pp + (int64_t)i * rpad + r) = round_pairs(e0, e1);
+                }
+#endif
         }
         for (int r = 0; r < rows; r++) {
             float a = w->alpha[r];
@@ -303,6 +345,14 @@ static void run_tile(const AttnParams *p, const Operands *ops, const Item *it, W
                 for (int d = 0; d < D; d += VL) storeu(w->o + (int64_t)r * D + d, loadu(w->o + (int64_t)r * D + d) * a);
         }
         int r0 = 0;
+#if HAVE_BF16_DOT
+        if (dot) {
+            for (; r0 + RBR <= rows; r0 += RBR)
+                pv_dot_rows_RBR(w->vp, w->pp, w->o, (visible(w, kc, n, r0 + RBR - 1) + 1) / 2, rpad, r0, D);
+            for (; r0 < rows; r0++) pv_dot_rows_1(w->vp, w->pp, w->o, (visible(w, kc, n, r0) + 1) / 2, rpad, r0, D);
+            continue;
+        }
+#endif
         for (; r0 + RBR <= rows; r0 += RBR) pv_rows_RBR(w->vrow, w->st, w->o, visible(w, kc, n, r0 + RBR - 1), rpad, r0, D);
         for (; r0 < rows; r0++) pv_rows_1(w->vrow, w->st, w->o, visible(w, kc, n, r0), rpad, r0, D);
     }
@@ -373,6 +423,47 @@ static inline void row_values(const float *p, const float *const *vrow, int n, i
     }
 }
 
+#if HAVE_BF16_DOT
+/* row_scores from bf16 rows in place, by pair products: s[j] = scale * q . k_j. */
+static inline void row_scores_dot(const uint16_t *q, const uint16_t *const *krow, int n, int D, float scale,
+                                  float *s) {
+    int j0 = 0;
+    for (; j0 + 8 <= n; j0 += 8) {
+        vf acc[8];
+        for (int jj = 0; jj < 8; jj++) acc[jj] = splat(0.0f);
+        for (int d = 0; d < D; d += 2 * VL) {
+            __m512bh qd = (__m512bh)_mm512_loadu_si512(q + d);
+            for (int jj = 0; jj < 8; jj++)
+                acc[jj] = (vf)_mm512_dpbf16_ps((__m512)acc[jj], qd, (__m512bh)_mm512_loadu_si512(krow[j0 + jj] + d));
+        }
+        reduce8(acc, s + j0);
+        for (int jj = 0; jj < 8; jj++) s[j0 + jj] *= scale;
+    }
+    for (; j0 < n; j0++) {
+        vf acc = splat(0.0f);
+        for (int d = 0; d < D; d += 2 * VL)
+            acc = (vf)_mm512_dpbf16_ps((__m512)acc, (__m512bh)_mm512_loadu_si512(q + d),
+                                       (__m512bh)_mm512_loadu_si512(krow[j0] + d));
+        s[j0] = scale * hsum(acc);
+    }
+}
+
+/* row_values with the probabilities as bf16 pairs pb and V as pairs vp [pairs][D]. */
+static inline void row_values_dot(const uint32_t *pb, const uint32_t *vp, int pairs, int D, float *o) {
+    for (int d0 = 0; d0 < D; d0 += 4 * VL) {
+        int nv = (D - d0) / VL < 4 ? (D - d0) / VL : 4;
+        __m512 acc[4];
+        for (int v = 0; v < 4; v++) acc[v] = v < nv ? (__m512)loadu(o + d0 + v * VL) : _mm512_setzero_ps();
+        for (int i = 0; i < pairs; i++) {
+            __m512bh a = (__m512bh)_mm512_set1_epi32((int)pb[i]);
+            for (int v = 0; v < nv; v++)
+                acc[v] = _mm512_dpbf16_ps(acc[v], a, as_pairs(load_pairs(vp + (int64_t)i * D + d0 + v * VL)));
+        }
+        for (int v = 0; v < nv; v++) storeu(o + d0 + v * VL, (vf)acc[v]);
+    }
+}
+#endif
+
 static void run_small(const AttnParams *p, const Operands *ops, const Item *it, Work *w, int rows) {
     const int D = p->head_dim, group = p->num_heads / p->num_kv_heads;
     const int per_head = (it->t1 - it->t0) * group;
@@ -380,12 +471,18 @@ static void run_small(const AttnParams *p, const Operands *ops, const Item *it, 
     const int64_t context = p->seq_lens[it->seq] - query_len;
     const int32_t *table = p->block_tables + (int64_t)it->seq * p->table_stride;
     const float qscale = p->scale * 1.4426950408889634f;
+    const int dot = HAVE_BF16_DOT && p->is_bf16;
+    uint16_t *qh = (uint16_t *)w->qp; /* bf16 dot: Q rows as they are */
 
     for (int r = 0; r < rows; r++) {
         int64_t token;
         int head;
         row_place(p, it, r, &token, &head);
-        for (int d = 0; d < D; d++) w->qt[(int64_t)r * D + d] = qscale * query_value(p, ops, token, head, d);
+        if (dot)
+            memcpy(qh + (int64_t)r * D, (const uint16_t *)ops->q + token * ops->q_token_stride + (int64_t)head * D,
+                   sizeof(uint16_t) * (size_t)D);
+        else
+            for (int d = 0; d < D; d++) w->qt[(int64_t)r * D + d] = qscale * query_value(p, ops, token, head, d);
         w->lim[r] = (int32_t)(context + it->t0 + (r % per_head) / group);
         w->m[r] = -INFINITY;
         w->l[r] = 0.0f;
@@ -400,10 +497,14 @@ static void run_small(const AttnParams *p, const Operands *ops, const Item *it, 
          * token's K row of every head is one contiguous span) instead of a third at a time
          * by three items far apart in time. */
         for (int h = 0; h < it->kv_heads; h++) {
-            chunk_rows(p, ops, table, it->kv_head + h, kc, n, next_end, w);
+            chunk_rows(p, ops, table, it->kv_head + h, kc, n, next_end, dot, w);
             for (int r = h * per_head; r < (h + 1) * per_head; r++) {
                 float *s = w->st + (int64_t)r * KC;
-                row_scores(w->qt + (int64_t)r * D, w->krow, n, D, s);
+#if HAVE_BF16_DOT
+                if (dot) row_scores_dot(qh + (int64_t)r * D, w->khrow, n, D, qscale, s);
+                else
+#endif
+                    row_scores(w->qt + (int64_t)r * D, w->krow, n, D, s);
                 int64_t allowed = w->lim[r] - kc + 1; /* keys past the row's position are masked */
                 for (int j = allowed < 0 ? 0 : (allowed < n ? (int)allowed : n); j < npad; j++) s[j] = -INFINITY;
                 vf mx = splat(-INFINITY);
@@ -423,6 +524,15 @@ static void run_small(const AttnParams *p, const Operands *ops, const Item *it, 
                 float *o = w->o + (int64_t)r * D;
                 if (a != 1.0f)
                     for (int d = 0; d < D; d += VL) storeu(o + d, loadu(o + d) * a);
+#if HAVE_BF16_DOT
+                if (dot) {
+                    /* NOTE: adjacent probabilities rounded to bf16 are the pairs P . V needs. */
+                    uint16_t *pb = (uint16_t *)w->pp;
+                    for (int j = 0; j < npad; j += VL) store_bf16(pb + j, loadu(s + j));
+                    row_values_dot((const uint32_t *)pb, w->vp, (n + 1) / 2, D, o);
+                    continue;
+                }
+#endif
                 row_values(s, w->vrow, n, D, o);
             }
         }
@@ -461,9 +571,14 @@ static int alloc_work(Work *w, int D) {
                     2 * (size_t)KC * D + 3 * rmax;
     float *base = aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
     w->lim = malloc(rmax * sizeof(int32_t) + VL * sizeof(int32_t));
+    size_t pairs = (size_t)(D / 2) * rmax + (size_t)((KC + RBK) / 2 + 1) * rmax + (size_t)(KC / 2 + 1) * D;
+    w->qp = HAVE_BF16_DOT ? aligned_alloc(64, (pairs * sizeof(uint32_t) + 63) / 64 * 64) : NULL;
+    w->pp = w->qp ? w->qp + (size_t)(D / 2) * rmax : NULL;
+    w->vp = w->pp ? w->pp + (size_t)((KC + RBK) / 2 + 1) * rmax : NULL;
+    w->khrow = malloc((KC + RBK) * sizeof(uint16_t *));
     w->krow = malloc((KC + RBK) * sizeof(float *));
     w->vrow = malloc((KC + RBK) * sizeof(float *));
-    if (!base || !w->lim || !w->krow || !w->vrow) return -1;
+    if (!base || !w->lim || !w->krow || !w->vrow || !w->khrow || (HAVE_BF16_DOT && !w->qp)) return -1;
     w->qt = base;
     w->st = w->qt + (size_t)D * rmax;
     w->o = w->st + (size_t)(KC + RBK) * rmax;
@@ -480,6 +595,8 @@ static void free_work(Work *w) {
     free(w->lim);
     free((void *)w->krow);
     free((void *)w->vrow);
+    free(w->qp);
+    free((void *)w->khrow);
 }
 
 /* Store new K/V (token-major rows of kv_heads * head_dim elements) at their slots. */
@@ -646,7 +763,7 @@ int ragserve_paged_attention(const AttnParams *p, const void *q, int64_t q_token
     int nt = (int64_t)threads < num_items ? threads : (int)num_items;
 #pragma omp parallel num_threads(nt)
     {
-        Work w;
+        Work w = {0};
         int ok = alloc_work(&w, D) == 0;
         if (!ok) {
 #pragma omp atomic write
@@ -714,3 +831,6 @@ int ragserve_paged_attention(const AttnParams *p, const void *q, int64_t q_token
 
 /* The vector width this build was compiled for (floats), for logs and tests. */
 int ragserve_vector_width(void) { return VL; }
+
+/* 1 when bf16 tiles use the bf16 pair products, for logs and tests. */
+int ragserve_bf16_dot(void) { return HAVE_BF16_DOT; }

@@ -65,3 +65,11 @@ def test_one_openmp_runtime_is_mapped() -> None:
     maps = Path("/proc/self/maps").read_text().splitlines()
     gomp = {line.split()[-1] for line in maps if "libgomp" in line}
     assert len(gomp) == 1, gomp
+
+
+def test_bf16_tiles_use_pair_products_where_the_cpu_has_them() -> None:
+    """A build for a CPU with AVX-512 BF16 multiplies bf16 pairs (cpu_bf16_dot.h); others widen."""
+    if cpu_native.load() is None:
+        pytest.skip("no native kernels")
+    flags = cpu_native._cpu_flags().split()
+    assert cpu_native.bf16_dot() == ("avx512_bf16" in flags and "avx512f" in flags)

@@ -1,0 +1,100 @@
+/* bf16 pair dot products (AVX-512 BF16's vdpbf16ps) for the tile mode of cpu_attention.c.
+ *
+ * vdpbf16ps multiplies 32 bf16 pairs and adds each pair's two products into one of 16
+ * float32 lanes: twice the multiply-adds of a float32 FMA per instruction, and no widening
+ * of K/V on load. Operands are packed as 32-bit pairs of bf16 along the reduced dimension:
+ *  - Q . K^T reduces over head_dim: K rows are already pairs in place (d, d + 1 adjacent);
+ *    Q^T is packed once per tile as qp[d / 2][row].
+ *  - P . V reduces over keys: V is packed per chunk as vp[key / 2][dim] (rows 2i and 2i + 1
+ *    interleaved) and the probabilities, rounded to bf16 as flash attention does on GPUs,
+ *    as pp[key / 2][row].
+ * Accumulation stays in float32; scores are scaled after the product (Q stays exact).
+ */
+#ifndef RAGSERVE_CPU_BF16_DOT_H
+#define RAGSERVE_CPU_BF16_DOT_H
+
+#include "cpu_vec.h"
+
+#if VL == 16 && defined(__AVX512BF16__)
+#define HAVE_BF16_DOT 1
+
+typedef uint32_t vpair __attribute__((vector_size(64), aligned(4)));
+
+static inline __m512bh as_pairs(vpair x) { return (__m512bh)(__m512i)x; }
+
+static inline vpair load_pairs(const uint32_t *p) { return *(const vpair *)p; }
+
+/* Two bf16 rows (16 elements each) interleaved into 16 pairs: lo from a, hi from b. */
+static inline vpair interleave_bf16(const uint16_t *a, const uint16_t *b) {
+    vu lo = __builtin_convertvector(*(const vh *)a, vu);
+    vu hi = __builtin_convertvector(*(const vh *)b, vu) << 16;
+    return (vpair)(lo | hi);
+}
+
+/* Two float32 vectors rounded to nearest even bf16 and paired: lo from a, hi from b. */
+static inline vpair round_pairs(vf a, vf b) {
+    vu x = (vu)a, y = (vu)b;
+    x += 0x7FFFu + ((x >> 16) & 1u);
+    y += 0x7FFFu + ((y >> 16) & 1u);
+    return (vpair)((x >> 16) | (y & 0xFFFF0000u));
+}
+
+/* S^T[j][r] = scale * K[j] . Q[r] for keys j < keys[r / (NV * VL)] of each row block, from
+ * K rows in place (bf16) and qp [D / 2][rpad]. Same blocking as qk_tile. */
+static void qk_tile_dot(const uint16_t *const *krow, const uint32_t *qp, float *st, const int *keys,
+                        int rpad, int D, float scale) {
+    for (int r0 = 0; r0 < rpad; r0 += NV * VL) {
+        const int npad = keys[r0 / (NV * VL)];
+        for (int j0 = 0; j0 < npad; j0 += RBK) {
+            __m512 acc[RBK][NV];
+            const uint32_t *k[RBK];
+            for (int jj = 0; jj < RBK; jj++) {
+                k[jj] = (const uint32_t *)krow[j0 + jj];
+                for (int v = 0; v < NV; v++) acc[jj][v] = _mm512_setzero_ps();
+            }
+            for (int i = 0; i < D / 2; i++) {
+                __m512bh b[NV];
+                for (int v = 0; v < NV; v++) b[v] = as_pairs(load_pairs(qp + (int64_t)i * rpad + r0 + v * VL));
+                for (int jj = 0; jj < RBK; jj++) {
+                    __m512bh a = (__m512bh)_mm512_set1_epi32((int)k[jj][i]);
+                    for (int v = 0; v < NV; v++) acc[jj][v] = _mm512_dpbf16_ps(acc[jj][v], a, b[v]);
+                }
+            }
+            for (int jj = 0; jj < RBK; jj++)
+                for (int v = 0; v < NV; v++)
+                    storeu(st + (int64_t)(j0 + jj) * rpad + r0 + v * VL, (vf)acc[jj][v] * scale);
+        }
+    }
+}
+
+/* O[r0 + rr][:] += sum over key pairs jp < pairs of pp[jp][r0 + rr] . vp[jp][:]. */
+#define PV_DOT_BLOCK(ROWS)                                                                        \
+    static void pv_dot_rows_##ROWS(const uint32_t *vp, const uint32_t *pp, float *o, int pairs,   \
+                                   int rpad, int r0, int D) {                                     \
+        for (int d0 = 0; d0 < D; d0 += NV * VL) {                                                 \
+            __m512 acc[ROWS][NV];                                                                 \
+            for (int rr = 0; rr < ROWS; rr++)                                                     \
+                for (int v = 0; v < NV; v++)                                                      \
+                    acc[rr][v] = (__m512)loadu(o + (int64_t)(r0 + rr) * D + d0 + v * VL);         \
+            for (int jp = 0; jp < pairs; jp++) {                                                  \
+                __m512bh b[NV];                                                                   \
+                for (int v = 0; v < NV; v++) b[v] = as_pairs(load_pairs(vp + (int64_t)jp * D + d0 + v * VL)); \
+                const uint32_t *pj = pp + (int64_t)jp * rpad + r0;                                \
+                for (int rr = 0; rr < ROWS; rr++) {                                               \
+                    __m512bh a = (__m512bh)_mm512_set1_epi32((int)pj[rr]);                        \
+                    for (int v = 0; v < NV; v++) acc[rr][v] = _mm512_dpbf16_ps(acc[rr][v], a, b[v]); \
+                }                                                                                 \
+            }                                                                                     \
+            for (int rr = 0; rr < ROWS; rr++)                                                     \
+                for (int v = 0; v < NV; v++)                                                      \
+                    storeu(o + (int64_t)(r0 + rr) * D + d0 + v * VL, (vf)acc[rr][v]);             \
+        }                                                                                         \
+    }
+PV_DOT_BLOCK(RBR)
+PV_DOT_BLOCK(1)
+
+#else
+#define HAVE_BF16_DOT 0
+#endif
+
+#endif
