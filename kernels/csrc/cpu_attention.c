@@ -84,7 +84,7 @@ typedef struct { /* per-thread buffers */
     float *o;         /* [rows][D] */
     float *kf, *vf_;  /* [KC][D] widened bf16 K/V rows */
     uint32_t *qp, *pp, *vp; /* bf16 dot: Q, P, V packed in pairs (see cpu_bf16_dot.h) */
-    const uint16_t **khrow; /* bf16 dot: K rows in place */
+    const uint16_t **khrow, **vhrow; /* bf16 dot: K/V rows in place */
     float *m, *l, *alpha;
     int32_t *lim;
     const float **krow, **vrow;
@@ -122,7 +122,7 @@ static void chunk_rows(const AttnParams *p, const Operands *ops, const int32_t *
         for (int i = 0; i < run; i++, j++, k += token_stride) {
             if (dot) {
                 w->khrow[j] = (const uint16_t *)k;
-                w->vrow[j] = (const float *)(k + v_off); /* bf16 rows, paired below */
+                w->vhrow[j] = (const uint16_t *)(k + v_off);
             } else if (p->is_bf16) {
                 const uint16_t *kh = (const uint16_t *)k, *vh_ = (const uint16_t *)(k + v_off);
                 for (int d = 0; d < D; d += VL) {
@@ -140,8 +140,8 @@ static void chunk_rows(const AttnParams *p, const Operands *ops, const int32_t *
 #if HAVE_BF16_DOT
     if (dot)
         for (int i = 0; 2 * i < n; i++) {
-            const uint16_t *v0 = (const uint16_t *)w->vrow[2 * i];
-            const uint16_t *v1 = 2 * i + 1 < n ? (const uint16_t *)w->vrow[2 * i + 1] : (const uint16_t *)ZERO_ROW;
+            const uint16_t *v0 = w->vhrow[2 * i];
+            const uint16_t *v1 = 2 * i + 1 < n ? w->vhrow[2 * i + 1] : (const uint16_t *)ZERO_ROW;
             for (int d = 0; d < D; d += VL) *(vpair *)(w->vp + (int64_t)i * D + d) = interleave_bf16(v0 + d, v1 + d);
         }
 #endif
@@ -576,9 +576,10 @@ static int alloc_work(Work *w, int D) {
     w->pp = w->qp ? w->qp + (size_t)(D / 2) * rmax : NULL;
     w->vp = w->pp ? w->pp + (size_t)((KC + RBK) / 2 + 1) * rmax : NULL;
     w->khrow = malloc((KC + RBK) * sizeof(uint16_t *));
+    w->vhrow = malloc((KC + RBK) * sizeof(uint16_t *));
     w->krow = malloc((KC + RBK) * sizeof(float *));
     w->vrow = malloc((KC + RBK) * sizeof(float *));
-    if (!base || !w->lim || !w->krow || !w->vrow || !w->khrow || (HAVE_BF16_DOT && !w->qp)) return -1;
+    if (!base || !w->lim || !w->krow || !w->vrow || !w->khrow || !w->vhrow || (HAVE_BF16_DOT && !w->qp)) return -1;
     w->qt = base;
     w->st = w->qt + (size_t)D * rmax;
     w->o = w->st + (size_t)(KC + RBK) * rmax;
@@ -597,6 +598,7 @@ static void free_work(Work *w) {
     free((void *)w->vrow);
     free(w->qp);
     free((void *)w->khrow);
+    free((void *)w->vhrow);
 }
 
 /* Store new K/V (token-major rows of kv_heads * head_dim elements) at their slots. */
