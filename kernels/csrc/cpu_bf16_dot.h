@@ -1,4 +1,5 @@
-/* bf16 pair dot products (AVX-512 BF16's vdpbf16ps) for the tile mode of cpu_attention.c.
+/* bf16 pair dot products (AVX-512 BF16's vdpbf16ps) for cpu_attention.c: the tile
+ * micro-kernels and the pair packing its decode rows share.
  *
  * vdpbf16ps multiplies 32 bf16 pairs and adds each pair's two products into one of 16
  * float32 lanes: twice the multiply-adds of a float32 FMA per instruction, and no widening
@@ -33,10 +34,7 @@ static inline vpair interleave_bf16(const uint16_t *a, const uint16_t *b) {
 
 /* Two float32 vectors rounded to nearest even bf16 and paired: lo from a, hi from b. */
 static inline vpair round_pairs(vf a, vf b) {
-    vu x = (vu)a, y = (vu)b;
-    x += 0x7FFFu + ((x >> 16) & 1u);
-    y += 0x7FFFu + ((y >> 16) & 1u);
-    return (vpair)((x >> 16) | (y & 0xFFFF0000u));
+    return (vpair)((round_bf16_bits(a) >> 16) | (round_bf16_bits(b) & 0xFFFF0000u));
 }
 
 /* S^T[j][r] = scale * K[j] . Q[r] for keys j < keys[r / (NV * VL)] of each row block, from

@@ -109,11 +109,15 @@ static inline float hmax(vf x) {
     return m;
 }
 
+/* VL floats rounded to nearest even bf16, each in the high half of its 32 bits. */
+static inline vu round_bf16_bits(vf x) {
+    vu bits = (vu)x;
+    return bits + (0x7FFFu + ((bits >> 16) & 1u));
+}
+
 /* Round to nearest even, VL floats to bf16. */
 static inline void store_bf16(uint16_t *p, vf x) {
-    vu bits = (vu)x;
-    bits += 0x7FFFu + ((bits >> 16) & 1u);
-    *(vh *)p = __builtin_convertvector(bits >> 16, vh);
+    *(vh *)p = __builtin_convertvector(round_bf16_bits(x) >> 16, vh);
 }
 
 /* e^x to ~1 ulp (Cody-Waite reduction); inf above ~88.7, ~0 below ~-87.3. */
