@@ -3,9 +3,12 @@
 Two formats share one slot layout and differ only in what a code means:
 
 - ``--kv-cache-dtype fp8``: e4m3 codes, ``scale = amax(|x|) / 448``, stored as ``uint8``;
-- ``--kv-cache-dtype int8``: symmetric int8 codes, ``scale = amax(|x|) / 127``,
-  ``code = round_half_even(x / scale)`` clamped to [-127, 127] (never -128: the code set
-  is symmetric), stored as ``torch.int8``.
+- ``--kv-cache-dtype int8``: symmetric int8 codes of the row rotated by a Hadamard
+  matrix ``H`` (``kernels/kv_rotation.py``, which says why), ``y = x @ H``, ``scale =
+  amax(|y|) / 127``, ``code = round_half_even(y / scale)`` clamped to [-127, 127] (never
+  -128: the code set is symmetric), stored as ``torch.int8``. Dequantizing multiplies by
+  ``H`` again (its own inverse); readers of the codes in place rotate the query and
+  unrotate the output instead (:func:`stores_rotated_rows`).
 
 The cache tensor's storage dtype names its format (:func:`is_fp8_cache`,
 :func:`is_int8_cache`; :func:`is_quantized_cache` for either), so readers and kernels tell
@@ -58,16 +61,14 @@ Why scales live in the slots, per token and kv head:
 
 Accuracy. e4m3 (3 mantissa bits, largest finite 448, smallest subnormal 2^-9): an element
 ``x`` of a row with scale ``s`` comes back within ``2^-4 * |x| + 2^-10 * s``, so within
-``2^-4 * amax`` of the row. int8: within ``s / 2 = amax / 254`` of itself, one uniform
-step over the row (about 7 bits for the row's large elements, where e4m3 keeps 3; fewer
-for its small ones, where e4m3's relative error stays 2^-4). Keys' rows are dense rather
-than heavy-tailed, so int8 wins: on Gaussian rows of 128 its relative RMS error is a
-quarter of e4m3's (0.0065 against 0.0257, ``tests/kernels/test_fp8_kv.py``). Measured on
-SmolLM2-135M through the engine in bf16 on an NVIDIA H200 (64 RAG prompts, BENCHMARKS.md):
-mean KL 0.0018 for int8 KV, 0.0093 for e4m3, 0.0012 for bf16's own rounding noise; in
-float32 through transformers, e4m3's KL comes nearly all from K. A zero row stores scale 0 and dequantizes to
-exact zeros; the scale never drops below float32's smallest normal, so tiny rows give no
-inf or NaN.
+``2^-4 * amax`` of the row. int8: within ``s / 2 = amax / 254`` of the rotated element, one
+uniform step over the row (about 7 bits for the row's large elements, where e4m3 keeps 3;
+fewer for its small ones, where e4m3's relative error stays 2^-4). The rotation makes the
+row dense, so int8 wins: on Gaussian rows of 128 its relative RMS error is a quarter of
+e4m3's (0.0065 against 0.0257, ``tests/kernels/test_fp8_kv.py``), and on keys with a few
+large channels more (``kernels/kv_rotation.py`` gives SmolLM2's figures; BENCHMARKS.md
+the engine's). A zero row stores scale 0 and dequantizes to exact zeros; the scale never
+drops below float32's smallest normal, so tiny rows give no inf or NaN.
 """
 
 from __future__ import annotations
@@ -75,6 +76,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from kernels.kv_rotation import rotate
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3fn value
@@ -109,10 +112,11 @@ class KVFormat:
         return self.row_width * self.storage_dtype.itemsize
 
 
-# NOTE: the salt binds these names: blocks stored under the old per-row layout
-# ("fp8_e4m3/row_f32_scale") or under the other 8-bit format are never read as this one.
+# NOTE: the salt binds these names: blocks stored under an older layout
+# ("fp8_e4m3/row_f32_scale", unrotated "int8/slot_f32_scales") or under the other 8-bit
+# format are never read as this one.
 FP8_FORMAT_NAME = "fp8_e4m3/slot_f32_scales"
-INT8_FORMAT_NAME = "int8/slot_f32_scales"
+INT8_FORMAT_NAME = "int8/hadamard/slot_f32_scales"
 _QUANTIZED_FORMATS = {
     "fp8": (FP8_FORMAT_NAME, FP8_STORAGE_DTYPE),
     "int8": (INT8_FORMAT_NAME, INT8_STORAGE_DTYPE),
@@ -153,6 +157,12 @@ def is_quantized_cache(kv: torch.Tensor) -> bool:
     return kv.dtype in (FP8_STORAGE_DTYPE, INT8_STORAGE_DTYPE)
 
 
+def stores_rotated_rows(kv: torch.Tensor) -> bool:
+    """True where the codes are of ``x @ H`` (int8): attention reading them in place takes
+    ``q @ H`` and unrotates its output (``kernels/kv_rotation.py``)."""
+    return is_int8_cache(kv)
+
+
 def _code_max(storage: torch.dtype) -> float:
     if storage == FP8_STORAGE_DTYPE:
         return FP8_MAX
@@ -170,7 +180,7 @@ def quantize_slots(x: torch.Tensor, storage: torch.dtype = FP8_STORAGE_DTYPE) ->
     if head_dim % SCALE_BYTES:
         raise ValueError(f"head_dim must be divisible by 4, got {head_dim}")
     code_max = _code_max(storage)
-    values = x.float()
+    values = rotate(x) if storage == INT8_STORAGE_DTYPE else x.float()
     amax = values.abs().amax(dim=-1, keepdim=True)
     # NOTE: divided by a tensor, not the Python number: on CUDA torch divides by a host
     # scalar as a product with its reciprocal, one rounding away from IEEE division, and
@@ -208,6 +218,8 @@ def dequantize_slots(
         codes = codes.view(FP8_DTYPE)
     scale = record[..., code_bytes:].view(torch.float32)
     values = codes.unflatten(-1, (heads, -1)).float().mul_(scale[..., None])
+    if stores_rotated_rows(slots):
+        values = rotate(values)
     if out is None:
         return values.to(dtype)
     return out.copy_(values)

@@ -9,7 +9,12 @@ from __future__ import annotations
 
 import torch
 
-from kernels.fp8_kv import dequantize_slots, is_quantized_cache, quantize_slots
+from kernels.fp8_kv import (
+    dequantize_slots,
+    is_quantized_cache,
+    quantize_slots,
+    stores_rotated_rows,
+)
 
 
 def rotation_angles(
@@ -68,9 +73,11 @@ def rerotate_copy(
     ``kv_cache``: ``[num_blocks, layers, 2, block_size, kv_heads, head_dim]``, or an 8-bit
     cache of either kind (``kernels/fp8_kv.py``), whose keys are dequantized, rotated and
     quantized again in the same format, each row under its own new scale. On CUDA one
-    Triton launch (:mod:`kernels.triton_rerotate`); elsewhere torch indexing.
+    Triton launch (:mod:`kernels.triton_rerotate`) except for int8; elsewhere torch indexing.
     """
-    if kv_cache.device.type == "cuda":
+    # NOTE: int8 rows are stored in another basis (kernels/kv_rotation.py), where RoPE's
+    # pairs are mixed: torch dequantizes them back first.
+    if kv_cache.device.type == "cuda" and not stores_rotated_rows(kv_cache):
         from kernels.triton_rerotate import rerotate_copy_triton
 
         cos, sin = rotation_cos_sin(inv_freq, source_positions, target_positions)

@@ -34,7 +34,10 @@ as before; ``INT8`` picks the code type): K and V tiles are loaded as codes, e4m
 bitcast to ``float8e4nv``) or int8, and widened in registers, exactly
 (``triton_kv_write.widen_codes``), to fp16 for bf16 and fp16 queries (e4m3: one
 conversion instruction a pair, where bf16 takes a detour through fp32; int8: by bits;
-the query is converted to fp16 once) and to fp32 for fp32 ones. Each token's float32
+the query is converted to fp16 once) and to fp32 for fp32 ones. int8 codes are of rows
+rotated by a Hadamard matrix (``kernels/kv_rotation.py``): ``paged_attention`` hands the
+kernel rotated queries (``triton_hadamard.rotate_heads``, one launch) and the kernel
+rotates its output back (at the merge when split). Each token's float32
 scale is loaded beside them, from the scales after its slot's codes. The scales are applied outside the dots, where they are per-column factors:
 a key's scale multiplies its column of ``q @ k`` (folded into ``qk_scale``), a value's
 scale its column of ``p`` before ``p @ v``, divided by the tile's largest value scale so
@@ -62,7 +65,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8_kv import SCALE_BYTES, is_int8_cache, is_quantized_cache
+from kernels.fp8_kv import SCALE_BYTES, is_int8_cache, is_quantized_cache, stores_rotated_rows
+from kernels.kv_rotation import rotation_scale
+from kernels.triton_hadamard import hadamard_rows, log_block, rotate_heads
 from kernels.triton_kv_write import fp8_scale_index, fp8_scale_view, widen_codes
 
 LOG2_E = 1.4426950408889634
@@ -281,6 +286,8 @@ def _paged_attention_kernel(
     QUANT: tl.constexpr,
     QUANT_HALF: tl.constexpr,
     INT8: tl.constexpr,
+    LOG_BLOCK: tl.constexpr,
+    ROTATION_SCALE: tl.constexpr,
 ):
     """Attention of one q-block and one kv head over (one split of) its paged context."""
     q_block = tl.program_id(0)
@@ -357,6 +364,8 @@ def _paged_attention_kernel(
         )
     else:
         out = acc / l_i[:, None]
+        if INT8:  # sum(p v H) H = sum(p v): back from H's basis (split partials: at the merge)
+            out = hadamard_rows(out, BLOCK_M, HEAD_DIM_PAD, LOG_BLOCK) * ROTATION_SCALE
         tl.store(
             out_ptr
             + rows[:, None] * stride_o_tok
@@ -380,6 +389,9 @@ def _merge_splits_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
+    INT8: tl.constexpr,
+    LOG_BLOCK: tl.constexpr,
+    ROTATION_SCALE: tl.constexpr,
 ):
     """Combine the split-K partials of one (token, head): rescale each to the global max."""
     tok = tl.program_id(0).to(tl.int64)
@@ -398,6 +410,9 @@ def _merge_splits_kernel(
     )
     weight = tl.exp2(maxes - tl.max(maxes, 0))  # empty splits: exp2(-inf) = 0
     out = tl.sum(acc * weight[:, None], 0) / tl.sum(sums * weight, 0)
+    if INT8:  # the partials are sums in H's basis (see the attention kernel)
+        row = hadamard_rows(tl.reshape(out, (1, HEAD_DIM_PAD)), 1, HEAD_DIM_PAD, LOG_BLOCK)
+        out = tl.reshape(row, (HEAD_DIM_PAD,)) * ROTATION_SCALE
     tl.store(
         out_ptr + tok * stride_o_tok + head * stride_o_head + offs_d,
         out.to(out_ptr.dtype.element_ty),
@@ -456,6 +471,12 @@ def paged_attention(
         raise ValueError("query and kv_layer need a unit stride on head_dim")
     if out is None:
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if stores_rotated_rows(kv_layer):
+        # NOTE: int8 rows are stored times H (kernels/kv_rotation.py): (q H) . (k H) = q . k,
+        # so the kernel reads q H (in fp16, as it would convert q) and unrotates its output.
+        query = rotate_heads(
+            query, torch.float32 if query.dtype == torch.float32 else torch.float16
+        )
     num_seqs = seq_lens.numel()
     if num_tokens == 0 or num_seqs == 0:
         return out
@@ -500,12 +521,14 @@ def paged_attention(
         # NOTE: fp32 inputs get exact fp32 dots (the test oracle); tf32 would cost ~1e-3.
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", QUANT=quantized,
         QUANT_HALF=quantized and query.dtype != torch.float32, INT8=is_int8_cache(kv_layer),
+        LOG_BLOCK=log_block(head_dim), ROTATION_SCALE=rotation_scale(head_dim),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     if split:
         _merge_splits_kernel[(num_tokens, num_heads)](
             out, part_acc, part_max, part_sum, num_splits, out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-            SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), num_warps=4,
+            SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), INT8=is_int8_cache(kv_layer),
+            LOG_BLOCK=log_block(head_dim), ROTATION_SCALE=rotation_scale(head_dim), num_warps=4,
         )  # fmt: skip
     return out

@@ -33,7 +33,15 @@ import triton
 import triton.language as tl
 
 from kernels.fp8_kv import _MIN_SCALE as _TORCH_MIN_SCALE
-from kernels.fp8_kv import FP8_MAX, INT8_MAX, SCALE_BYTES, is_int8_cache, is_quantized_cache
+from kernels.fp8_kv import (
+    FP8_MAX,
+    INT8_MAX,
+    SCALE_BYTES,
+    is_int8_cache,
+    is_quantized_cache,
+)
+from kernels.kv_rotation import rotation_scale
+from kernels.triton_hadamard import hadamard_rows, log_block
 
 # NOTE: fp8_kv's constants, as constexprs so the kernels may read them.
 _FP8_MAX = tl.constexpr(FP8_MAX)
@@ -133,6 +141,8 @@ def _write_kv_kernel(
     BLOCK_SIZE: tl.constexpr,
     QUANT: tl.constexpr,
     INT8: tl.constexpr,
+    LOG_BLOCK: tl.constexpr,
+    ROTATION_SCALE: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
@@ -156,6 +166,9 @@ def _write_kv_kernel(
         mask=mask,
         other=0.0,
     )
+    if INT8:  # NOTE: int8 codes are of the rows times H (kernels/kv_rotation.py)
+        k = hadamard_rows(k.to(tl.float64), HEADS_PAD, HEAD_DIM_PAD, LOG_BLOCK) * ROTATION_SCALE
+        v = hadamard_rows(v.to(tl.float64), HEADS_PAD, HEAD_DIM_PAD, LOG_BLOCK) * ROTATION_SCALE
     if QUANT:
         head_valid = offs_h < NUM_KV_HEADS
         k_scale = scale_ptr + fp8_scale_index(slot_off, offs_h, NUM_KV_HEADS, HEAD_DIM)
@@ -234,6 +247,7 @@ def write_kv_triton(
         HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=kv_layer.shape[2], QUANT=quantized, INT8=is_int8_cache(kv_layer),
+        LOG_BLOCK=log_block(head_dim), ROTATION_SCALE=rotation_scale(head_dim),
         num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
     )  # fmt: skip
 
@@ -268,6 +282,8 @@ def _gather_fp8_kernel(
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     INT8: tl.constexpr,
+    LOG_BLOCK: tl.constexpr,
+    ROTATION_SCALE: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     block = tl.load(table_ptr + tok // BLOCK_SIZE).to(tl.int64)
@@ -281,11 +297,14 @@ def _gather_fp8_kernel(
     out = tok * NUM_KV_HEADS * HEAD_DIM + dense
     for kind in tl.static_range(2):
         base = slot_off + kind * stride_kv_kind
-        codes = tl.load(kv_ptr + base + dense, mask=mask)
+        codes = tl.load(kv_ptr + base + dense, mask=mask, other=0)
         scale = tl.load(
             scale_ptr + fp8_scale_index(base, offs_h, NUM_KV_HEADS, HEAD_DIM), mask=head_valid
         )
         values = widen_codes(codes, tl.float32, INT8) * scale[:, None]
+        if INT8:  # the rows back from H's basis (H is its own inverse), as dequantize_slots
+            values = hadamard_rows(values.to(tl.float64), HEADS_PAD, HEAD_DIM_PAD, LOG_BLOCK)
+            values = (values * ROTATION_SCALE).to(tl.float32)
         dst = key_ptr if kind == 0 else value_ptr
         tl.store(dst + out, values.to(dst.dtype.element_ty), mask=mask)
 
@@ -310,6 +329,8 @@ def gather_fp8_context(
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size,
-        INT8=is_int8_cache(kv_layer), num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
+        INT8=is_int8_cache(kv_layer), LOG_BLOCK=log_block(head_dim),
+        ROTATION_SCALE=rotation_scale(head_dim),
+        num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
     )  # fmt: skip
     return key, value

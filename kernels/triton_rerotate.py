@@ -5,11 +5,12 @@ slot ``source[t]`` of the block-major cache ``[num_blocks, layers, 2, block_size
 kv_heads, head_dim]``, rotates the key's frequency pairs by the token's angles (float32),
 and writes both rows to slot ``target[t]``. Source and target slots must not overlap.
 
-In an 8-bit cache of either kind (``kernels/fp8_kv.py``: per slot all heads' e4m3 or int8
-codes, then their scales) each key row is dequantized (codes times its scale, float32),
-rotated, and quantized again in the same format under its own new scale exactly as the KV
-write does (``kernels/triton_kv_write.py``); the value rows move as they are, scales
-included.
+In an e4m3 cache (``kernels/fp8_kv.py``: per slot all heads' codes, then their scales)
+each key row is dequantized (codes times its scale, float32), rotated, and quantized again
+under its own new scale exactly as the KV write does (``kernels/triton_kv_write.py``); the
+value rows move as they are, scales included. An int8 cache stores its rows Hadamard-rotated
+(``kernels/kv_rotation.py``), which mixes RoPE's pairs: ``kernels/rerotate.py`` moves
+those with torch.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8_kv import SCALE_BYTES, is_int8_cache, is_quantized_cache
+from kernels.fp8_kv import SCALE_BYTES, is_quantized_cache, stores_rotated_rows
 from kernels.triton_kv_write import (
     fp8_scale_index,
     fp8_scale_view,
@@ -47,7 +48,6 @@ def _rerotate_copy_kernel(
     HALF_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     QUANT: tl.constexpr,
-    INT8: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     layer = tl.program_id(1).to(tl.int64)
@@ -77,14 +77,14 @@ def _rerotate_copy_kernel(
         src_scale = fp8_scale_index(src_off, offs_h, NUM_KV_HEADS, 2 * HALF)
         dst_scale = fp8_scale_index(dst_off, offs_h, NUM_KV_HEADS, 2 * HALF)
         key_scale = tl.load(scale_ptr + src_scale, mask=head_valid, other=0.0)[:, None]
-        x1 = widen_codes(x1, tl.float32, INT8) * key_scale
-        x2 = widen_codes(x2, tl.float32, INT8) * key_scale
+        x1 = widen_codes(x1, tl.float32, False) * key_scale
+        x2 = widen_codes(x2, tl.float32, False) * key_scale
         r1 = tl.where(mask, x1 * cos - x2 * sin, 0.0)
         r2 = tl.where(mask, x2 * cos + x1 * sin, 0.0)
         amax = tl.maximum(tl.max(tl.abs(r1), 1), tl.max(tl.abs(r2), 1))
-        safe = quantized_safe_scale(amax, INT8)
-        tl.store(dst_base + rows, quantized_codes(r1, safe[:, None], INT8), mask=mask)
-        tl.store(dst_base + rows + HALF, quantized_codes(r2, safe[:, None], INT8), mask=mask)
+        safe = quantized_safe_scale(amax, False)
+        tl.store(dst_base + rows, quantized_codes(r1, safe[:, None], False), mask=mask)
+        tl.store(dst_base + rows + HALF, quantized_codes(r2, safe[:, None], False), mask=mask)
         tl.store(scale_ptr + dst_scale, tl.where(amax > 0, safe, 0.0), mask=head_valid)
         value_scale = tl.load(scale_ptr + src_scale + stride_kind // 4, mask=head_valid)
         tl.store(scale_ptr + dst_scale + stride_kind // 4, value_scale, mask=head_valid)
@@ -109,6 +109,8 @@ def rerotate_copy_triton(
 ) -> None:
     """``source``/``target``: ``[T]`` int64 slots; ``cos``/``sin``: ``[T, head_dim // 2]``
     float32 of each token's rotation (see :func:`kernels.rerotate.rotation_angles`)."""
+    if stores_rotated_rows(kv_cache):
+        raise ValueError("int8 rows are stored rotated: move them with rerotate_copy_torch")
     _, num_layers, _, block_size, num_kv_heads, row_width = kv_cache.shape
     if source.numel() == 0:
         return
@@ -133,5 +135,4 @@ def rerotate_copy_triton(
         HALF_PAD=triton.next_power_of_2(half),
         BLOCK_SIZE=block_size,
         QUANT=quantized,
-        INT8=is_int8_cache(kv_cache),
     )

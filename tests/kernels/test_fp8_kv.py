@@ -21,6 +21,7 @@ from kernels.fp8_kv import (
     round_trip,
 )
 from kernels.interface import write_kv
+from kernels.kv_rotation import rotate
 from kernels.reference import ReferenceBackend
 from kernels.registry import get_backend
 from tests.kernels.test_cpu_backend import make_meta
@@ -38,6 +39,11 @@ def expected_codes(x: torch.Tensor, scale: torch.Tensor, storage: torch.dtype) -
     if storage == torch.int8:
         return (x / scale).round().clamp(-127, 127).to(torch.int8)
     return (x / scale).clamp(-448.0, 448.0).to(FP8_DTYPE).view(torch.uint8)
+
+
+def stored_rows(x: torch.Tensor, storage: torch.dtype) -> torch.Tensor:
+    """The float32 rows the codes are taken of: int8 rotates them first."""
+    return rotate(x) if storage == torch.int8 else x.float()
 
 
 def code_max(storage: torch.dtype) -> float:
@@ -77,20 +83,22 @@ def test_round_trip_error_is_within_e4m3_rounding_of_each_row(dtype: torch.dtype
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_round_trip_error_is_within_half_a_step_of_each_row(dtype: torch.dtype) -> None:
-    """int8: every element within ``scale / 2 = amax / 254`` of itself (plus float32's
-    roundings of ``x / scale`` and ``code * scale``), codes in [-127, 127], each row's
-    largest element at code +-127."""
+    """int8: every element of the rotated row within ``scale / 2 = amax / 254`` of itself
+    (plus float32's roundings of ``y / scale``, ``code * scale`` and the rotations), codes
+    in [-127, 127], each rotated row's largest element at code +-127."""
     x = rows_of_many_magnitudes(1).to(dtype)
     slots = quantize_slots(x.view(64, 8, 128), torch.int8)
     assert slots.dtype == torch.int8 and slots.shape == (64, 8, 132)
     codes = slots.flatten(-2)[:, : 8 * 128].reshape(512, 128)  # a slot's codes come first
     back = dequantize_slots(slots, torch.float32).view(512, 128)
-    exact = x.float()
-    amax = exact.abs().amax(dim=-1, keepdim=True)
-    error = (back - exact).abs()
-    assert bool((error <= amax / 254 * (1 + 2**-22) + 2**-22 * exact.abs()).all())
+    rows = stored_rows(x, torch.int8)
+    amax = rows.abs().amax(dim=-1, keepdim=True)
+    error = (rotate(back) - rows).abs()  # H is its own inverse
+    assert bool((error <= amax / 254 * (1 + 2**-22) + 2**-18 * amax).all())
+    # In the model's basis the error's norm is the same (H is orthogonal).
+    assert torch.allclose((back - x.float()).norm(dim=-1), error.norm(dim=-1), rtol=1e-3)
     assert int(codes.min()) == -127 and int(codes.max()) == 127  # never -128
-    top = exact.abs().argmax(dim=-1, keepdim=True)
+    top = rows.abs().argmax(dim=-1, keepdim=True)
     assert bool((codes.gather(-1, top).abs() == 127).all())
     # Symmetric: -x stores exactly the negated codes under the same scales.
     negated = quantize_slots(-x.view(64, 8, 128), torch.int8).flatten(-2)
@@ -99,11 +107,15 @@ def test_int8_round_trip_error_is_within_half_a_step_of_each_row(dtype: torch.dt
 
 
 def test_int8_rounds_half_to_even() -> None:
-    """Under scale 1 (a row whose amax is 127), halves round to the even code."""
-    x = torch.tensor([127.0, 0.5, 1.5, 2.5, -2.5, -3.5, 126.5, -0.5])
-    slots = quantize_slots(x.view(1, 8), torch.int8)
-    assert slots[0, :8].tolist() == [127, 0, 2, 2, -2, -4, 126, 0]
-    assert slots[0, 8:].view(torch.float32).item() == 1.0
+    """Under scale 1 (rotated rows whose amax is 127), halves round to the even code. The
+    rows are given already unrotated: at head_dim 4, ``H`` is the +-1 matrix halved, and
+    every value here rotates exactly."""
+    wanted = torch.tensor([[127.0, 0.5, 1.5, 2.5], [-2.5, -3.5, 126.5, -127.0]])
+    x = rotate(wanted)  # H is its own inverse
+    assert torch.equal(rotate(x), wanted)
+    slots = quantize_slots(x.view(2, 1, 4), torch.int8).flatten(-2)
+    assert slots[:, :4].tolist() == [[127, 0, 2, 2], [-2, -4, 126, -127]]
+    assert slots[:, 4:].contiguous().view(torch.float32).flatten().tolist() == [1.0, 1.0]
 
 
 @FORMATS
@@ -115,19 +127,23 @@ def test_zero_tiny_and_subnormal_rows_give_no_nan_or_inf(storage: torch.dtype) -
             torch.full((16,), tiny),  # the smallest normal float32
             torch.full((16,), tiny / 8),  # subnormal: amax / 448 underflows
             torch.linspace(-1e-38, 1e-38, 16),
-            torch.full((16,), 3e38),  # near float32's largest
+            # NOTE: near float32's largest over sqrt(16): int8's rotation gathers a
+            # constant row's norm, 4x its elements, into one element.
+            torch.full((16,), 3e38 / 4),
             torch.tensor([1.0] + [0.0] * 15),
         ]
     )
     back = round_trip(x, storage)
     assert bool(torch.isfinite(back).all())
     assert torch.equal(back[0], torch.zeros(16)) and not back[0].signbit().any()
-    assert torch.equal(back[5], x[5])  # 1.0 and zeros come back exact
-    if storage == torch.int8:  # half a step of the row, the scale at least float32's tiny
-        bound = x.abs().amax(dim=-1, keepdim=True) / 254 * (1 + 2**-22) + tiny
+    if storage == torch.int8:  # half a step of the rotated row, the scale at least tiny
+        rows = stored_rows(x, storage)
+        amax = rows.abs().amax(dim=-1, keepdim=True)
+        error = (rotate(back) - rows).abs()
+        assert bool((error <= amax / 254 * (1 + 2**-22) + 2**-18 * amax + tiny).all())
     else:
-        bound = 2**-4 * x.abs() + 2 * tiny
-    assert bool(((back - x).abs() <= bound).all())
+        assert torch.equal(back[5], x[5])  # 1.0 and zeros come back exact
+        assert bool(((back - x).abs() <= 2**-4 * x.abs() + 2 * tiny).all())
 
 
 def test_format_sizes_and_names() -> None:
@@ -147,7 +163,7 @@ def test_format_sizes_and_names() -> None:
     assert fp8.quantized and int8.quantized and not plain.quantized
     # NOTE: the salt binds the name: a new byte layout (or code) needs a new one.
     assert FP8_FORMAT_NAME == "fp8_e4m3/slot_f32_scales"
-    assert INT8_FORMAT_NAME == "int8/slot_f32_scales"
+    assert INT8_FORMAT_NAME == "int8/hadamard/slot_f32_scales"
     for kind in ("fp8", "int8"):
         with pytest.raises(ValueError, match="divisible by 4"):
             kv_format(kind, torch.float32, 18)
@@ -170,7 +186,8 @@ def test_a_block_holds_each_slots_codes_16_byte_aligned_then_their_scales(
     block = quantize_slots(x, storage)
     assert block.dtype == storage
     raw = block.flatten()  # one contiguous byte range, as tiers copy it
-    amax = x.abs().amax(dim=-1)
+    rows = stored_rows(x, storage)
+    amax = rows.abs().amax(dim=-1)
     scale = amax / torch.full_like(amax, code_max(storage))
     for index, (layer, kind, slot) in enumerate(
         itertools.product(range(layers), range(2), range(block_size))
@@ -181,11 +198,12 @@ def test_a_block_holds_each_slots_codes_16_byte_aligned_then_their_scales(
             assert codes_at % 16 == 0
             stored = raw[scale_at : scale_at + 4].view(torch.float32)
             assert torch.equal(stored, scale[layer, kind, slot, head : head + 1])
-            codes = expected_codes(x[layer, kind, slot, head], stored, storage)
+            codes = expected_codes(rows[layer, kind, slot, head], stored, storage)
             assert torch.equal(raw[codes_at : codes_at + dim], codes)
     back = dequantize_slots(block, torch.float32)
-    if storage == torch.int8:
-        bound = scale[..., None] / 2 + 2**-22 * x.abs()
+    if storage == torch.int8:  # in the rotated basis (H is its own inverse)
+        back, x = rotate(back), rows
+        bound = scale[..., None] / 2 + 2**-18 * amax[..., None]
     else:
         bound = 2**-4 * x.abs() + 2**-10 * scale[..., None]
     assert bool(((back - x).abs() <= bound * (1 + 1e-6)).all())
