@@ -1,6 +1,6 @@
-"""The Hadamard rotation of ``kernels/kv_rotation.py`` inside Triton kernels: the int8 KV
-write rotates rows before quantizing them, and attention over int8 rotates its queries
-and unrotates its outputs without another launch.
+"""The Hadamard rotation of ``kernels/kv_rotation.py`` in Triton: the int8 KV write and
+the context gather rotate rows in registers, attention over int8 unrotates its outputs
+in registers, and :func:`rotate_heads` rotates its queries in one launch before it.
 
 A fast Walsh-Hadamard transform: ``log2(block)`` butterfly stages, each adding and
 subtracting element pairs ``2^s`` apart, give ``x`` times the Sylvester ``+-1`` matrix of
@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kv_rotation import rotation_scale
+from kernels.kv_rotation import rotation_block, rotation_scale
 
 
 @triton.jit
@@ -34,8 +34,8 @@ def hadamard_rows(x, ROWS: tl.constexpr, COLS: tl.constexpr, LOG_BLOCK: tl.const
 
 
 def log_block(head_dim: int) -> int:
-    """``log2`` of ``kv_rotation.rotation_block(head_dim)``: the kernels' ``LOG_BLOCK``."""
-    return (head_dim & -head_dim).bit_length() - 1
+    """``log2`` of ``rotation_block(head_dim)``: the kernels' ``LOG_BLOCK``."""
+    return rotation_block(head_dim).bit_length() - 1
 
 
 @triton.jit

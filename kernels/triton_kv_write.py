@@ -33,13 +33,7 @@ import triton
 import triton.language as tl
 
 from kernels.fp8_kv import _MIN_SCALE as _TORCH_MIN_SCALE
-from kernels.fp8_kv import (
-    FP8_MAX,
-    INT8_MAX,
-    SCALE_BYTES,
-    is_int8_cache,
-    is_quantized_cache,
-)
+from kernels.fp8_kv import FP8_MAX, INT8_MAX, SCALE_BYTES, is_int8_cache, is_quantized_cache
 from kernels.kv_rotation import rotation_scale
 from kernels.triton_hadamard import hadamard_rows, log_block
 
