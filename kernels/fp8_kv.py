@@ -204,11 +204,17 @@ def quantize_slots(x: torch.Tensor, storage: torch.dtype = FP8_STORAGE_DTYPE) ->
 
 
 def dequantize_slots(
-    slots: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None
+    slots: torch.Tensor,
+    dtype: torch.dtype,
+    out: torch.Tensor | None = None,
+    *,
+    unrotate: bool = True,
 ) -> torch.Tensor:
     """``[..., num_kv_heads, head_dim + 4]`` 8-bit slots (either kind, told by their dtype)
     -> ``[..., num_kv_heads, head_dim]`` of ``dtype`` (into ``out`` when given). The
-    product is taken in float32 and rounded once to ``dtype``."""
+    product is taken in float32 and rounded once to ``dtype``. ``unrotate=False`` leaves
+    int8 rows in the basis they are stored in, for attention that rotates its queries
+    instead (:func:`stores_rotated_rows`)."""
     _code_max(slots.dtype)  # refuses a tensor of neither kind
     heads, width = slots.shape[-2:]
     code_bytes = heads * (width - SCALE_BYTES)
@@ -218,7 +224,7 @@ def dequantize_slots(
         codes = codes.view(FP8_DTYPE)
     scale = record[..., code_bytes:].view(torch.float32)
     values = codes.unflatten(-1, (heads, -1)).float().mul_(scale[..., None])
-    if stores_rotated_rows(slots):
+    if unrotate and stores_rotated_rows(slots):
         values = rotate(values)
     if out is None:
         return values.to(dtype)

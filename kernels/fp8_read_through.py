@@ -5,7 +5,9 @@ layer call quantizes the new K/V into the cache (``interface.scatter_rows``), th
 dequantizes the blocks this step reads into a compact dense layer (``[used blocks, 2,
 block_size, kv_heads, head_dim]`` in the query's dtype) and hands the step, with its block
 tables and slots renumbered into that layer, to the plain backend. So attention runs in
-the query's dtype over exactly the values the cache holds.
+the query's dtype over exactly the values the cache holds. int8 rows stay in the basis
+they are stored in (``kernels/kv_rotation.py``): the queries are rotated into it and the
+output back, which keeps every score.
 
 NOTE: the new tokens' own K/V are passed on round-tripped through the 8-bit format too. A chunk with
 nothing cached before it attends over the K/V in hand; were those left exact, its output
@@ -20,8 +22,9 @@ from dataclasses import dataclass, replace
 import torch
 
 from kernels.cpu_paged_attention import GatherWorkspace
-from kernels.fp8_kv import SCALE_BYTES, dequantize_slots, quantize_slots
+from kernels.fp8_kv import SCALE_BYTES, dequantize_slots, quantize_slots, stores_rotated_rows
 from kernels.interface import AttentionBackend, AttentionMetadata, scatter_rows
+from kernels.kv_rotation import rotate_queries
 
 
 @dataclass(frozen=True)
@@ -56,22 +59,27 @@ class Fp8ReadThrough:
         scatter_rows(key_rows, value_rows, kv_layer, meta.slot_mapping)
         step = self._plan(meta, kv_layer)
         dense = self.dequantize_blocks(kv_layer, step.blocks, query.dtype)
+        # NOTE: int8 rows stay in H's basis (kernels/kv_rotation.py): rotating the queries
+        # and the output is far less work than unrotating every context row of every step.
         key, value = (
-            dequantize_slots(key_rows, query.dtype),
-            dequantize_slots(value_rows, query.dtype),
+            dequantize_slots(key_rows, query.dtype, unrotate=False),
+            dequantize_slots(value_rows, query.dtype, unrotate=False),
         )
-        return self._plain.forward(query, key, value, dense, step.dense_meta, scale)
+        if not stores_rotated_rows(kv_layer):
+            return self._plain.forward(query, key, value, dense, step.dense_meta, scale)
+        out = self._plain.forward(rotate_queries(query), key, value, dense, step.dense_meta, scale)
+        return rotate_queries(out)
 
     def dequantize_blocks(
         self, kv_layer: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype
     ) -> torch.Tensor:
-        """``[len(blocks), 2, block_size, kv_heads, head_dim]`` of ``dtype``: a workspace view,
-        valid until the next call."""
+        """``[len(blocks), 2, block_size, kv_heads, head_dim]`` of ``dtype`` (int8 rows left
+        in ``H``'s basis): a workspace view, valid until the next call."""
         shape = (blocks.numel(), *kv_layer.shape[1:])
         codes = self._codes.take(shape, kv_layer.dtype, kv_layer.device)
         torch.index_select(kv_layer, 0, blocks, out=codes)
         dense = self._dense.take((*shape[:-1], shape[-1] - SCALE_BYTES), dtype, kv_layer.device)
-        return dequantize_slots(codes, dtype, out=dense)
+        return dequantize_slots(codes, dtype, out=dense, unrotate=False)
 
     def _plan(self, meta: AttentionMetadata, kv_layer: torch.Tensor) -> _DenseStep:
         layout = (*kv_layer.shape, kv_layer.stride(0))

@@ -54,6 +54,13 @@ def hadamard_signs(head_dim: int, device: torch.device, dtype: torch.dtype) -> t
     return signs.to(device=device, dtype=dtype)
 
 
+def rotate_queries(x: torch.Tensor) -> torch.Tensor:
+    """``x @ H`` in float32, back in ``x``'s dtype: queries (and outputs) of attention over
+    rows left in ``H``'s basis. Needs no exactness across batches, so no float64."""
+    signs = hadamard_signs(x.shape[-1], x.device, torch.float32)
+    return (torch.matmul(x.float(), signs) * rotation_scale(x.shape[-1])).to(x.dtype)
+
+
 def rotate(x: torch.Tensor) -> torch.Tensor:
     """``x @ H`` over the last dim, as float32: the rows int8 codes are taken of, and (``H``
     being its own inverse) the rows they give back. The same bits for a row whatever else

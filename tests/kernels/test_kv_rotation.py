@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from kernels.fp8_kv import round_trip
-from kernels.kv_rotation import hadamard_signs, rotate, rotation_block, rotation_scale
+from kernels.kv_rotation import (
+    hadamard_signs,
+    rotate,
+    rotate_queries,
+    rotation_block,
+    rotation_scale,
+)
 
 CPU = torch.device("cpu")
 
@@ -31,6 +37,9 @@ def test_rotating_twice_gives_the_rows_back_and_keeps_dot_products() -> None:
     torch.testing.assert_close(rotate(rotate(k)), k, rtol=0, atol=1e-5)
     torch.testing.assert_close((rotate(q) * rotate(k)).sum(-1), (q * k).sum(-1))
     assert rotate(q.bfloat16()).dtype == torch.float32
+    # Queries and outputs: float32 products, back in their own dtype.
+    torch.testing.assert_close(rotate_queries(q), rotate(q))
+    assert rotate_queries(q.bfloat16()).dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
