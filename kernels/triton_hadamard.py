@@ -59,9 +59,9 @@ def rotate_heads(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     ``H``, in float32, as a new contiguous tensor of ``dtype``: queries for attention over
     int8 rows, in one launch.
 
-    NOTE: rotating the queries inside the attention kernel instead left them in a register
-    layout its dots then converted on every tile: decode over int8 took 1.10-1.16x longer
-    at batch 64 (8k and 32k of context) on an NVIDIA H200.
+    NOTE: rotating the queries inside the attention kernel instead made decode over int8
+    1.10-1.16x slower at batch 64 (8k and 32k of context) on an NVIDIA H200, more with more
+    tiles: most likely their register layout converted again for every tile's dot.
     """
     num_tokens, num_heads, head_dim = x.shape
     out = torch.empty(x.shape, dtype=dtype, device=x.device)
