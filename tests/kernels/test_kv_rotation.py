@@ -61,7 +61,7 @@ def test_rotation_cuts_int8_error_on_keys_with_a_few_large_channels() -> None:
     then rounds the other channels on a coarse grid; rotated, every element is alike.
 
     Measured (relative RMS error of the small channels, 2,048 rows of 64 with 4 channels
-    20x the rest): unrotated 0.11, rotated 0.028."""
+    20x the rest): unrotated 0.071, rotated 0.022."""
     generator = torch.Generator().manual_seed(2)
     keys = torch.randn(2048, 1, 64, generator=generator)
     keys[..., [5, 6, 37, 38]] *= 20.0
