@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
             # NOTE: one command's missing optional dependency must not break the others;
             # add_parser imports what it needs before it adds its parser.
             broken = subparsers.add_parser(name)
+            # Any arguments, so the user is told why the command is missing, not that
+            # its flags are unknown.
+            broken.add_argument("ignored", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
             broken.set_defaults(func=_unavailable(f"{module_name} cannot be imported: {exc}"))
     return parser
 

@@ -84,11 +84,14 @@ def test_a_command_that_cannot_be_imported_leaves_the_others(
     }
     monkeypatch.setattr(cli, "COMMANDS", table)
     assert list(subcommands(build_parser())) == list(table)
-    assert main(["lacking"]) == 2
-    err = capsys.readouterr().err.splitlines()
-    assert len(err) == 1
-    assert err[0].startswith("ragserve lacking: error: needs_missing_dependency cannot be imported")
-    assert "no_such_dependency" in err[0]
+    for argv in (["lacking"], ["lacking", "sub", "--flag", "value"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 1
+        assert err[0].startswith(
+            "ragserve lacking: error: needs_missing_dependency cannot be imported"
+        )
+        assert "no_such_dependency" in err[0]
     assert main(["absent"]) == 2
     assert capsys.readouterr().err.startswith("ragserve absent: error: ")
 
