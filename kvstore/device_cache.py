@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvstore.page_advice import advise_small_pages
+
 
 @dataclass(frozen=True)
 class KVCacheSpec:
@@ -48,4 +50,5 @@ class KVCacheSpec:
         # size grows with the blocks actually used, not with the whole budget (torch.zeros
         # would write every page now). Zeros matter: masked-out slots must not hold NaNs.
         raw = np.zeros((num_blocks, self.bytes_per_block), dtype=np.uint8)
+        advise_small_pages(raw)
         return torch.from_numpy(raw).view(self.dtype).view(shape)
