@@ -1,5 +1,6 @@
 import re
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ def test_a_large_array_is_kept_off_huge_pages_and_stays_zero() -> None:
     array = np.zeros(64 << 20, dtype=np.uint8)
     assert advise_small_pages(array)
     start = array.ctypes.data
-    smaps = open("/proc/self/smaps").read()
+    smaps = Path("/proc/self/smaps").read_text()
     region = next(
         block
         for block in re.split(r"\n(?=[0-9a-f]+-[0-9a-f]+ )", smaps)
