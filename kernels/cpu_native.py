@@ -32,7 +32,7 @@ import torch  # noqa: F401 (loads torch's libgomp before ours; see the NOTE abov
 logger = logging.getLogger(__name__)
 
 SOURCES = ("cpu_attention.c", "cpu_layer_ops.c", "cpu_small_linear.c")  # compiled into one library
-HEADERS = ("cpu_vec.h", "cpu_bf16_dot.h")
+HEADERS = ("cpu_vec.h", "cpu_bf16_dot.h", "cpu_amx.h")
 CSRC = Path(__file__).parent / "csrc"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=gnu11", "-shared", "-fPIC", "-Wall")
 ENV_DISABLE = "RAGSERVE_CPU_NATIVE"
@@ -171,6 +171,7 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
     library.ragserve_small_linear.restype = ctypes.c_int
     library.ragserve_vector_width.restype = ctypes.c_int
     library.ragserve_bf16_dot.restype = ctypes.c_int
+    library.ragserve_amx.restype = ctypes.c_int
     return library
 
 
@@ -215,3 +216,9 @@ def bf16_dot() -> bool:
     """Whether bf16 attention tiles multiply bf16 pairs (a build for AVX-512 BF16)."""
     library = load()
     return library is not None and bool(library.ragserve_bf16_dot())
+
+
+def amx() -> bool:
+    """Whether bf16 attention tiles multiply on AMX tiles (an AMX build that the OS lets use them)."""
+    library = load()
+    return library is not None and bool(library.ragserve_amx())

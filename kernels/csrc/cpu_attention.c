@@ -46,6 +46,7 @@
 #define MIN_PART_KEYS 256
 
 #include "cpu_bf16_dot.h"
+#include "cpu_amx.h"
 
 typedef struct {
     int32_t num_seqs, num_heads, num_kv_heads, head_dim;
@@ -137,14 +138,6 @@ static void chunk_rows(const AttnParams *p, const Operands *ops, const int32_t *
             }
         }
     }
-#if HAVE_BF16_DOT
-    if (dot)
-        for (int i = 0; 2 * i < n; i++) {
-            const uint16_t *v0 = w->vhrow[2 * i];
-            const uint16_t *v1 = 2 * i + 1 < n ? w->vhrow[2 * i + 1] : (const uint16_t *)ZERO_ROW;
-            for (int d = 0; d < D; d += VL) *(vpair *)(w->vp + (int64_t)i * D + d) = interleave_bf16(v0 + d, v1 + d);
-        }
-#endif
     for (int64_t a = kc + n; a < next_end;) {
         const char *k = key_addr(p, ops, table, a, kv_head);
         int64_t left_in_block = bs - (a & (bs - 1));
@@ -156,6 +149,17 @@ static void chunk_rows(const AttnParams *p, const Operands *ops, const int32_t *
             }
     }
 }
+
+#if HAVE_BF16_DOT
+/* V of the chunk's n keys (rows in vhrow) as pairs along keys, vp [pairs][D], for P . V. */
+static void pack_v_pairs(Work *w, int n, int D) {
+    for (int i = 0; 2 * i < n; i++) {
+        const uint16_t *v0 = w->vhrow[2 * i];
+        const uint16_t *v1 = 2 * i + 1 < n ? w->vhrow[2 * i + 1] : (const uint16_t *)ZERO_ROW;
+        for (int d = 0; d < D; d += VL) *(vpair *)(w->vp + (int64_t)i * D + d) = interleave_bf16(v0 + d, v1 + d);
+    }
+}
+#endif
 
 /* Query row r of the tile: token t0 + r / group, head kv_head * group + r % group. */
 static inline float query_value(const AttnParams *p, const Operands *ops, int64_t token, int head,
@@ -176,6 +180,44 @@ static inline void softmax_update(vf *mx, vf *m, vf *l, vf *alpha_out) {
 }
 
 /* ---- tile mode -------------------------------------------------------------------------- */
+
+/* The online-softmax pass of one tile over the chunk's keys [kc, kc + n): S^T [key][rpad] ->
+ * probabilities in place (scores first multiplied by `scale` unless it is 1, masked past each
+ * row's position when `masked`), m/l/alpha updated. With `pairs` > 0 the probabilities of keys
+ * [0, pairs) are also rounded into bf16 pairs pp [key / 2][rpad] (0 past n) for P . V. */
+static void tile_softmax(Work *w, int64_t kc, int n, int rpad, int masked, float scale, int pairs) {
+    for (int r = 0; r < rpad; r += VL) {
+        vf mx = splat(-INFINITY);
+        vi lim = *(const viu *)(w->lim + r);
+        for (int j = 0; j < n; j++) {
+            vf s = loadu(w->st + (int64_t)j * rpad + r);
+            if (scale != 1.0f) s = s * scale;
+            if (masked) s = vselect((vi){0} + (int32_t)(kc + j) <= lim, s, splat(-INFINITY));
+            if (masked || scale != 1.0f) storeu(w->st + (int64_t)j * rpad + r, s);
+            mx = vmax(mx, s);
+        }
+        vf m = loadu(w->m + r), l = loadu(w->l + r), alpha;
+        softmax_update(&mx, &m, &l, &alpha);
+        vf sum = splat(0.0f);
+        for (int j = 0; j < n; j++) {
+            vf e = vexp2(loadu(w->st + (int64_t)j * rpad + r) - mx);
+            storeu(w->st + (int64_t)j * rpad + r, e);
+            sum += e;
+        }
+        storeu(w->m + r, m);
+        storeu(w->l + r, l + sum);
+        storeu(w->alpha + r, alpha);
+#if HAVE_BF16_DOT
+        for (int i = 0; 2 * i < pairs; i++) {
+            vf e0 = 2 * i < n ? loadu(w->st + (int64_t)(2 * i) * rpad + r) : splat(0.0f);
+            vf e1 = 2 * i + 1 < n ? loadu(w->st + (int64_t)(2 * i + 1) * rpad + r) : splat(0.0f);
+            *(vpair *)(w->pp + (int64_t)i * rpad + r) = round_pairs(e0, e1);
+        }
+#else
+        (void)pairs;
+#endif
+    }
+}
 
 /* S^T[j][r] = K[j] . Q^T[:, r] for keys j < keys[r / (NV * VL)] of each row block (the rest of
  * the chunk is masked for every row of the block; the softmax pass overwrites it). */
@@ -242,16 +284,15 @@ static inline int visible(const Work *w, int64_t kc, int n, int r) {
     return keys < 0 ? 0 : (keys > n ? n : (int)keys);
 }
 
-static void run_tile(const AttnParams *p, const Operands *ops, const Item *it, Work *w, int rows,
-                     int rpad) {
+/* A tile's queries: Q^T scaled into qt [D][rpad] (float32 products) or as bf16 pairs into qp
+ * [D / 2][rpad] (pair products), zero in the padding rows; each row's last visible key in lim
+ * (INT32_MAX for padding), and m/l reset. */
+static void tile_queries(const AttnParams *p, const Operands *ops, const Item *it, Work *w, int rows, int rpad,
+                         int dot) {
     const int D = p->head_dim, group = p->num_heads / p->num_kv_heads;
     const int32_t q_first = p->query_start[it->seq];
-    const int32_t query_len = p->query_start[it->seq + 1] - q_first;
-    const int64_t context = p->seq_lens[it->seq] - query_len;
-    const int32_t *table = p->block_tables + (int64_t)it->seq * p->table_stride;
+    const int64_t context = p->seq_lens[it->seq] - (p->query_start[it->seq + 1] - q_first);
     const float qscale = p->scale * 1.4426950408889634f;
-    const int dot = HAVE_BF16_DOT && p->is_bf16;
-
     for (int r = 0; r < rpad; r++) {
         float *column = w->qt + r;
         if (dot) {
@@ -283,6 +324,16 @@ static void run_tile(const AttnParams *p, const Operands *ops, const Item *it, W
         storeu(w->m + r, splat(-INFINITY));
         storeu(w->l + r, splat(0.0f));
     }
+}
+
+static void run_tile(const AttnParams *p, const Operands *ops, const Item *it, Work *w, int rows,
+                     int rpad) {
+    const int D = p->head_dim;
+    const int64_t context = p->seq_lens[it->seq] - (p->query_start[it->seq + 1] - p->query_start[it->seq]);
+    const int32_t *table = p->block_tables + (int64_t)it->seq * p->table_stride;
+    const int dot = HAVE_BF16_DOT && p->is_bf16;
+
+    tile_queries(p, ops, it, w, rows, rpad, dot);
     memset(w->o, 0, sizeof(float) * (size_t)rows * D);
 
     for (int64_t kc = it->k0; kc < it->k1; kc += KC) {
@@ -290,6 +341,9 @@ static void run_tile(const AttnParams *p, const Operands *ops, const Item *it, W
         int npad = (n + RBK - 1) / RBK * RBK;
         int64_t next_end = kc + n + KC < it->k1 ? kc + n + KC : it->k1;
         chunk_rows(p, ops, table, it->kv_head, kc, n, next_end, dot, w);
+#if HAVE_BF16_DOT
+        if (dot) pack_v_pairs(w, n, D);
+#endif
         for (int j = n; j < npad; j++) {
             w->krow[j] = ZERO_ROW;
             if (dot) w->khrow[j] = (const uint16_t *)ZERO_ROW;
@@ -303,42 +357,11 @@ static void run_tile(const AttnParams *p, const Operands *ops, const Item *it, W
             block_keys[r0 / (NV * VL)] = (int)((needed + RBK - 1) / RBK * RBK);
         }
 #if HAVE_BF16_DOT
-        if (dot) qk_tile_dot(w->khrow, w->qp, w->st, block_keys, rpad, D, qscale);
+        if (dot) qk_tile_dot(w->khrow, w->qp, w->st, block_keys, rpad, D, p->scale * 1.4426950408889634f);
         else
 #endif
             qk_tile(w->krow, w->qt, w->st, block_keys, rpad, D);
-        int masked = kc + n - 1 > context + it->t0;
-        for (int r = 0; r < rpad; r += VL) {
-            vf mx = splat(-INFINITY);
-            vi lim = *(const viu *)(w->lim + r);
-            for (int j = 0; j < n; j++) {
-                vf s = loadu(w->st + (int64_t)j * rpad + r);
-                if (masked) {
-                    s = vselect((vi){0} + (int32_t)(kc + j) <= lim, s, splat(-INFINITY));
-                    storeu(w->st + (int64_t)j * rpad + r, s);
-                }
-                mx = vmax(mx, s);
-            }
-            vf m = loadu(w->m + r), l = loadu(w->l + r), alpha;
-            softmax_update(&mx, &m, &l, &alpha);
-            vf sum = splat(0.0f);
-            for (int j = 0; j < n; j++) {
-                vf e = vexp2(loadu(w->st + (int64_t)j * rpad + r) - mx);
-                storeu(w->st + (int64_t)j * rpad + r, e);
-                sum += e;
-            }
-            storeu(w->m + r, m);
-            storeu(w->l + r, l + sum);
-            storeu(w->alpha + r, alpha);
-#if HAVE_BF16_DOT
-            if (dot)
-                for (int i = 0; 2 * i < n; i++) {
-                    vf e0 = loadu(w->st + (int64_t)(2 * i) * rpad + r);
-                    vf e1 = 2 * i + 1 < n ? loadu(w->st + (int64_t)(2 * i + 1) * rpad + r) : splat(0.0f);
-                    *(vpair *)(w->pp + (int64_t)i * rpad + r) = round_pairs(e0, e1);
-                }
-#endif
-        }
+        tile_softmax(w, kc, n, rpad, kc + n - 1 > context + it->t0, 1.0f, dot ? n : 0);
         for (int r = 0; r < rows; r++) {
             float a = w->alpha[r];
             if (a != 1.0f)
@@ -357,6 +380,93 @@ static void run_tile(const AttnParams *p, const Operands *ops, const Item *it, W
         for (; r0 < rows; r0++) pv_rows_1(w->vrow, w->st, w->o, visible(w, kc, n, r0), rpad, r0, D);
     }
 }
+
+#if HAVE_AMX
+/* Score j of 16 rows from r of S^T, -inf past each row's last visible key when `masked`. */
+static inline vf masked_score(const Work *w, int64_t kc, int j, int rpad, int r, vi lim, int masked) {
+    vf s = loadu(w->st + (int64_t)j * rpad + r);
+    return masked ? vselect((vi){0} + (int32_t)(kc + j) <= lim, s, splat(-INFINITY)) : s;
+}
+
+/* The online softmax of 32 rows [r0, r0 + 32) over the chunk's first nk keys (S^T unscaled in
+ * st, masked past each row's position when `masked`): m/l/alpha updated, the probabilities
+ * written straight into bf16 pairs pp (zero up to kpad keys). One pass finds the maxima, one
+ * computes exp2(scale * s - m), sums and pairs them: the scores are read twice, never written. */
+static void block_softmax_pairs(Work *w, int64_t kc, int nk, int kpad, int r0, int rpad, int masked, float scale) {
+    for (int r = r0; r < r0 + 32; r += VL) {
+        const vi lim = *(const viu *)(w->lim + r);
+        /* NOTE: four running maxima, so that the loop is not one chain of dependent maxes. */
+        vf m0 = splat(-INFINITY), m1 = m0, m2 = m0, m3 = m0;
+        int j = 0;
+        for (; j + 4 <= nk; j += 4) {
+            m0 = vmax(m0, masked_score(w, kc, j, rpad, r, lim, masked));
+            m1 = vmax(m1, masked_score(w, kc, j + 1, rpad, r, lim, masked));
+            m2 = vmax(m2, masked_score(w, kc, j + 2, rpad, r, lim, masked));
+            m3 = vmax(m3, masked_score(w, kc, j + 3, rpad, r, lim, masked));
+        }
+        for (; j < nk; j++) m0 = vmax(m0, masked_score(w, kc, j, rpad, r, lim, masked));
+        vf mx = vmax(vmax(m0, m1), vmax(m2, m3)) * scale;
+        vf m = loadu(w->m + r), l = loadu(w->l + r), alpha;
+        softmax_update(&mx, &m, &l, &alpha);
+        vf sum[2] = {splat(0.0f), splat(0.0f)}, zero = splat(0.0f);
+        for (int j = 0; j < kpad; j += 2) {
+            vf e[2];
+            for (int h = 0; h < 2; h++) {
+                e[h] = zero;
+                if (j + h >= nk) continue;
+                e[h] = (vf)exp2_softmax((__m512)(loadu(w->st + (int64_t)(j + h) * rpad + r) * scale - mx));
+                if (masked) e[h] = vselect((vi){0} + (int32_t)(kc + j + h) <= lim, e[h], zero);
+                sum[h] += e[h];
+            }
+            *(vpair *)(w->pp + (int64_t)(j / 2) * rpad + r) = round_pairs_bf16((__m512)e[0], (__m512)e[1]);
+        }
+        storeu(w->m + r, m);
+        storeu(w->l + r, l + (sum[0] + sum[1]));
+        storeu(w->alpha + r, alpha);
+    }
+}
+
+/* run_tile's work with both products on AMX tiles (cpu_amx.h). Per chunk, the K rows are
+ * copied into kb [kpad][D] and V transposed into vt [D][kpad] (zero past the chunk); then
+ * each 32-row block runs its products and softmax while its scores (32 rows x KC keys) stay
+ * in L1. O is kept transposed in ot [D][rpad] and turned into w->o [rows][D] at the end. */
+static void run_tile_amx(const AttnParams *p, const Operands *ops, const Item *it, Work *w, int rows, int rpad) {
+    const int D = p->head_dim;
+    const int32_t *table = p->block_tables + (int64_t)it->seq * p->table_stride;
+    const float qscale = p->scale * 1.4426950408889634f;
+    uint16_t *kb = (uint16_t *)w->kf, *vt = (uint16_t *)w->vf_;
+    float *ot = w->qt;
+
+    tile_queries(p, ops, it, w, rows, rpad, 1);
+    memset(ot, 0, sizeof(float) * (size_t)D * rpad);
+    amx_configure();
+    for (int64_t kc = it->k0; kc < it->k1; kc += KC) {
+        const int n = (int)(it->k1 - kc < KC ? it->k1 - kc : KC), kpad = (n + 31) / 32 * 32;
+        int64_t next_end = kc + n + KC < it->k1 ? kc + n + KC : it->k1;
+        chunk_rows(p, ops, table, it->kv_head, kc, n, next_end, 1, w);
+        for (int j = 0; j < kpad; j++)
+            memcpy(kb + (int64_t)j * D, j < n ? w->khrow[j] : (const uint16_t *)ZERO_ROW, sizeof(uint16_t) * (size_t)D);
+        amx_pack_vt(w->vhrow, n, kpad, D, (const uint16_t *)ZERO_ROW, vt);
+        for (int r0 = 0; r0 < rpad; r0 += 32) {
+            /* Causal skip: keys past the block's last position need no product. */
+            const int last = r0 + 31 < rows ? r0 + 31 : rows - 1;
+            int64_t needed = w->lim[last] - kc + 1;
+            const int nk = (int)(needed < 0 ? 0 : (needed > n ? n : needed));
+            if (nk == 0) continue;
+            const int keys = (nk + 31) / 32 * 32;
+            amx_qk(kb, w->qp, w->st, r0, keys, rpad, D);
+            block_softmax_pairs(w, kc, nk, keys, r0, rpad, kc + nk - 1 > w->lim[r0], qscale);
+            for (int d = 0; d < D; d++)
+                for (int r = r0; r < r0 + 32; r += VL)
+                    storeu(ot + (int64_t)d * rpad + r, loadu(ot + (int64_t)d * rpad + r) * loadu(w->alpha + r));
+            amx_pv(vt, kpad, w->pp, ot, r0, keys, rpad, D);
+        }
+    }
+    _tile_release();
+    for (int r = 0; r < rows; r++)
+        for (int d = 0; d < D; d++) w->o[(int64_t)r * D + d] = ot[(int64_t)d * rpad + r];
+}
+#endif
 
 /* ---- small mode (fewer rows than a vector: decodes) ---------------------------------------- */
 
@@ -498,6 +608,9 @@ static void run_small(const AttnParams *p, const Operands *ops, const Item *it, 
          * by three items far apart in time. */
         for (int h = 0; h < it->kv_heads; h++) {
             chunk_rows(p, ops, table, it->kv_head + h, kc, n, next_end, dot, w);
+#if HAVE_BF16_DOT
+            if (dot) pack_v_pairs(w, n, D);
+#endif
             for (int r = h * per_head; r < (h + 1) * per_head; r++) {
                 float *s = w->st + (int64_t)r * KC;
 #if HAVE_BF16_DOT
@@ -761,6 +874,8 @@ int ragserve_paged_attention(const AttnParams *p, const void *q, int64_t q_token
     memcpy(order, items, sizeof(Item) * (size_t)num_items);
     qsort(order, (size_t)num_items, sizeof(Item), by_cost_desc);
 
+    const int amx = p->is_bf16 && amx_usable();
+    (void)amx; /* unused in builds without AMX */
     int failed = 0;
     int nt = (int64_t)threads < num_items ? threads : (int)num_items;
 #pragma omp parallel num_threads(nt)
@@ -777,6 +892,9 @@ int ragserve_paged_attention(const AttnParams *p, const void *q, int64_t q_token
             const Item *it = &order[i];
             int rows = item_rows(p, it);
             if (it->kv_heads > 1 || rows < VL) run_small(p, &ops, it, &w, rows);
+#if HAVE_AMX
+            else if (amx) run_tile_amx(p, &ops, it, &w, rows, pad_rows(rows));
+#endif
             else run_tile(p, &ops, it, &w, rows, pad_rows(rows));
             if (it->scratch < 0) {
                 for (int r = 0; r < rows; r++) {
@@ -833,6 +951,10 @@ int ragserve_paged_attention(const AttnParams *p, const void *q, int64_t q_token
 
 /* The vector width this build was compiled for (floats), for logs and tests. */
 int ragserve_vector_width(void) { return VL; }
+
+/* 1 when bf16 tiles multiply on AMX tiles (the build has AMX and the OS granted it), for logs
+ * and tests. */
+int ragserve_amx(void) { return amx_usable(); }
 
 /* 1 when bf16 tiles use the bf16 pair products, for logs and tests. */
 int ragserve_bf16_dot(void) { return HAVE_BF16_DOT; }

@@ -1,0 +1,179 @@
+/* AMX tile products for cpu_attention.c's bf16 tiles (Intel Sapphire Rapids and later).
+ *
+ * One TDPBF16PS multiplies a [16 x 32] bf16 tile by a [32 x 16] one into 16 x 16 float32
+ * sums: 8,192 multiply-adds per instruction, 16x what one vdpbf16ps does. Both products of
+ * a tile are laid out so that nothing is transposed on the way out:
+ *  - S^T = K . Q^T: A holds 16 keys' rows (bf16, contiguous in kb [keys][D]), B holds Q^T
+ *    as pairs along head_dim (qp [D / 2][rpad], the layout the vdpbf16ps tiles use), C is
+ *    S^T [keys][rows]: rows stay the vector dimension for the softmax pass.
+ *  - O^T += V^T . P^T: A holds V^T (vt [D][kpad]), B the probabilities as bf16 pairs along
+ *    keys (pp [keys / 2][rpad]), C is O^T [D][rpad], so the online-softmax rescale of a row
+ *    is a vector multiply along rows.
+ * Tiles are 16 rows of 64 bytes; 2 x 2 blocks of C share each loaded A and B tile. Sums
+ * stay float32, as in the vdpbf16ps path; only the order of additions differs.
+ *
+ * The kernel may use AMX only once the process holds permission for the tile state
+ * (arch_prctl ARCH_REQ_XCOMP_PERM, Linux 5.16+): amx_usable() asks once and says whether.
+ */
+#ifndef RAGSERVE_CPU_AMX_H
+#define RAGSERVE_CPU_AMX_H
+
+#include "cpu_bf16_dot.h"
+
+#if HAVE_BF16_DOT && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define HAVE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+/* 1 when this process may use AMX; asks the kernel the first time (not thread-safe: call it
+ * before starting threads). */
+static int amx_usable(void) {
+    static int state = 0; /* 0: not asked yet, 1: yes, -1: no */
+    if (state == 0) state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
+    return state > 0;
+}
+
+/* Every tile register as 16 rows of 64 bytes (palette 1). The configuration is per thread. */
+static inline void amx_configure(void) {
+    TileConfig cfg = {0};
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = 16;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* 2^x for the softmax's x <= 0, to ~3e-6 relative (a degree-5 polynomial; the probabilities
+ * are rounded to bf16, 4e-3, for P . V), in 9 instructions where vexp2 takes 14. */
+static inline __m512 exp2_softmax(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
+    __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(x, n); /* in [-0.5, 0.5] */
+    __m512 p = _mm512_set1_ps(1.3333558e-3f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* a and b rounded to nearest even bf16 and paired, lo from a, hi from b (round_pairs in two
+ * instructions: vcvtne2ps2bf16 puts b's 16 values below a's, vpermw interleaves them). */
+static inline vpair round_pairs_bf16(__m512 a, __m512 b) {
+    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                                23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    return (vpair)_mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+}
+
+/* Transpose 16 x 16 32-bit elements in place: r[i] lane j becomes r[j] lane i. */
+static inline void transpose_16x16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    /* Then u[4i + c]'s 128-bit lane L holds column 4L + c of rows 4i .. 4i + 3. */
+    __m512i u[16];
+    for (int i = 0; i < 4; i++) {
+        u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int c = 0; c < 4; c++) {
+        __m512i lo_a = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44), lo_b = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44);
+        __m512i hi_a = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE), hi_b = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
+        r[c] = _mm512_shuffle_i32x4(lo_a, lo_b, 0x88);
+        r[4 + c] = _mm512_shuffle_i32x4(lo_a, lo_b, 0xDD);
+        r[8 + c] = _mm512_shuffle_i32x4(hi_a, hi_b, 0x88);
+        r[12 + c] = _mm512_shuffle_i32x4(hi_a, hi_b, 0xDD);
+    }
+}
+
+/* V^T of a chunk's n keys (rows in vrow) into vt [D][kpad] bf16, zero past n: each 32 keys x
+ * 16 dims is built as 16 key pairs (vectors) and transposed as 32-bit pairs. */
+static void amx_pack_vt(const uint16_t *const *vrow, int n, int kpad, int D, const uint16_t *zero, uint16_t *vt) {
+    for (int i0 = 0; i0 < kpad / 2; i0 += 16)
+        for (int d0 = 0; d0 < D; d0 += 16) {
+            __m512i r[16];
+            for (int i = 0; i < 16; i++) {
+                const int j = 2 * (i0 + i);
+                const uint16_t *v0 = j < n ? vrow[j] + d0 : zero, *v1 = j + 1 < n ? vrow[j + 1] + d0 : zero;
+                r[i] = (__m512i)interleave_bf16(v0, v1);
+            }
+            transpose_16x16(r);
+            for (int d = 0; d < 16; d++) _mm512_storeu_si512(vt + (int64_t)(d0 + d) * kpad + 2 * i0, r[d]);
+        }
+}
+
+/* S^T[j][r] = K[j] . Q[r] (unscaled) for the 32 rows [r0, r0 + 32) and keys j < keys (a
+ * multiple of 32); kb holds the chunk's keys [kpad][D], zero past the chunk. */
+static void amx_qk(const uint16_t *kb, const uint32_t *qp, float *st, int r0, int keys, int rpad, int D) {
+    const int64_t kstride = (int64_t)D * 2, qstride = (int64_t)rpad * 4, sstride = qstride;
+    for (int j0 = 0; j0 < keys; j0 += 32) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int d0 = 0; d0 < D; d0 += 32) {
+            _tile_loadd(4, kb + (int64_t)j0 * D + d0, kstride);
+            _tile_loadd(5, kb + (int64_t)(j0 + 16) * D + d0, kstride);
+            _tile_loadd(6, qp + (int64_t)(d0 / 2) * rpad + r0, qstride);
+            _tile_loadd(7, qp + (int64_t)(d0 / 2) * rpad + r0 + 16, qstride);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+        _tile_stored(0, st + (int64_t)j0 * rpad + r0, sstride);
+        _tile_stored(1, st + (int64_t)j0 * rpad + r0 + 16, sstride);
+        _tile_stored(2, st + (int64_t)(j0 + 16) * rpad + r0, sstride);
+        _tile_stored(3, st + (int64_t)(j0 + 16) * rpad + r0 + 16, sstride);
+    }
+}
+
+/* O^T[d][r] += sum over keys j < keys of V[j][d] P[r][j] for the 32 rows [r0, r0 + 32), from
+ * vt [D][kpad] (zero past the chunk) and pp [kpad / 2][rpad]; ot is [D][rpad]. */
+static void amx_pv(const uint16_t *vt, int kpad, const uint32_t *pp, float *ot, int r0, int keys, int rpad,
+                   int D) {
+    const int64_t vstride = (int64_t)kpad * 2, pstride = (int64_t)rpad * 4, ostride = pstride;
+    for (int d0 = 0; d0 < D; d0 += 32) {
+        float *o = ot + (int64_t)d0 * rpad + r0;
+        _tile_loadd(0, o, ostride);
+        _tile_loadd(1, o + 16, ostride);
+        _tile_loadd(2, o + (int64_t)16 * rpad, ostride);
+        _tile_loadd(3, o + (int64_t)16 * rpad + 16, ostride);
+        for (int j0 = 0; j0 < keys; j0 += 32) {
+            _tile_loadd(4, vt + (int64_t)d0 * kpad + j0, vstride);
+            _tile_loadd(5, vt + (int64_t)(d0 + 16) * kpad + j0, vstride);
+            _tile_loadd(6, pp + (int64_t)(j0 / 2) * rpad + r0, pstride);
+            _tile_loadd(7, pp + (int64_t)(j0 / 2) * rpad + r0 + 16, pstride);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+        _tile_stored(0, o, ostride);
+        _tile_stored(1, o + 16, ostride);
+        _tile_stored(2, o + (int64_t)16 * rpad, ostride);
+        _tile_stored(3, o + (int64_t)16 * rpad + 16, ostride);
+    }
+}
+
+#else
+#define HAVE_AMX 0
+static inline int amx_usable(void) { return 0; }
+#endif
+
+#endif
