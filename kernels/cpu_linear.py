@@ -48,6 +48,17 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _DECODE_BATCH_HINT)
 
 
+# NOTE: from about this many rows on (long prefill chunks) oneDNN multiplies faster from the
+# plain weight than from the decode-shaped packing: 2.1-2.5 against 1.7-1.9 TFLOP/s at 1,536
+# to 2,048 rows of SmolLM2's projections on 2 AMX cores; below it the packing is as fast or faster.
+PACKED_MAX_ROWS = 1535
+
+
+def use_packed(x: torch.Tensor) -> bool:
+    """Whether ``x``'s rows go through the packed weight (decode steps, short chunks)."""
+    return x.numel() <= PACKED_MAX_ROWS * x.shape[-1]
+
+
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x [..., in]`` in bf16, ``packed`` from :func:`pack_weight`."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")

@@ -10,12 +10,14 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cpu_linear import (
+    PACKED_MAX_ROWS,
     SMALL_LINEAR_MAX_ROWS,
     can_pack,
     pack_weight,
     packed_linear,
     small_linear,
     small_linear_usable,
+    use_packed,
 )
 from ragserve.models.layers import Linear
 from ragserve.models.llama import LlamaForCausalLM
@@ -39,6 +41,23 @@ def test_packed_linear_is_bit_identical_to_linear(rows: int, with_bias: bool) ->
     out = packed_linear(x, pack_weight(weight), bias)
     assert out.shape == (2, rows, 96) and out.dtype == torch.bfloat16
     assert torch.equal(out, F.linear(x, weight, bias))
+
+
+def test_long_chunks_take_the_plain_weight_and_get_the_same_numbers() -> None:
+    x = torch.empty(2, PACKED_MAX_ROWS // 2, 64, dtype=torch.bfloat16)
+    assert use_packed(x[0]) and use_packed(x)
+    assert not use_packed(torch.empty(PACKED_MAX_ROWS + 1, 64, dtype=torch.bfloat16))
+    if not can_pack(x):
+        return
+    layer = Linear(64, 48, bias=True, device=torch.device("cpu"), dtype=torch.bfloat16)
+    generator = torch.Generator().manual_seed(3)
+    layer.weight.copy_(torch.randn(48, 64, generator=generator))
+    layer.bias.copy_(torch.randn(48, generator=generator))  # type: ignore[union-attr]
+    layer.pack_for_cpu()
+    rows = torch.randn(PACKED_MAX_ROWS + 9, 64, generator=generator).to(torch.bfloat16)
+    expected = F.linear(rows, layer.weight, layer.bias)
+    assert torch.equal(layer(rows), expected)
+    assert torch.equal(layer(rows[:7]), expected[:7])
 
 
 def test_only_bf16_cpu_weights_are_packed() -> None:
