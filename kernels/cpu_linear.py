@@ -1,16 +1,17 @@
 """Linear layers on the CPU: bfloat16 weights prepacked once into oneDNN's blocked layout,
-and float32 products of up to 64 rows (decode steps) through native kernels
-(``csrc/cpu_small_linear.c``).
+and products of a few rows (decode steps) through native kernels (``csrc/cpu_small_linear.c``):
+float32 up to 64 rows, bf16 one or two rows.
 
 A decode step multiplies one token by every weight matrix, so it streams all the weights
 from memory once per step. ``F.linear`` on a plain bf16 weight reads them at ~14 GB/s on a
 2-core AVX-512 BF16 EPYC; the same product over a prepacked weight reads at ~18 GB/s (30
 SmolLM2-135M layers: 15.4 -> 11.5 ms; its 49152 x 576 LM head: 3.7 -> 2.5 ms). Results are
 bit-identical to ``F.linear`` (both are oneDNN inner products; only the weight layout differs).
+Long prefill chunks (``PACKED_MAX_ROWS``) multiply from the plain weight, which oneDNN's AMX
+kernels run faster than the decode-shaped packing.
 
 A packed weight is a copy: it costs the weight's size again in memory and goes stale when
-the plain weight changes, so whoever writes weights packs again afterwards.
-"""
+the plain weight changes, so whoever writes weights packs again afterwards."""
 
 from __future__ import annotations
 
@@ -69,33 +70,48 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 SMALL_LINEAR_MAX_ROWS = 64
 
 
+# NOTE: as csrc/cpu_small_linear.c's BF16_SMALL_LINEAR_MAX_ROWS: one or two bf16 rows
+# (decode steps of one or two sequences) stream the weights natively; more go to oneDNN.
+BF16_SMALL_LINEAR_MAX_ROWS = 2
+_MAX_ROWS = {torch.float32: SMALL_LINEAR_MAX_ROWS, torch.bfloat16: BF16_SMALL_LINEAR_MAX_ROWS}
+
+
 def small_linear_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """True for ``x [rows <= SMALL_LINEAR_MAX_ROWS, in]`` and ``weight [out, in]``, both
-    contiguous float32 CPU tensors, ``in`` a multiple of the vector width, with the native
-    kernels built."""
+    """True for ``x [rows, in]`` and ``weight [out, in]``, both contiguous CPU tensors, with
+    the native kernels built: float32 up to SMALL_LINEAR_MAX_ROWS rows (``in`` a multiple of
+    the vector width), bf16 up to BF16_SMALL_LINEAR_MAX_ROWS (AVX-512 BF16 builds, ``in`` a
+    multiple of 32)."""
+    max_rows = _MAX_ROWS.get(x.dtype, 0)
     if not (
         x.dim() == 2
-        and 0 < x.shape[0] <= SMALL_LINEAR_MAX_ROWS
-        and x.dtype == weight.dtype == torch.float32
+        and 0 < x.shape[0] <= max_rows
+        and x.dtype == weight.dtype
         and x.device.type == weight.device.type == "cpu"
         and x.is_contiguous()
         and weight.is_contiguous()
     ):
         return False
+    if x.dtype == torch.bfloat16:
+        return cpu_native.bf16_dot() and x.shape[1] % 32 == 0
     width = cpu_native.vector_width()
     return width is not None and x.shape[1] % width == 0
 
 
 def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ weight.T + bias`` for inputs :func:`small_linear_usable` accepts, 1.3x to 3x
-    ``F.linear``'s rate at decode batches (see the C file). Each row's result is the same
-    whatever the other rows are."""
+    """``x @ weight.T + bias`` for inputs :func:`small_linear_usable` accepts, in their dtype:
+    float32 at 1.3x to 3x ``F.linear``'s rate at decode batches, each row's result the same
+    whatever the other rows are; bf16 summed in float32 and rounded once (see the C file)."""
     library = cpu_native.load()
     assert library is not None
     rows, k_in = x.shape
     n_out = weight.shape[0]
-    out = torch.empty((rows, n_out), dtype=torch.float32)
-    status = library.ragserve_small_linear(
+    out = torch.empty((rows, n_out), dtype=x.dtype)
+    kernel = (
+        library.ragserve_small_linear_bf16
+        if x.dtype == torch.bfloat16
+        else library.ragserve_small_linear
+    )
+    status = kernel(
         rows,
         n_out,
         k_in,

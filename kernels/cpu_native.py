@@ -169,6 +169,8 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
         int32,
     ]
     library.ragserve_small_linear.restype = ctypes.c_int
+    library.ragserve_small_linear_bf16.argtypes = library.ragserve_small_linear.argtypes
+    library.ragserve_small_linear_bf16.restype = ctypes.c_int
     library.ragserve_vector_width.restype = ctypes.c_int
     library.ragserve_bf16_dot.restype = ctypes.c_int
     library.ragserve_amx.restype = ctypes.c_int

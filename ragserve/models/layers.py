@@ -84,10 +84,10 @@ class Linear(nn.Module):
         self._packed = pack_weight(self.weight) if can_pack(self.weight) else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._packed is not None and x.dtype == self.weight.dtype and use_packed(x):
-            return packed_linear(x, self._packed, self.bias)
         if small_linear_usable(x, self.weight):
             return small_linear(x, self.weight, self.bias)
+        if self._packed is not None and x.dtype == self.weight.dtype and use_packed(x):
+            return packed_linear(x, self._packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:

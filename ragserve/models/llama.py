@@ -477,10 +477,10 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is not None:
             return self.lm_head(hidden).float()
         weight = self.model.embed_tokens.weight
+        if small_linear_usable(hidden, weight):
+            return small_linear(hidden, weight, None).float()
         if self._packed_tied_head is not None and hidden.dtype == weight.dtype:
             return packed_linear(hidden, self._packed_tied_head, None).float()
-        if small_linear_usable(hidden, weight):
-            return small_linear(hidden, weight, None)
         return F.linear(hidden, weight).float()
 
     def pack_cpu_weights(self) -> None:

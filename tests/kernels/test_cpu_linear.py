@@ -9,7 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_native
 from kernels.cpu_linear import (
+    BF16_SMALL_LINEAR_MAX_ROWS,
     PACKED_MAX_ROWS,
     SMALL_LINEAR_MAX_ROWS,
     can_pack,
@@ -153,7 +155,31 @@ def test_small_linear_takes_only_few_contiguous_float32_rows() -> None:
     assert not small_linear_usable(torch.randn(SMALL_LINEAR_MAX_ROWS + 1, 64), weight)
     assert not small_linear_usable(torch.randn(64, 2).t()[:1], weight)  # strided rows
     assert not small_linear_usable(torch.randn(1, 60), torch.randn(16, 60))  # not whole vectors
-    assert not small_linear_usable(torch.randn(1, 64).bfloat16(), weight.bfloat16())
+    bf16 = weight.bfloat16()
+    assert small_linear_usable(torch.randn(1, 64).bfloat16(), bf16) == cpu_native.bf16_dot()
+    assert not small_linear_usable(torch.randn(BF16_SMALL_LINEAR_MAX_ROWS + 1, 64).bfloat16(), bf16)
+    assert not small_linear_usable(torch.randn(1, 48).bfloat16(), torch.randn(16, 48).bfloat16())
+    assert not small_linear_usable(torch.randn(1, 64).half(), weight.half())
+
+
+@pytest.mark.skipif(not cpu_native.bf16_dot(), reason="no AVX-512 BF16 build")
+@pytest.mark.parametrize("rows", [1, BF16_SMALL_LINEAR_MAX_ROWS])
+@pytest.mark.parametrize("out_features", [1, 13, 1000])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_small_bf16_linear_is_the_float32_sum_rounded_once(
+    rows: int, out_features: int, with_bias: bool
+) -> None:
+    generator = torch.Generator().manual_seed(rows + out_features)
+    weight = torch.randn(out_features, 576, generator=generator).bfloat16()
+    bias = torch.randn(out_features, generator=generator).bfloat16() if with_bias else None
+    x = torch.randn(rows, 576, generator=generator).bfloat16()
+    out = small_linear(x, weight, bias)
+    exact = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    assert out.shape == exact.shape and out.dtype == torch.bfloat16
+    # one rounding to bf16 (2^-8 relative) after float32 sums in another order
+    magnitudes = x.double().abs() @ weight.double().abs().T
+    bound = 2.0**-8 * exact.abs() + 1e-6 * magnitudes
+    assert bool(((out.double() - exact).abs() <= bound).all())
 
 
 @needs_native

@@ -73,3 +73,13 @@ def test_bf16_tiles_use_pair_products_where_the_cpu_has_them() -> None:
         pytest.skip("no native kernels")
     flags = cpu_native._cpu_flags().split()
     assert cpu_native.bf16_dot() == ("avx512_bf16" in flags and "avx512f" in flags)
+
+
+def test_bf16_tiles_multiply_on_amx_where_the_cpu_has_it() -> None:
+    """A build for a CPU with AMX (and AVX-512 BF16) runs bf16 tiles on AMX tiles (cpu_amx.h)
+    once Linux grants the tile state, as it does from 5.16 on; other CPUs never do."""
+    if cpu_native.load() is None:
+        pytest.skip("no native kernels")
+    flags = set(cpu_native._cpu_flags().split())
+    has_amx = {"amx_tile", "amx_bf16", "avx512_bf16", "avx512f"} <= flags
+    assert cpu_native.amx() == has_amx
