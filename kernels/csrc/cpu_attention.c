@@ -23,6 +23,8 @@
  * rounded to nearest even. Scores are kept in base 2 (scale * log2(e) folded into Q).
  * Where the CPU has AVX-512 BF16, bf16 tiles instead multiply bf16 pairs with float32 sums
  * (cpu_bf16_dot.h): K/V are read in place, probabilities are rounded to bf16 for P . V.
+ * Where it also has AMX and the OS grants it, bf16 tiles run both products on AMX tiles
+ * (cpu_amx.h, run_tile_amx), 32 query rows at a time.
  */
 #include <math.h>
 #include <stdint.h>
