@@ -101,20 +101,21 @@ static inline void transpose_16x16(__m512i r[16]) {
     }
 }
 
-/* V^T of a chunk's n keys (rows in vrow) into vt [D][kpad] bf16, zero past n: each 32 keys x
- * 16 dims is built as 16 key pairs (vectors) and transposed as 32-bit pairs. */
-static void amx_pack_vt(const uint16_t *const *vrow, int n, int kpad, int D, const uint16_t *zero, uint16_t *vt) {
-    for (int i0 = 0; i0 < kpad / 2; i0 += 16)
-        for (int d0 = 0; d0 < D; d0 += 16) {
-            __m512i r[16];
-            for (int i = 0; i < 16; i++) {
-                const int j = 2 * (i0 + i);
-                const uint16_t *v0 = j < n ? vrow[j] + d0 : zero, *v1 = j + 1 < n ? vrow[j + 1] + d0 : zero;
-                r[i] = (__m512i)interleave_bf16(v0, v1);
-            }
-            transpose_16x16(r);
-            for (int d = 0; d < 16; d++) _mm512_storeu_si512(vt + (int64_t)(d0 + d) * kpad + 2 * i0, r[d]);
+/* V^T of 32 keys, n of them real (rows in vrow), into columns [0, 32) of vt [D][stride]
+ * bf16, zero past n: each 32 keys x 16 dims is built as 16 key pairs (vectors) and
+ * transposed as 32-bit pairs. */
+static void amx_pack_vt(const uint16_t *const *vrow, int n, int64_t stride, int D, const uint16_t *zero,
+                        uint16_t *vt) {
+    for (int d0 = 0; d0 < D; d0 += 16) {
+        __m512i r[16];
+        for (int i = 0; i < 16; i++) {
+            const int j = 2 * i;
+            const uint16_t *v0 = j < n ? vrow[j] + d0 : zero, *v1 = j + 1 < n ? vrow[j + 1] + d0 : zero;
+            r[i] = (__m512i)interleave_bf16(v0, v1);
         }
+        transpose_16x16(r);
+        for (int d = 0; d < 16; d++) _mm512_storeu_si512(vt + (int64_t)(d0 + d) * stride, r[d]);
+    }
 }
 
 /* S^T[j][r] = K[j] . Q[r] (unscaled) for the 32 rows [r0, r0 + 32) and keys j < keys (a

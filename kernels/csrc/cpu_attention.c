@@ -428,27 +428,102 @@ static void block_softmax_pairs(Work *w, int64_t kc, int nk, int kpad, int r0, i
     }
 }
 
-/* run_tile's work with both products on AMX tiles (cpu_amx.h). Per chunk, the K rows are
- * copied into kb [kpad][D] and V transposed into vt [D][kpad] (zero past the chunk); then
- * each 32-row block runs its products and softmax while its scores (32 rows x KC keys) stay
- * in L1. O is kept transposed in ot [D][rpad] and turned into w->o [rows][D] at the end. */
-static void run_tile_amx(const AttnParams *p, const Operands *ops, const Item *it, Work *w, int rows, int rpad) {
+/* Every key of the sequences whose tiles run on AMX, packed once per call (not once per tile
+ * and chunk): per (sequence, kv head) K rows [kpad][D] and V^T [D][kpad], kpad the keys
+ * rounded up to 32, zero past them. Sequences without AMX tiles have offset -1. */
+typedef struct {
+    uint16_t *k, *vt;
+    int64_t *offset; /* [num_seqs]: elements to the sequence's kv head 0, in k and in vt */
+    int32_t *kpad;   /* [num_seqs] */
+    int64_t jobs;    /* (sequence, kv head, 32 keys) packing jobs */
+    int64_t *job_start; /* [num_seqs + 1]: first job of each sequence */
+} AmxPack;
+
+static inline int amx_tiles(const AttnParams *p, int s) {
+    return (p->query_start[s + 1] - p->query_start[s]) * (p->num_heads / p->num_kv_heads) >= VL;
+}
+
+/* Lay out the pack; its buffers are the calling thread's, grown as needed and kept between
+ * calls (a layer's pack is rebuilt by every call). 0, or -2 when out of memory. */
+static int amx_plan_pack(const AttnParams *p, AmxPack *pack) {
+    static __thread uint16_t *buffer = NULL;
+    static __thread size_t capacity = 0;
+    const int64_t D = p->head_dim, heads = p->num_kv_heads;
+    pack->offset = malloc(sizeof(int64_t) * (size_t)p->num_seqs);
+    pack->kpad = malloc(sizeof(int32_t) * (size_t)p->num_seqs);
+    pack->job_start = malloc(sizeof(int64_t) * (size_t)(p->num_seqs + 1));
+    if (!pack->offset || !pack->kpad || !pack->job_start) return -2;
+    int64_t elements = 0, jobs = 0;
+    for (int s = 0; s < p->num_seqs; s++) {
+        pack->job_start[s] = jobs;
+        pack->kpad[s] = (p->seq_lens[s] + 31) / 32 * 32;
+        pack->offset[s] = amx_tiles(p, s) ? elements : -1;
+        if (pack->offset[s] < 0) continue;
+        elements += heads * pack->kpad[s] * D;
+        jobs += heads * (pack->kpad[s] / 32);
+    }
+    pack->job_start[p->num_seqs] = jobs;
+    pack->jobs = jobs;
+    size_t need = (size_t)(2 * elements) * sizeof(uint16_t);
+    if (need > capacity) {
+        free(buffer);
+        buffer = aligned_alloc(64, (need + 63) / 64 * 64);
+        capacity = buffer ? need : 0;
+        if (!buffer) return -2;
+    }
+    pack->k = buffer;
+    pack->vt = buffer + elements;
+    return 0;
+}
+
+static void amx_free_pack(AmxPack *pack) {
+    free(pack->offset);
+    free(pack->kpad);
+    free(pack->job_start);
+}
+
+/* Packing job `job`: 32 keys of one (sequence, kv head). */
+static void amx_pack_job(const AttnParams *p, const Operands *ops, const AmxPack *pack, int64_t job) {
+    int s = 0;
+    while (pack->job_start[s + 1] <= job) s++; /* NOTE: few sequences take AMX tiles per call */
     const int D = p->head_dim;
-    const int32_t *table = p->block_tables + (int64_t)it->seq * p->table_stride;
+    const int64_t per_head = pack->kpad[s] / 32, within = job - pack->job_start[s];
+    const int h = (int)(within / per_head);
+    const int64_t j0 = (within % per_head) * 32, kpad = pack->kpad[s];
+    const int n = (int)(p->seq_lens[s] - j0 < 32 ? p->seq_lens[s] - j0 : 32);
+    const int32_t *table = p->block_tables + (int64_t)s * p->table_stride;
+    const int64_t v_off = p->kv_offset * 2;
+    uint16_t *k = pack->k + pack->offset[s] + (h * kpad + j0) * D;
+    const uint16_t *vrow[32];
+    for (int j = 0; j < 32; j++) {
+        if (j < n) {
+            const char *key = key_addr(p, ops, table, j0 + j, h);
+            memcpy(k + (int64_t)j * D, key, sizeof(uint16_t) * (size_t)D);
+            vrow[j] = (const uint16_t *)(key + v_off);
+        } else {
+            memset(k + (int64_t)j * D, 0, sizeof(uint16_t) * (size_t)D);
+        }
+    }
+    amx_pack_vt(vrow, n, kpad, D, (const uint16_t *)ZERO_ROW, pack->vt + pack->offset[s] + h * D * kpad + j0);
+}
+
+/* run_tile's work with both products on AMX tiles (cpu_amx.h) over the packed keys: each
+ * 32-row block runs its products and softmax while its scores (32 rows x KC keys) stay in
+ * L1. O is kept transposed in ot [D][rpad] and turned into w->o [rows][D] at the end. */
+static void run_tile_amx(const AttnParams *p, const Operands *ops, const AmxPack *pack, const Item *it, Work *w,
+                         int rows, int rpad) {
+    const int D = p->head_dim;
     const float qscale = p->scale * 1.4426950408889634f;
-    uint16_t *kb = (uint16_t *)w->kf, *vt = (uint16_t *)w->vf_;
+    const int64_t kpad = pack->kpad[it->seq];
+    const uint16_t *kb = pack->k + pack->offset[it->seq] + (int64_t)it->kv_head * kpad * D;
+    const uint16_t *vt = pack->vt + pack->offset[it->seq] + (int64_t)it->kv_head * D * kpad;
     float *ot = w->qt;
 
     tile_queries(p, ops, it, w, rows, rpad, 1);
     memset(ot, 0, sizeof(float) * (size_t)D * rpad);
     amx_configure();
     for (int64_t kc = it->k0; kc < it->k1; kc += KC) {
-        const int n = (int)(it->k1 - kc < KC ? it->k1 - kc : KC), kpad = (n + 31) / 32 * 32;
-        int64_t next_end = kc + n + KC < it->k1 ? kc + n + KC : it->k1;
-        chunk_rows(p, ops, table, it->kv_head, kc, n, next_end, 1, w);
-        for (int j = 0; j < kpad; j++)
-            memcpy(kb + (int64_t)j * D, j < n ? w->khrow[j] : (const uint16_t *)ZERO_ROW, sizeof(uint16_t) * (size_t)D);
-        amx_pack_vt(w->vhrow, n, kpad, D, (const uint16_t *)ZERO_ROW, vt);
+        const int n = (int)(it->k1 - kc < KC ? it->k1 - kc : KC);
         for (int r0 = 0; r0 < rpad; r0 += 32) {
             /* Causal skip: keys past the block's last position need no product. */
             const int last = r0 + 31 < rows ? r0 + 31 : rows - 1;
@@ -456,12 +531,12 @@ static void run_tile_amx(const AttnParams *p, const Operands *ops, const Item *i
             const int nk = (int)(needed < 0 ? 0 : (needed > n ? n : needed));
             if (nk == 0) continue;
             const int keys = (nk + 31) / 32 * 32;
-            amx_qk(kb, w->qp, w->st, r0, keys, rpad, D);
+            amx_qk(kb + kc * D, w->qp, w->st, r0, keys, rpad, D);
             block_softmax_pairs(w, kc, nk, keys, r0, rpad, kc + nk - 1 > w->lim[r0], qscale);
             for (int d = 0; d < D; d++)
                 for (int r = r0; r < r0 + 32; r += VL)
                     storeu(ot + (int64_t)d * rpad + r, loadu(ot + (int64_t)d * rpad + r) * loadu(w->alpha + r));
-            amx_pv(vt, kpad, w->pp, ot, r0, keys, rpad, D);
+            amx_pv(vt + kc, (int)kpad, w->pp, ot, r0, keys, rpad, D);
         }
     }
     _tile_release();
@@ -877,7 +952,19 @@ int ragserve_paged_attention(const AttnParams *p, const void *q, int64_t q_token
     qsort(order, (size_t)num_items, sizeof(Item), by_cost_desc);
 
     const int amx = p->is_bf16 && amx_usable();
+#if HAVE_AMX
+    AmxPack pack = {0};
+    if (amx && amx_plan_pack(p, &pack) != 0) {
+        amx_free_pack(&pack);
+        free(partials);
+        free(order);
+        free(items);
+        free(groups);
+        return -2;
+    }
+#else
     (void)amx; /* unused in builds without AMX */
+#endif
     int failed = 0;
     int nt = (int64_t)threads < num_items ? threads : (int)num_items;
 #pragma omp parallel num_threads(nt)
@@ -888,6 +975,10 @@ int ragserve_paged_attention(const AttnParams *p, const void *q, int64_t q_token
 #pragma omp atomic write
             failed = 1;
         }
+#if HAVE_AMX
+#pragma omp for schedule(static)
+        for (int64_t job = 0; job < pack.jobs; job++) amx_pack_job(p, &ops, &pack, job);
+#endif
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < num_items; i++) {
             if (!ok) continue;
@@ -895,7 +986,7 @@ int ragserve_paged_attention(const AttnParams *p, const void *q, int64_t q_token
             int rows = item_rows(p, it);
             if (it->kv_heads > 1 || rows < VL) run_small(p, &ops, it, &w, rows);
 #if HAVE_AMX
-            else if (amx) run_tile_amx(p, &ops, it, &w, rows, pad_rows(rows));
+            else if (amx) run_tile_amx(p, &ops, &pack, it, &w, rows, pad_rows(rows));
 #endif
             else run_tile(p, &ops, it, &w, rows, pad_rows(rows));
             if (it->scratch < 0) {
@@ -944,6 +1035,9 @@ int ragserve_paged_attention(const AttnParams *p, const void *q, int64_t q_token
         }
         if (ok) free_work(&w);
     }
+#if HAVE_AMX
+    amx_free_pack(&pack);
+#endif
     free(partials);
     free(order);
     free(items);
