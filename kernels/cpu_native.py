@@ -220,7 +220,11 @@ def bf16_dot() -> bool:
     return library is not None and bool(library.ragserve_bf16_dot())
 
 
+ENV_AMX = "RAGSERVE_CPU_AMX"
+
+
 def amx() -> bool:
-    """Whether bf16 attention tiles multiply on AMX tiles (an AMX build that the OS lets use them)."""
+    """Whether bf16 attention tiles multiply on AMX tiles: an AMX build that the OS lets use
+    them, unless ``RAGSERVE_CPU_AMX=0`` (read once, when the library first attends)."""
     library = load()
     return library is not None and bool(library.ragserve_amx())

@@ -14,6 +14,7 @@
  *
  * The kernel may use AMX only once the process holds permission for the tile state
  * (arch_prctl ARCH_REQ_XCOMP_PERM, Linux 5.16+): amx_usable() asks once and says whether.
+ * RAGSERVE_CPU_AMX=0 keeps bf16 tiles on the vdpbf16ps path (for comparisons).
  */
 #ifndef RAGSERVE_CPU_AMX_H
 #define RAGSERVE_CPU_AMX_H
@@ -22,6 +23,8 @@
 
 #if HAVE_BF16_DOT && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define HAVE_AMX 1
+#include <stdlib.h>
+#include <string.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -34,11 +37,15 @@ typedef struct {
     uint8_t rows[16];
 } TileConfig;
 
-/* 1 when this process may use AMX; asks the kernel the first time (not thread-safe: call it
- * before starting threads). */
+/* 1 when this process may use AMX: not turned off by RAGSERVE_CPU_AMX=0, and granted by the
+ * kernel, asked the first time (not thread-safe: call it before starting threads). */
 static int amx_usable(void) {
     static int state = 0; /* 0: not asked yet, 1: yes, -1: no */
-    if (state == 0) state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
+    if (state == 0) {
+        const char *env = getenv("RAGSERVE_CPU_AMX");
+        int off = env != NULL && strcmp(env, "0") == 0;
+        state = !off && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
+    }
     return state > 0;
 }
 

@@ -25,11 +25,14 @@ static inline __m512bh as_pairs(vpair x) { return (__m512bh)(__m512i)x; }
 
 static inline vpair load_pairs(const uint32_t *p) { return *(const vpair *)p; }
 
-/* Two bf16 rows (16 elements each) interleaved into 16 pairs: lo from a, hi from b. */
+/* Two bf16 rows (16 elements each) interleaved into 16 pairs: lo from a, hi from b (one
+ * vpermt2w over the two 32-byte loads). */
 static inline vpair interleave_bf16(const uint16_t *a, const uint16_t *b) {
-    vu lo = __builtin_convertvector(*(const vh *)a, vu);
-    vu hi = __builtin_convertvector(*(const vh *)b, vu) << 16;
-    return (vpair)(lo | hi);
+    const __m512i index = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                           39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    __m512i lo = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)a));
+    __m512i hi = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)b));
+    return (vpair)_mm512_permutex2var_epi16(lo, index, hi);
 }
 
 /* Two float32 vectors rounded to nearest even bf16 and paired: lo from a, hi from b. */

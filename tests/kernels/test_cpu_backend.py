@@ -113,11 +113,10 @@ def test_mixed_batch_matches_reference(
 
 
 @pytest.mark.parametrize("native", MODES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [1, 4, 32, 128])
-def test_block_sizes(native: bool, block_size: int) -> None:
-    run_both(
-        native, torch.float32, 9, 3, 64, block_size, [1, 70, 5], [200, 260, 5], seed=block_size
-    )
+def test_block_sizes(native: bool, dtype: torch.dtype, block_size: int) -> None:
+    run_both(native, dtype, 9, 3, 64, block_size, [1, 70, 5], [200, 260, 5], seed=block_size)
 
 
 @pytest.mark.parametrize("native", MODES)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -82,4 +85,17 @@ def test_bf16_tiles_multiply_on_amx_where_the_cpu_has_it() -> None:
         pytest.skip("no native kernels")
     flags = set(cpu_native._cpu_flags().split())
     has_amx = {"amx_tile", "amx_bf16", "avx512_bf16", "avx512f"} <= flags
-    assert cpu_native.amx() == has_amx
+    turned_off = os.environ.get(cpu_native.ENV_AMX) == "0"
+    assert cpu_native.amx() == (has_amx and not turned_off)
+
+
+def test_amx_can_be_turned_off(tmp_path: Path) -> None:
+    """RAGSERVE_CPU_AMX=0 keeps bf16 tiles on the pair products, whatever the CPU."""
+    if cpu_native.load() is None:
+        pytest.skip("no native kernels")
+    env = dict(os.environ, RAGSERVE_CPU_AMX="0", RAGSERVE_KERNEL_CACHE=str(cpu_native.cache_dir()))
+    code = "from kernels import cpu_native; print(cpu_native.amx())"
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "False"
