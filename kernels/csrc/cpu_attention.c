@@ -46,6 +46,7 @@
 #define TILE_ROWS 256   /* most query rows per tile (fewer when tiles would be too few) */
 #define MIN_TILE_ROWS 32
 #define MIN_PART_KEYS 256
+#define LOG2E 1.4426950408889634f /* scores are kept in base 2 */
 
 #include "cpu_bf16_dot.h"
 #include "cpu_amx.h"
@@ -140,6 +141,14 @@ static void chunk_rows(const AttnParams *p, const Operands *ops, const int32_t *
             }
         }
     }
+#if HAVE_BF16_DOT
+    if (dot)
+        for (int i = 0; 2 * i < n; i++) {
+            const uint16_t *v0 = w->vhrow[2 * i];
+            const uint16_t *v1 = 2 * i + 1 < n ? w->vhrow[2 * i + 1] : (const uint16_t *)ZERO_ROW;
+            for (int d = 0; d < D; d += VL) *(vpair *)(w->vp + (int64_t)i * D + d) = interleave_bf16(v0 + d, v1 + d);
+        }
+#endif
     for (int64_t a = kc + n; a < next_end;) {
         const char *k = key_addr(p, ops, table, a, kv_head);
         int64_t left_in_block = bs - (a & (bs - 1));
@@ -151,17 +160,6 @@ static void chunk_rows(const AttnParams *p, const Operands *ops, const int32_t *
             }
     }
 }
-
-#if HAVE_BF16_DOT
-/* V of the chunk's n keys (rows in vhrow) as pairs along keys, vp [pairs][D], for P . V. */
-static void pack_v_pairs(Work *w, int n, int D) {
-    for (int i = 0; 2 * i < n; i++) {
-        const uint16_t *v0 = w->vhrow[2 * i];
-        const uint16_t *v1 = 2 * i + 1 < n ? w->vhrow[2 * i + 1] : (const uint16_t *)ZERO_ROW;
-        for (int d = 0; d < D; d += VL) *(vpair *)(w->vp + (int64_t)i * D + d) = interleave_bf16(v0 + d, v1 + d);
-    }
-}
-#endif
 
 /* Query row r of the tile: token t0 + r / group, head kv_head * group + r % group. */
 static inline float query_value(const AttnParams *p, const Operands *ops, int64_t token, int head,
@@ -182,44 +180,6 @@ static inline void softmax_update(vf *mx, vf *m, vf *l, vf *alpha_out) {
 }
 
 /* ---- tile mode -------------------------------------------------------------------------- */
-
-/* The online-softmax pass of one tile over the chunk's keys [kc, kc + n): S^T [key][rpad] ->
- * probabilities in place (scores first multiplied by `scale` unless it is 1, masked past each
- * row's position when `masked`), m/l/alpha updated. With `pairs` > 0 the probabilities of keys
- * [0, pairs) are also rounded into bf16 pairs pp [key / 2][rpad] (0 past n) for P . V. */
-static void tile_softmax(Work *w, int64_t kc, int n, int rpad, int masked, float scale, int pairs) {
-    for (int r = 0; r < rpad; r += VL) {
-        vf mx = splat(-INFINITY);
-        vi lim = *(const viu *)(w->lim + r);
-        for (int j = 0; j < n; j++) {
-            vf s = loadu(w->st + (int64_t)j * rpad + r);
-            if (scale != 1.0f) s = s * scale;
-            if (masked) s = vselect((vi){0} + (int32_t)(kc + j) <= lim, s, splat(-INFINITY));
-            if (masked || scale != 1.0f) storeu(w->st + (int64_t)j * rpad + r, s);
-            mx = vmax(mx, s);
-        }
-        vf m = loadu(w->m + r), l = loadu(w->l + r), alpha;
-        softmax_update(&mx, &m, &l, &alpha);
-        vf sum = splat(0.0f);
-        for (int j = 0; j < n; j++) {
-            vf e = vexp2(loadu(w->st + (int64_t)j * rpad + r) - mx);
-            storeu(w->st + (int64_t)j * rpad + r, e);
-            sum += e;
-        }
-        storeu(w->m + r, m);
-        storeu(w->l + r, l + sum);
-        storeu(w->alpha + r, alpha);
-#if HAVE_BF16_DOT
-        for (int i = 0; 2 * i < pairs; i++) {
-            vf e0 = 2 * i < n ? loadu(w->st + (int64_t)(2 * i) * rpad + r) : splat(0.0f);
-            vf e1 = 2 * i + 1 < n ? loadu(w->st + (int64_t)(2 * i + 1) * rpad + r) : splat(0.0f);
-            *(vpair *)(w->pp + (int64_t)i * rpad + r) = round_pairs(e0, e1);
-        }
-#else
-        (void)pairs;
-#endif
-    }
-}
 
 /* S^T[j][r] = K[j] . Q^T[:, r] for keys j < keys[r / (NV * VL)] of each row block (the rest of
  * the chunk is masked for every row of the block; the softmax pass overwrites it). */
@@ -294,7 +254,7 @@ static void tile_queries(const AttnParams *p, const Operands *ops, const Item *i
     const int D = p->head_dim, group = p->num_heads / p->num_kv_heads;
     const int32_t q_first = p->query_start[it->seq];
     const int64_t context = p->seq_lens[it->seq] - (p->query_start[it->seq + 1] - q_first);
-    const float qscale = p->scale * 1.4426950408889634f;
+    const float qscale = p->scale * LOG2E;
     for (int r = 0; r < rpad; r++) {
         float *column = w->qt + r;
         if (dot) {
@@ -343,9 +303,6 @@ static void run_tile(const AttnParams *p, const Operands *ops, const Item *it, W
         int npad = (n + RBK - 1) / RBK * RBK;
         int64_t next_end = kc + n + KC < it->k1 ? kc + n + KC : it->k1;
         chunk_rows(p, ops, table, it->kv_head, kc, n, next_end, dot, w);
-#if HAVE_BF16_DOT
-        if (dot) pack_v_pairs(w, n, D);
-#endif
         for (int j = n; j < npad; j++) {
             w->krow[j] = ZERO_ROW;
             if (dot) w->khrow[j] = (const uint16_t *)ZERO_ROW;
@@ -359,11 +316,42 @@ static void run_tile(const AttnParams *p, const Operands *ops, const Item *it, W
             block_keys[r0 / (NV * VL)] = (int)((needed + RBK - 1) / RBK * RBK);
         }
 #if HAVE_BF16_DOT
-        if (dot) qk_tile_dot(w->khrow, w->qp, w->st, block_keys, rpad, D, p->scale * 1.4426950408889634f);
+        if (dot) qk_tile_dot(w->khrow, w->qp, w->st, block_keys, rpad, D, p->scale * LOG2E);
         else
 #endif
             qk_tile(w->krow, w->qt, w->st, block_keys, rpad, D);
-        tile_softmax(w, kc, n, rpad, kc + n - 1 > context + it->t0, 1.0f, dot ? n : 0);
+        int masked = kc + n - 1 > context + it->t0;
+        for (int r = 0; r < rpad; r += VL) {
+            vf mx = splat(-INFINITY);
+            vi lim = *(const viu *)(w->lim + r);
+            for (int j = 0; j < n; j++) {
+                vf s = loadu(w->st + (int64_t)j * rpad + r);
+                if (masked) {
+                    s = vselect((vi){0} + (int32_t)(kc + j) <= lim, s, splat(-INFINITY));
+                    storeu(w->st + (int64_t)j * rpad + r, s);
+                }
+                mx = vmax(mx, s);
+            }
+            vf m = loadu(w->m + r), l = loadu(w->l + r), alpha;
+            softmax_update(&mx, &m, &l, &alpha);
+            vf sum = splat(0.0f);
+            for (int j = 0; j < n; j++) {
+                vf e = vexp2(loadu(w->st + (int64_t)j * rpad + r) - mx);
+                storeu(w->st + (int64_t)j * rpad + r, e);
+                sum += e;
+            }
+            storeu(w->m + r, m);
+            storeu(w->l + r, l + sum);
+            storeu(w->alpha + r, alpha);
+#if HAVE_BF16_DOT
+            if (dot)
+                for (int i = 0; 2 * i < n; i++) {
+                    vf e0 = loadu(w->st + (int64_t)(2 * i) * rpad + r);
+                    vf e1 = 2 * i + 1 < n ? loadu(w->st + (int64_t)(2 * i + 1) * rpad + r) : splat(0.0f);
+                    *(vpair *)(w->pp + (int64_t)i * rpad + r) = round_pairs(e0, e1);
+                }
+#endif
+        }
         for (int r = 0; r < rows; r++) {
             float a = w->alpha[r];
             if (a != 1.0f)
@@ -513,7 +501,7 @@ static void amx_pack_job(const AttnParams *p, const Operands *ops, const AmxPack
 static void run_tile_amx(const AttnParams *p, const Operands *ops, const AmxPack *pack, const Item *it, Work *w,
                          int rows, int rpad) {
     const int D = p->head_dim;
-    const float qscale = p->scale * 1.4426950408889634f;
+    const float qscale = p->scale * LOG2E;
     const int64_t kpad = pack->kpad[it->seq];
     const uint16_t *kb = pack->k + pack->offset[it->seq] + (int64_t)it->kv_head * kpad * D;
     const uint16_t *vt = pack->vt + pack->offset[it->seq] + (int64_t)it->kv_head * D * kpad;
@@ -657,7 +645,7 @@ static void run_small(const AttnParams *p, const Operands *ops, const Item *it, 
     const int32_t query_len = p->query_start[it->seq + 1] - p->query_start[it->seq];
     const int64_t context = p->seq_lens[it->seq] - query_len;
     const int32_t *table = p->block_tables + (int64_t)it->seq * p->table_stride;
-    const float qscale = p->scale * 1.4426950408889634f;
+    const float qscale = p->scale * LOG2E;
     const int dot = HAVE_BF16_DOT && p->is_bf16;
     uint16_t *qh = (uint16_t *)w->qp; /* bf16 dot: Q rows as they are */
 
@@ -685,9 +673,6 @@ static void run_small(const AttnParams *p, const Operands *ops, const Item *it, 
          * by three items far apart in time. */
         for (int h = 0; h < it->kv_heads; h++) {
             chunk_rows(p, ops, table, it->kv_head + h, kc, n, next_end, dot, w);
-#if HAVE_BF16_DOT
-            if (dot) pack_v_pairs(w, n, D);
-#endif
             for (int r = h * per_head; r < (h + 1) * per_head; r++) {
                 float *s = w->st + (int64_t)r * KC;
 #if HAVE_BF16_DOT

@@ -99,3 +99,21 @@ def test_amx_can_be_turned_off(tmp_path: Path) -> None:
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
     )
     assert result.stdout.strip() == "False"
+
+
+def test_pair_products_still_match_the_reference_where_amx_runs() -> None:
+    """On an AMX machine the bf16 pair-product tiles (what CPUs without AMX run) are checked too,
+    in a process that turns AMX off."""
+    if not cpu_native.amx():
+        pytest.skip("without AMX the pair products are what every bf16 test runs")
+    env = dict(os.environ, RAGSERVE_CPU_AMX="0")
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-o", "addopts="]
+    command += [
+        str(Path(__file__).with_name("test_cpu_backend.py")),
+        "-k",
+        "bfloat16 or random or long",
+    ]
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run(command, env=env, cwd=root, capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert " passed" in result.stdout and " failed" not in result.stdout
