@@ -125,29 +125,50 @@ static void amx_pack_vt(const uint16_t *const *vrow, int n, int64_t stride, int 
     }
 }
 
+/* C tiles 0-3 += the 2 x 2 products of the A tiles at a0, a1 (16 rows each) and the B tiles
+ * at b0, b1: tile 0 += a0 . b0, 1 += a0 . b1, 2 += a1 . b0, 3 += a1 . b1. */
+static inline void amx_accumulate_2x2(const void *a0, const void *a1, int64_t a_stride, const void *b0, const void *b1,
+                                      int64_t b_stride) {
+    _tile_loadd(4, a0, a_stride);
+    _tile_loadd(5, a1, a_stride);
+    _tile_loadd(6, b0, b_stride);
+    _tile_loadd(7, b1, b_stride);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+}
+
+/* C tiles 0-3 from / into the 32 x 32 float32 block at c of a matrix with rows of `row`
+ * floats: tile 0 its top left, 1 top right, 2 bottom left, 3 bottom right. */
+static inline void amx_load_2x2(const float *c, int64_t row) {
+    _tile_loadd(0, c, row * 4);
+    _tile_loadd(1, c + 16, row * 4);
+    _tile_loadd(2, c + 16 * row, row * 4);
+    _tile_loadd(3, c + 16 * row + 16, row * 4);
+}
+
+static inline void amx_store_2x2(float *c, int64_t row) {
+    _tile_stored(0, c, row * 4);
+    _tile_stored(1, c + 16, row * 4);
+    _tile_stored(2, c + 16 * row, row * 4);
+    _tile_stored(3, c + 16 * row + 16, row * 4);
+}
+
 /* S^T[j][r] = K[j] . Q[r] (unscaled) for the 32 rows [r0, r0 + 32) and keys j < keys (a
  * multiple of 32); kb holds the chunk's keys [kpad][D], zero past the chunk. */
 static void amx_qk(const uint16_t *kb, const uint32_t *qp, float *st, int r0, int keys, int rpad, int D) {
-    const int64_t kstride = (int64_t)D * 2, qstride = (int64_t)rpad * 4, sstride = qstride;
     for (int j0 = 0; j0 < keys; j0 += 32) {
         _tile_zero(0);
         _tile_zero(1);
         _tile_zero(2);
         _tile_zero(3);
         for (int d0 = 0; d0 < D; d0 += 32) {
-            _tile_loadd(4, kb + (int64_t)j0 * D + d0, kstride);
-            _tile_loadd(5, kb + (int64_t)(j0 + 16) * D + d0, kstride);
-            _tile_loadd(6, qp + (int64_t)(d0 / 2) * rpad + r0, qstride);
-            _tile_loadd(7, qp + (int64_t)(d0 / 2) * rpad + r0 + 16, qstride);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
-            _tile_dpbf16ps(2, 5, 6);
-            _tile_dpbf16ps(3, 5, 7);
+            const uint32_t *q = qp + (int64_t)(d0 / 2) * rpad + r0;
+            amx_accumulate_2x2(kb + (int64_t)j0 * D + d0, kb + (int64_t)(j0 + 16) * D + d0, (int64_t)D * 2, q, q + 16,
+                               (int64_t)rpad * 4);
         }
-        _tile_stored(0, st + (int64_t)j0 * rpad + r0, sstride);
-        _tile_stored(1, st + (int64_t)j0 * rpad + r0 + 16, sstride);
-        _tile_stored(2, st + (int64_t)(j0 + 16) * rpad + r0, sstride);
-        _tile_stored(3, st + (int64_t)(j0 + 16) * rpad + r0 + 16, sstride);
+        amx_store_2x2(st + (int64_t)j0 * rpad + r0, rpad);
     }
 }
 
@@ -155,27 +176,15 @@ static void amx_qk(const uint16_t *kb, const uint32_t *qp, float *st, int r0, in
  * vt [D][kpad] (zero past the chunk) and pp [kpad / 2][rpad]; ot is [D][rpad]. */
 static void amx_pv(const uint16_t *vt, int kpad, const uint32_t *pp, float *ot, int r0, int keys, int rpad,
                    int D) {
-    const int64_t vstride = (int64_t)kpad * 2, pstride = (int64_t)rpad * 4, ostride = pstride;
     for (int d0 = 0; d0 < D; d0 += 32) {
         float *o = ot + (int64_t)d0 * rpad + r0;
-        _tile_loadd(0, o, ostride);
-        _tile_loadd(1, o + 16, ostride);
-        _tile_loadd(2, o + (int64_t)16 * rpad, ostride);
-        _tile_loadd(3, o + (int64_t)16 * rpad + 16, ostride);
+        amx_load_2x2(o, rpad);
         for (int j0 = 0; j0 < keys; j0 += 32) {
-            _tile_loadd(4, vt + (int64_t)d0 * kpad + j0, vstride);
-            _tile_loadd(5, vt + (int64_t)(d0 + 16) * kpad + j0, vstride);
-            _tile_loadd(6, pp + (int64_t)(j0 / 2) * rpad + r0, pstride);
-            _tile_loadd(7, pp + (int64_t)(j0 / 2) * rpad + r0 + 16, pstride);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
-            _tile_dpbf16ps(2, 5, 6);
-            _tile_dpbf16ps(3, 5, 7);
+            const uint32_t *p = pp + (int64_t)(j0 / 2) * rpad + r0;
+            amx_accumulate_2x2(vt + (int64_t)d0 * kpad + j0, vt + (int64_t)(d0 + 16) * kpad + j0, (int64_t)kpad * 2, p,
+                               p + 16, (int64_t)rpad * 4);
         }
-        _tile_stored(0, o, ostride);
-        _tile_stored(1, o + 16, ostride);
-        _tile_stored(2, o + (int64_t)16 * rpad, ostride);
-        _tile_stored(3, o + (int64_t)16 * rpad + 16, ostride);
+        amx_store_2x2(o, rpad);
     }
 }
 
