@@ -431,11 +431,10 @@ static inline int amx_tiles(const AttnParams *p, int s) {
     return (p->query_start[s + 1] - p->query_start[s]) * (p->num_heads / p->num_kv_heads) >= VL;
 }
 
-/* Lay out the pack; its buffers are the calling thread's, grown as needed and kept between
- * calls (a layer's pack is rebuilt by every call). 0, or -2 when out of memory. */
+/* Lay out and allocate the pack. 0, or -2 when out of memory.
+ * NOTE: a buffer per call: glibc raises its mmap threshold to a freed chunk's size, so from
+ * the second call on the pack comes from the heap without fresh page faults. */
 static int amx_plan_pack(const AttnParams *p, AmxPack *pack) {
-    static __thread uint16_t *buffer = NULL;
-    static __thread size_t capacity = 0;
     const int64_t D = p->head_dim, heads = p->num_kv_heads;
     pack->offset = malloc(sizeof(int64_t) * (size_t)p->num_seqs);
     pack->kpad = malloc(sizeof(int32_t) * (size_t)p->num_seqs);
@@ -452,19 +451,14 @@ static int amx_plan_pack(const AttnParams *p, AmxPack *pack) {
     }
     pack->job_start[p->num_seqs] = jobs;
     pack->jobs = jobs;
-    size_t need = (size_t)(2 * elements) * sizeof(uint16_t);
-    if (need > capacity) {
-        free(buffer);
-        buffer = aligned_alloc(64, (need + 63) / 64 * 64);
-        capacity = buffer ? need : 0;
-        if (!buffer) return -2;
-    }
-    pack->k = buffer;
-    pack->vt = buffer + elements;
+    pack->k = aligned_alloc(64, ((size_t)(2 * elements) * sizeof(uint16_t) + 63) / 64 * 64 + 64);
+    if (!pack->k) return -2;
+    pack->vt = pack->k + elements;
     return 0;
 }
 
 static void amx_free_pack(AmxPack *pack) {
+    free(pack->k);
     free(pack->offset);
     free(pack->kpad);
     free(pack->job_start);
