@@ -466,8 +466,12 @@ static void amx_free_pack(AmxPack *pack) {
 
 /* Packing job `job`: 32 keys of one (sequence, kv head). */
 static void amx_pack_job(const AttnParams *p, const Operands *ops, const AmxPack *pack, int64_t job) {
-    int s = 0;
-    while (pack->job_start[s + 1] <= job) s++; /* NOTE: few sequences take AMX tiles per call */
+    int s = 0, hi = p->num_seqs; /* the sequence whose jobs hold `job`: job_start[s] <= job < job_start[s + 1] */
+    while (hi - s > 1) {
+        const int mid = (s + hi) / 2;
+        if (pack->job_start[mid] <= job) s = mid;
+        else hi = mid;
+    }
     const int D = p->head_dim;
     const int64_t per_head = pack->kpad[s] / 32, within = job - pack->job_start[s];
     const int h = (int)(within / per_head);
