@@ -1,5 +1,6 @@
 """The figures of ``ragserve bench cpu`` from its runs: medians per variant, each against
-this CPU's floor and, where vLLM ran, as a ratio to vLLM's, next to issue #20's targets."""
+this CPU's floor and, where vLLM ran, as a ratio to vLLM's (per round, then the median),
+next to issue #20's targets."""
 
 from __future__ import annotations
 
@@ -80,12 +81,27 @@ def _floor(name: str, floor: dict[str, Any]) -> float | None:
     return float(value) if isinstance(value, (int, float)) else None
 
 
+def _paired_ratios(
+    ours: list[dict[str, Any]], theirs: list[dict[str, Any]], read: RunFigure
+) -> list[float]:
+    """Round i's figure of one variant over the other's, for the rounds both completed."""
+    ratios = []
+    for a, b in zip(ours, theirs, strict=False):
+        if a.get("returncode") == 0 and b.get("returncode") == 0:
+            x, y = read(a), read(b)
+            if x is not None and y:
+                ratios.append(x / y)
+    return ratios
+
+
 def summarize(
     runs: dict[str, list[dict[str, Any]]], floor: dict[str, Any], ttft_lengths: tuple[int, ...]
 ) -> dict[str, Any]:
     """Per figure: the median of each variant's successful runs, the floor, how many times
     the floor each median is (time over least time; for a rate, ceiling over rate) and each
-    ragserve variant's ratio to vLLM."""
+    ragserve variant's ratio to vLLM: the median of the rounds' own ratios, with their
+    range. NOTE: rounds run the variants one after another, so a ratio within a round
+    compares engines under the same load of a shared host; a ratio of medians would not."""
     summary: dict[str, Any] = {}
     for name, _label, read, higher_better, target in figure_list(ttft_lengths):
         medians: dict[str, float | None] = {}
@@ -102,11 +118,11 @@ def summarize(
                 v: (row["floor"] / m if higher_better else m / row["floor"]) if m else None
                 for v, m in medians.items()
             }
-        theirs = medians.get("vllm")
-        if theirs:
-            row["vs_vllm"] = {
-                v: m / theirs if m is not None else None for v, m in medians.items() if v != "vllm"
-            }
+        if "vllm" in runs:
+            paired = {v: _paired_ratios(runs[v], runs["vllm"], read) for v in runs if v != "vllm"}
+            if any(paired.values()):
+                row["vs_vllm"] = {v: statistics.median(r) if r else None for v, r in paired.items()}
+                row["vs_vllm_range"] = {v: [min(r), max(r)] for v, r in paired.items() if r}
         summary[name] = row
     return summary
 

@@ -11,10 +11,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from ragserve.bench.cpu_engines import make_variants, tree_rss_bytes
+from ragserve.bench.cpu_report import summarize
 from ragserve.cli import main
 
 TIME_FIGURES = (
@@ -111,3 +113,20 @@ def test_tree_rss_counts_the_children() -> None:
     finally:
         os.killpg(proc.pid, signal.SIGKILL)  # the child too
         proc.wait()
+
+
+def test_ratios_to_vllm_are_taken_round_by_round() -> None:
+    """A host whose load moves between rounds moves both engines of a round alike: the ratio
+    to vLLM is the median of the rounds' own ratios, not a ratio of medians."""
+
+    def run(ttft: float, returncode: int = 0) -> dict[str, Any]:
+        return {"returncode": returncode, "phases": {"ttft": {"64": ttft}}}
+
+    runs = {
+        "ragserve": [run(1.0), run(4.0), run(2.0), run(9.0, returncode=1)],
+        "vllm": [run(2.0), run(5.0), run(1.0), run(1.0)],
+    }
+    row = summarize(runs, {}, (64,))["ttft_64_s"]
+    assert row["median"] == {"ragserve": 2.0, "vllm": 1.5}
+    assert row["vs_vllm"]["ragserve"] == pytest.approx(0.8)  # of 0.5, 0.8 and 2.0
+    assert row["vs_vllm_range"]["ragserve"] == [0.5, 2.0]
