@@ -1,7 +1,7 @@
 /* AMX tile products for cpu_attention.c's bf16 tiles (Intel Sapphire Rapids and later).
  *
  * One TDPBF16PS multiplies a [16 x 32] bf16 tile by a [32 x 16] one into 16 x 16 float32
- * sums: 8,192 multiply-adds per instruction, 16x what one vdpbf16ps does. Both products of
+ * sums: 8,192 multiply-adds per instruction, 256x what one vdpbf16ps does. Both products of
  * a tile are laid out so that nothing is transposed on the way out:
  *  - S^T = K . Q^T: A holds 16 keys' rows (bf16, contiguous in kb [keys][D]), B holds Q^T
  *    as pairs along head_dim (qp [D / 2][rpad], the layout the vdpbf16ps tiles use), C is
