@@ -75,14 +75,6 @@ static inline __m512 exp2_softmax(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-/* a and b rounded to nearest even bf16 and paired, lo from a, hi from b (round_pairs in two
- * instructions: vcvtne2ps2bf16 puts b's 16 values below a's, vpermw interleaves them). */
-static inline vpair round_pairs_bf16(__m512 a, __m512 b) {
-    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-                                                23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    return (vpair)_mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(b, a));
-}
-
 /* Transpose 16 x 16 32-bit elements in place: r[i] lane j becomes r[j] lane i. */
 static inline void transpose_16x16(__m512i r[16]) {
     __m512i t[16];

@@ -408,7 +408,7 @@ static void block_softmax_pairs(Work *w, int64_t kc, int nk, int kpad, int r0, i
                 if (masked) e[h] = vselect((vi){0} + (int32_t)(kc + j + h) <= lim, e[h], zero);
                 sum[h] += e[h];
             }
-            *(vpair *)(w->pp + (int64_t)(j / 2) * rpad + r) = round_pairs_bf16((__m512)e[0], (__m512)e[1]);
+            *(vpair *)(w->pp + (int64_t)(j / 2) * rpad + r) = round_pairs(e[0], e[1]);
         }
         storeu(w->m + r, m);
         storeu(w->l + r, l + (sum[0] + sum[1]));

@@ -35,9 +35,12 @@ static inline vpair interleave_bf16(const uint16_t *a, const uint16_t *b) {
     return (vpair)_mm512_permutex2var_epi16(lo, index, hi);
 }
 
-/* Two float32 vectors rounded to nearest even bf16 and paired: lo from a, hi from b. */
+/* Two float32 vectors rounded to nearest even bf16 and paired: lo from a, hi from b
+ * (vcvtne2ps2bf16 puts b's 16 values below a's, vpermw interleaves them). */
 static inline vpair round_pairs(vf a, vf b) {
-    return (vpair)((round_bf16_bits(a) >> 16) | (round_bf16_bits(b) & 0xFFFF0000u));
+    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                                23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    return (vpair)_mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh((__m512)b, (__m512)a));
 }
 
 /* S^T[j][r] = scale * K[j] . Q[r] for keys j < keys[r / (NV * VL)] of each row block, from
