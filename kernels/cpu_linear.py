@@ -1,6 +1,7 @@
 """Linear layers on the CPU: bfloat16 weights prepacked once into oneDNN's blocked layout,
-and products of a few rows (decode steps) through native kernels (``csrc/cpu_small_linear.c``):
-float32 up to 64 rows, bf16 one or two rows.
+and products of a few rows (decode steps) through native kernels: float32 up to 64 rows and
+bf16 one or two rows (``csrc/cpu_small_linear.c``), bf16 up to 32 rows on AMX tiles where
+the CPU has them (``csrc/cpu_amx_linear.c``).
 
 A decode step multiplies one token by every weight matrix, so it streams all the weights
 from memory once per step. ``F.linear`` on a plain bf16 weight reads them at ~14 GB/s on a
@@ -71,20 +72,29 @@ SMALL_LINEAR_MAX_ROWS = 64
 
 
 # NOTE: as csrc/cpu_small_linear.c's BF16_SMALL_LINEAR_MAX_ROWS: one or two bf16 rows
-# (decode steps of one or two sequences) stream the weights natively; more go to oneDNN.
+# (decode steps of one or two sequences) stream the weights with vdpbf16ps.
 BF16_SMALL_LINEAR_MAX_ROWS = 2
-_MAX_ROWS = {torch.float32: SMALL_LINEAR_MAX_ROWS, torch.bfloat16: BF16_SMALL_LINEAR_MAX_ROWS}
+# NOTE: up to this many bf16 rows (decode steps of many sequences, questions) multiply on AMX
+# tiles (csrc/cpu_amx_linear.c) where the CPU has them; more go to oneDNN.
+AMX_LINEAR_MAX_ROWS = 32
+
+
+def _max_rows(dtype: torch.dtype) -> int:
+    if dtype == torch.float32:
+        return SMALL_LINEAR_MAX_ROWS
+    if dtype == torch.bfloat16:
+        return AMX_LINEAR_MAX_ROWS if cpu_native.amx() else BF16_SMALL_LINEAR_MAX_ROWS
+    return 0
 
 
 def small_linear_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """True for ``x [rows, in]`` and ``weight [out, in]``, both contiguous CPU tensors, with
     the native kernels built: float32 up to SMALL_LINEAR_MAX_ROWS rows (``in`` a multiple of
-    the vector width), bf16 up to BF16_SMALL_LINEAR_MAX_ROWS (AVX-512 BF16 builds, ``in`` a
-    multiple of 32)."""
-    max_rows = _MAX_ROWS.get(x.dtype, 0)
+    the vector width); bf16 on AVX-512 BF16 builds (``in`` a multiple of 32), up to
+    BF16_SMALL_LINEAR_MAX_ROWS rows, or AMX_LINEAR_MAX_ROWS where AMX runs."""
     if not (
         x.dim() == 2
-        and 0 < x.shape[0] <= max_rows
+        and 0 < x.shape[0] <= _max_rows(x.dtype)
         and x.dtype == weight.dtype
         and x.device.type == weight.device.type == "cpu"
         and x.is_contiguous()
@@ -106,11 +116,12 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     rows, k_in = x.shape
     n_out = weight.shape[0]
     out = torch.empty((rows, n_out), dtype=x.dtype)
-    kernel = (
-        library.ragserve_small_linear_bf16
-        if x.dtype == torch.bfloat16
-        else library.ragserve_small_linear
-    )
+    if x.dtype != torch.bfloat16:
+        kernel = library.ragserve_small_linear
+    elif rows <= BF16_SMALL_LINEAR_MAX_ROWS:
+        kernel = library.ragserve_small_linear_bf16
+    else:
+        kernel = library.ragserve_amx_linear_bf16
     status = kernel(
         rows,
         n_out,

@@ -49,7 +49,7 @@
 #define LOG2E 1.4426950408889634f /* scores are kept in base 2 */
 
 #include "cpu_bf16_dot.h"
-#include "cpu_amx.h"
+#include "cpu_amx_attention.h"
 
 typedef struct {
     int32_t num_seqs, num_heads, num_kv_heads, head_dim;

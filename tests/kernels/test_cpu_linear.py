@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from kernels import cpu_native
 from kernels.cpu_linear import (
+    AMX_LINEAR_MAX_ROWS,
     BF16_SMALL_LINEAR_MAX_ROWS,
     PACKED_MAX_ROWS,
     SMALL_LINEAR_MAX_ROWS,
@@ -157,18 +158,34 @@ def test_small_linear_takes_only_few_contiguous_float32_rows() -> None:
     assert not small_linear_usable(torch.randn(1, 60), torch.randn(16, 60))  # not whole vectors
     bf16 = weight.bfloat16()
     assert small_linear_usable(torch.randn(1, 64).bfloat16(), bf16) == cpu_native.bf16_dot()
-    assert not small_linear_usable(torch.randn(BF16_SMALL_LINEAR_MAX_ROWS + 1, 64).bfloat16(), bf16)
+    bf16_rows = AMX_LINEAR_MAX_ROWS if cpu_native.amx() else BF16_SMALL_LINEAR_MAX_ROWS
+    assert small_linear_usable(torch.randn(bf16_rows, 64).bfloat16(), bf16) == cpu_native.bf16_dot()
+    assert not small_linear_usable(torch.randn(bf16_rows + 1, 64).bfloat16(), bf16)
     assert not small_linear_usable(torch.randn(1, 48).bfloat16(), torch.randn(16, 48).bfloat16())
     assert not small_linear_usable(torch.randn(1, 64).half(), weight.half())
 
 
+needs_amx = pytest.mark.skipif(not cpu_native.amx(), reason="no AMX on this CPU or build")
+
+
 @pytest.mark.skipif(not cpu_native.bf16_dot(), reason="no AVX-512 BF16 build")
-@pytest.mark.parametrize("rows", [1, BF16_SMALL_LINEAR_MAX_ROWS])
+@pytest.mark.parametrize(
+    "rows",
+    [
+        1,
+        BF16_SMALL_LINEAR_MAX_ROWS,
+        pytest.param(BF16_SMALL_LINEAR_MAX_ROWS + 1, marks=needs_amx),
+        pytest.param(17, marks=needs_amx),
+        pytest.param(AMX_LINEAR_MAX_ROWS, marks=needs_amx),
+    ],
+)
 @pytest.mark.parametrize("out_features", [1, 13, 1000])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_small_bf16_linear_is_the_float32_sum_rounded_once(
     rows: int, out_features: int, with_bias: bool
 ) -> None:
+    """One or two rows stream the weights with pair products; more run on AMX tiles, with
+    weights of any row count (13, 1000: a last block of fewer than 32 rows)."""
     generator = torch.Generator().manual_seed(rows + out_features)
     weight = torch.randn(out_features, 576, generator=generator).bfloat16()
     bias = torch.randn(out_features, generator=generator).bfloat16() if with_bias else None
@@ -180,6 +197,16 @@ def test_small_bf16_linear_is_the_float32_sum_rounded_once(
     magnitudes = x.double().abs() @ weight.double().abs().T
     bound = 2.0**-8 * exact.abs() + 1e-6 * magnitudes
     assert bool(((out.double() - exact).abs() <= bound).all())
+
+
+@needs_amx
+def test_amx_linear_rows_do_not_depend_on_their_batch() -> None:
+    generator = torch.Generator().manual_seed(7)
+    weight = torch.randn(200, 1536, generator=generator).bfloat16()
+    x = torch.randn(AMX_LINEAR_MAX_ROWS, 1536, generator=generator).bfloat16()
+    whole = small_linear(x, weight, None)
+    for start, stop in ((0, 3), (5, 21), (29, AMX_LINEAR_MAX_ROWS)):
+        assert torch.equal(small_linear(x[start:stop], weight, None), whole[start:stop])
 
 
 @needs_native

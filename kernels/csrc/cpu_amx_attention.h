@@ -1,0 +1,87 @@
+/* AMX tile products for cpu_attention.c's bf16 tiles (the primitives are in cpu_amx.h).
+ *
+ * Both products of a tile are laid out so that nothing is transposed on the way out:
+ *  - S^T = K . Q^T: A holds 16 keys' rows (bf16, contiguous in kb [keys][D]), B holds Q^T
+ *    as pairs along head_dim (qp [D / 2][rpad], the layout the vdpbf16ps tiles use), C is
+ *    S^T [keys][rows]: rows stay the vector dimension for the softmax pass.
+ *  - O^T += V^T . P^T: A holds V^T (vt [D][kpad]), B the probabilities as bf16 pairs along
+ *    keys (pp [keys / 2][rpad]), C is O^T [D][rpad], so the online-softmax rescale of a row
+ *    is a vector multiply along rows.
+ * 2 x 2 blocks of C share each loaded A and B tile. Sums stay float32, as in the vdpbf16ps
+ * path; only the order of additions differs.
+ */
+#ifndef RAGSERVE_CPU_AMX_ATTENTION_H
+#define RAGSERVE_CPU_AMX_ATTENTION_H
+
+#include "cpu_amx.h"
+#include "cpu_bf16_dot.h"
+
+#if HAVE_AMX
+/* 2^x for the softmax's x <= 0, to ~3e-6 relative (a degree-5 polynomial; the probabilities
+ * are rounded to bf16, 4e-3, for P . V), in 9 instructions where vexp2 takes 14. */
+static inline __m512 exp2_softmax(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
+    __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(x, n); /* in [-0.5, 0.5] */
+    __m512 p = _mm512_set1_ps(1.3333558e-3f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* V^T of 32 keys, n of them real (rows in vrow), into columns [0, 32) of vt [D][stride]
+ * bf16, zero past n: each 32 keys x 16 dims is built as 16 key pairs (vectors) and
+ * transposed as 32-bit pairs. */
+static void amx_pack_vt(const uint16_t *const *vrow, int n, int64_t stride, int D, const uint16_t *zero,
+                        uint16_t *vt) {
+    for (int d0 = 0; d0 < D; d0 += 16) {
+        __m512i r[16];
+        for (int i = 0; i < 16; i++) {
+            const int j = 2 * i;
+            const uint16_t *v0 = j < n ? vrow[j] + d0 : zero, *v1 = j + 1 < n ? vrow[j + 1] + d0 : zero;
+            r[i] = (__m512i)interleave_bf16(v0, v1);
+        }
+        transpose_16x16(r);
+        for (int d = 0; d < 16; d++) _mm512_storeu_si512(vt + (int64_t)(d0 + d) * stride, r[d]);
+    }
+}
+
+/* S^T[j][r] = K[j] . Q[r] (unscaled) for the 32 rows [r0, r0 + 32) and keys j < keys (a
+ * multiple of 32); kb holds the chunk's keys [kpad][D], zero past the chunk. */
+static void amx_qk(const uint16_t *kb, const uint32_t *qp, float *st, int r0, int keys, int rpad, int D) {
+    for (int j0 = 0; j0 < keys; j0 += 32) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int d0 = 0; d0 < D; d0 += 32) {
+            const uint32_t *q = qp + (int64_t)(d0 / 2) * rpad + r0;
+            amx_accumulate_2x2(kb + (int64_t)j0 * D + d0, kb + (int64_t)(j0 + 16) * D + d0, (int64_t)D * 2, q, q + 16,
+                               (int64_t)rpad * 4);
+        }
+        amx_store_2x2(st + (int64_t)j0 * rpad + r0, rpad);
+    }
+}
+
+/* O^T[d][r] += sum over keys j < keys of V[j][d] P[r][j] for the 32 rows [r0, r0 + 32), from
+ * vt [D][kpad] (zero past the chunk) and pp [kpad / 2][rpad]; ot is [D][rpad]. */
+static void amx_pv(const uint16_t *vt, int kpad, const uint32_t *pp, float *ot, int r0, int keys, int rpad,
+                   int D) {
+    for (int d0 = 0; d0 < D; d0 += 32) {
+        float *o = ot + (int64_t)d0 * rpad + r0;
+        amx_load_2x2(o, rpad);
+        for (int j0 = 0; j0 < keys; j0 += 32) {
+            const uint32_t *p = pp + (int64_t)(j0 / 2) * rpad + r0;
+            amx_accumulate_2x2(vt + (int64_t)d0 * kpad + j0, vt + (int64_t)(d0 + 16) * kpad + j0, (int64_t)kpad * 2, p,
+                               p + 16, (int64_t)rpad * 4);
+        }
+        amx_store_2x2(o, rpad);
+    }
+}
+
+#endif
+
+#endif
