@@ -109,6 +109,36 @@ static inline void amx_store_2x2(float *c, int64_t row) {
     _tile_stored(3, c + 16 * row + 16, row * 4);
 }
 
+/* Tile t (0-3, a C tile) from / into memory. Tile numbers are encoded in the instruction,
+ * hence the switches. */
+static inline void amx_tile_load(int t, const void *src, int64_t stride) {
+    switch (t) {
+    case 0: _tile_loadd(0, src, stride); break;
+    case 1: _tile_loadd(1, src, stride); break;
+    case 2: _tile_loadd(2, src, stride); break;
+    default: _tile_loadd(3, src, stride); break;
+    }
+}
+
+static inline void amx_tile_store(int t, void *dst, int64_t stride) {
+    switch (t) {
+    case 0: _tile_stored(0, dst, stride); break;
+    case 1: _tile_stored(1, dst, stride); break;
+    case 2: _tile_stored(2, dst, stride); break;
+    default: _tile_stored(3, dst, stride); break;
+    }
+}
+
+/* C tile t (0-3) += A tile 4 . the B tile at b, loaded into tile 5, 6 or 7 in turn. */
+static inline void amx_accumulate_a4(int t, const void *b, int64_t stride) {
+    switch (t) {
+    case 0: _tile_loadd(5, b, stride); _tile_dpbf16ps(0, 4, 5); break;
+    case 1: _tile_loadd(6, b, stride); _tile_dpbf16ps(1, 4, 6); break;
+    case 2: _tile_loadd(7, b, stride); _tile_dpbf16ps(2, 4, 7); break;
+    default: _tile_loadd(5, b, stride); _tile_dpbf16ps(3, 4, 5); break;
+    }
+}
+
 #else
 #define HAVE_AMX 0
 static inline int amx_usable(void) { return 0; }

@@ -23,8 +23,9 @@
  * rounded to nearest even. Scores are kept in base 2 (scale * log2(e) folded into Q).
  * Where the CPU has AVX-512 BF16, bf16 tiles instead multiply bf16 pairs with float32 sums
  * (cpu_bf16_dot.h): K/V are read in place, probabilities are rounded to bf16 for P . V.
- * Where it also has AMX and the OS grants it, bf16 tiles run both products on AMX tiles
- * (cpu_amx.h, run_tile_amx), 32 query rows at a time.
+ * Where it also has AMX and the OS grants it, bf16 runs both products on AMX tiles
+ * (cpu_amx_attention.h): tiles 32 query rows at a time (run_tile_amx), decodes up to 16 rows
+ * per kv head (run_small_amx).
  */
 #include <math.h>
 #include <stdint.h>
@@ -89,6 +90,10 @@ typedef struct { /* per-thread buffers */
     float *kf, *vf_;  /* [KC][D] widened bf16 K/V rows */
     uint32_t *qp, *pp, *vp; /* bf16 dot: Q, P, V packed in pairs (see cpu_bf16_dot.h) */
     const uint16_t **khrow, **vhrow; /* bf16 dot: K/V rows in place */
+    uint32_t *qh;     /* small AMX: per kv head Q^T pairs [D / 2][16] */
+    float *oh;        /* small AMX: per kv head O [16][D] */
+    float *ct;        /* small AMX: one C tile, S^T [16 keys][16 rows] */
+    uint16_t *pb, *kb; /* small AMX: P [16][KC] bf16; 16 K rows [16][D] gathered from small blocks */
     float *m, *l, *alpha;
     int32_t *lim;
     const float **krow, **vrow;
@@ -533,6 +538,27 @@ static void run_tile_amx(const AttnParams *p, const Operands *ops, const AmxPack
 
 /* ---- small mode (fewer rows than a vector: decodes) ---------------------------------------- */
 
+/* Row r's online-softmax step over one chunk's scores s [npad] (keys from `allowed` on are
+ * masked): s becomes the probabilities, m/l are updated; returns alpha, the factor for the
+ * row's output so far. */
+static inline float row_softmax(Work *w, int r, float *s, int allowed, int npad) {
+    for (int j = allowed; j < npad; j++) s[j] = -INFINITY;
+    vf mx = splat(-INFINITY);
+    for (int j = 0; j < npad; j += VL) mx = vmax(mx, loadu(s + j));
+    vf m = splat(w->m[r]), l = splat(w->l[r]), alpha;
+    mx = splat(hmax(mx));
+    softmax_update(&mx, &m, &l, &alpha);
+    vf sum = splat(0.0f);
+    for (int j = 0; j < npad; j += VL) {
+        vf e = vexp2(loadu(s + j) - mx);
+        storeu(s + j, e);
+        sum += e;
+    }
+    w->m[r] = m[0];
+    w->l[r] = l[0] + hsum(sum);
+    return alpha[0];
+}
+
 /* out[i] = sum of the lanes of acc[i], for 8 accumulators. */
 static inline void reduce8(const vf *acc, float *out) {
 #if defined(__AVX2__)
@@ -678,22 +704,7 @@ static void run_small(const AttnParams *p, const Operands *ops, const Item *it, 
                 else
 #endif
                     row_scores(w->qt + (int64_t)r * D, w->krow, n, D, s);
-                int64_t allowed = w->lim[r] - kc + 1; /* keys past the row's position are masked */
-                for (int j = allowed < 0 ? 0 : (allowed < n ? (int)allowed : n); j < npad; j++) s[j] = -INFINITY;
-                vf mx = splat(-INFINITY);
-                for (int j = 0; j < npad; j += VL) mx = vmax(mx, loadu(s + j));
-                vf m = splat(w->m[r]), l = splat(w->l[r]), alpha;
-                mx = splat(hmax(mx));
-                softmax_update(&mx, &m, &l, &alpha);
-                vf sum = splat(0.0f);
-                for (int j = 0; j < npad; j += VL) {
-                    vf e = vexp2(loadu(s + j) - mx);
-                    storeu(s + j, e);
-                    sum += e;
-                }
-                w->m[r] = m[0];
-                w->l[r] = l[0] + hsum(sum);
-                float a = alpha[0];
+                const float a = row_softmax(w, r, s, visible(w, kc, n, r), npad);
                 float *o = w->o + (int64_t)r * D;
                 if (a != 1.0f)
                     for (int d = 0; d < D; d += VL) storeu(o + d, loadu(o + d) * a);
@@ -711,6 +722,106 @@ static void run_small(const AttnParams *p, const Operands *ops, const Item *it, 
         }
     }
 }
+
+#if HAVE_AMX
+/* run_small's work with both products on AMX tiles, 16 query rows per kv head at most:
+ *  - S^T = K . Q^T, 16 keys at a time: A tiles read the keys where they lie (a block's rows
+ *    are a fixed stride apart; blocks of fewer than 16 keys are copied to kb first), B holds
+ *    Q^T as pairs; each row's 16 scores are gathered from the C tile.
+ *  - the rows' online softmax as run_small's (keys are the vector dimension).
+ *  - O += P . V: A holds the probabilities as bf16 rows, B the V pairs chunk_rows builds; O
+ *    is kept per kv head in tile layout (oh) across chunks.
+ * NOTE: decodes of 3 query rows per kv head spend most of their time in run_small's
+ * per-row dot products and their horizontal sums; tiles do a 16-key block in a few
+ * instructions whatever the row count. */
+static void run_small_amx(const AttnParams *p, const Operands *ops, const Item *it, Work *w, int rows) {
+    const int D = p->head_dim, group = p->num_heads / p->num_kv_heads;
+    const int per_head = (it->t1 - it->t0) * group;
+    const int32_t query_len = p->query_start[it->seq + 1] - p->query_start[it->seq];
+    const int64_t context = p->seq_lens[it->seq] - query_len;
+    const int32_t *table = p->block_tables + (int64_t)it->seq * p->table_stride;
+    const float qscale = p->scale * LOG2E;
+    const int64_t token_bytes = (int64_t)p->num_kv_heads * D * 2;
+    const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                              _mm512_set1_epi32(16));
+
+    memset(w->qh, 0, sizeof(uint32_t) * (size_t)it->kv_heads * (D / 2) * 16);
+    for (int r = 0; r < rows; r++) {
+        int64_t token;
+        int head;
+        row_place(p, it, r, &token, &head);
+        const uint16_t *src = (const uint16_t *)ops->q + token * ops->q_token_stride + (int64_t)head * D;
+        uint32_t *pairs = w->qh + (int64_t)(r / per_head) * (D / 2) * 16 + r % per_head;
+        for (int i = 0; i < D / 2; i++) pairs[i * 16] = (uint32_t)src[2 * i] | (uint32_t)src[2 * i + 1] << 16;
+        w->lim[r] = (int32_t)(context + it->t0 + (r % per_head) / group);
+        w->m[r] = -INFINITY;
+        w->l[r] = 0.0f;
+    }
+    memset(w->oh, 0, sizeof(float) * (size_t)it->kv_heads * 16 * D);
+    memset(w->pb, 0, sizeof(uint16_t) * 16 * KC); /* rows past per_head stay 0 */
+    amx_configure();
+    for (int64_t kc = it->k0; kc < it->k1; kc += KC) {
+        const int n = (int)(it->k1 - kc < KC ? it->k1 - kc : KC);
+        const int npad = (n + VL - 1) / VL * VL, kpad = (n + 31) / 32 * 32;
+        const int64_t next_end = kc + n + KC < it->k1 ? kc + n + KC : it->k1;
+        for (int h = 0; h < it->kv_heads; h++) {
+            chunk_rows(p, ops, table, it->kv_head + h, kc, n, next_end, 1, w);
+            /* NOTE: pairs past the chunk meet probabilities 0, but 0 * NaN is NaN: zero them. */
+            for (int i = (n + 1) / 2; i < kpad / 2; i++) memset(w->vp + (int64_t)i * D, 0, sizeof(uint32_t) * (size_t)D);
+            const uint32_t *qh = w->qh + (int64_t)h * (D / 2) * 16;
+            for (int j0 = 0; j0 < n; j0 += 16) {
+                /* Keys kc + j0 .. + 15 share a block when blocks hold 16 or more (kc + j0 is a
+                 * multiple of 16); past the sequence's end they are its last block's unused
+                 * slots, whose scores the softmax masks. */
+                const uint16_t *a = w->khrow[j0];
+                int64_t stride = token_bytes;
+                if (p->block_size < 16) {
+                    for (int j = 0; j < 16; j++) {
+                        if (j0 + j < n) memcpy(w->kb + (int64_t)j * D, w->khrow[j0 + j], sizeof(uint16_t) * (size_t)D);
+                        else memset(w->kb + (int64_t)j * D, 0, sizeof(uint16_t) * (size_t)D);
+                    }
+                    a = w->kb;
+                    stride = (int64_t)D * 2;
+                }
+                _tile_zero(0);
+                for (int d0 = 0; d0 < D; d0 += 32) {
+                    _tile_loadd(1, a + d0, stride);
+                    _tile_loadd(2, qh + (d0 / 2) * 16, 64);
+                    _tile_dpbf16ps(0, 1, 2);
+                }
+                _tile_stored(0, w->ct, 64);
+                for (int r = 0; r < per_head; r++) {
+                    __m512 sc = _mm512_i32gather_ps(column, w->ct + r, 4);
+                    _mm512_storeu_ps(w->st + (int64_t)(h * per_head + r) * KC + j0, _mm512_mul_ps(sc, _mm512_set1_ps(qscale)));
+                }
+            }
+            float *oh = w->oh + (int64_t)h * 16 * D;
+            for (int r = 0; r < per_head; r++) {
+                const int row = h * per_head + r;
+                float *s = w->st + (int64_t)row * KC;
+                const float a = row_softmax(w, row, s, visible(w, kc, n, row), npad);
+                if (a != 1.0f)
+                    for (int d = 0; d < D; d += VL) storeu(oh + (int64_t)r * D + d, loadu(oh + (int64_t)r * D + d) * a);
+                for (int j = 0; j < npad; j += VL) store_bf16(w->pb + (int64_t)r * KC + j, loadu(s + j));
+                for (int j = npad; j < kpad; j++) w->pb[(int64_t)r * KC + j] = 0;
+            }
+            for (int d0 = 0; d0 < D; d0 += 64) {
+                const int tiles = (D - d0) / 16 < 4 ? (D - d0) / 16 : 4;
+                for (int t = 0; t < tiles; t++) amx_tile_load(t, oh + d0 + t * 16, (int64_t)D * 4);
+                for (int j0 = 0; j0 < kpad; j0 += 32) {
+                    _tile_loadd(4, w->pb + j0, KC * 2);
+                    const uint32_t *v = w->vp + (int64_t)(j0 / 2) * D + d0;
+                    for (int t = 0; t < tiles; t++) amx_accumulate_a4(t, v + t * 16, (int64_t)D * 4);
+                }
+                for (int t = 0; t < tiles; t++) amx_tile_store(t, oh + d0 + t * 16, (int64_t)D * 4);
+            }
+        }
+    }
+    _tile_release();
+    for (int r = 0; r < rows; r++)
+        memcpy(w->o + (int64_t)r * D, w->oh + ((int64_t)(r / per_head) * 16 + r % per_head) * D, sizeof(float) * (size_t)D);
+}
+#endif
 
 /* ---- driver ---------------------------------------------------------------------------- */
 
@@ -738,7 +849,7 @@ static int by_cost_desc(const void *a, const void *b) {
     return (ca < cb) - (ca > cb);
 }
 
-static int alloc_work(Work *w, int D) {
+static int alloc_work(Work *w, int D, int kv_heads) {
     const size_t rmax = TILE_ROWS + 2 * NV * VL; /* padded tile rows */
     size_t floats = (size_t)D * rmax + (size_t)(KC + RBK) * rmax + rmax * (size_t)D +
                     2 * (size_t)KC * D + 3 * rmax;
@@ -753,6 +864,16 @@ static int alloc_work(Work *w, int D) {
     w->krow = malloc((KC + RBK) * sizeof(float *));
     w->vrow = malloc((KC + RBK) * sizeof(float *));
     if (!base || !w->lim || !w->krow || !w->vrow || !w->khrow || !w->vhrow || (HAVE_BF16_DOT && !w->qp)) return -1;
+#if HAVE_AMX
+    w->qh = aligned_alloc(64, sizeof(uint32_t) * (size_t)kv_heads * (D / 2) * 16);
+    w->oh = aligned_alloc(64, sizeof(float) * (size_t)kv_heads * 16 * D + 16 * 16 * sizeof(float));
+    w->pb = aligned_alloc(64, sizeof(uint16_t) * (16 * KC + 16 * (size_t)D));
+    if (!w->qh || !w->oh || !w->pb) return -1;
+    w->ct = w->oh + (size_t)kv_heads * 16 * D;
+    w->kb = w->pb + 16 * KC;
+#else
+    (void)kv_heads;
+#endif
     w->qt = base;
     w->st = w->qt + (size_t)D * rmax;
     w->o = w->st + (size_t)(KC + RBK) * rmax;
@@ -766,6 +887,9 @@ static int alloc_work(Work *w, int D) {
 
 static void free_work(Work *w) {
     free(w->qt);
+    free(w->qh);
+    free(w->oh);
+    free(w->pb);
     free(w->lim);
     free((void *)w->krow);
     free((void *)w->vrow);
@@ -953,7 +1077,7 @@ int ragserve_paged_attention(const AttnParams *p, const void *q, int64_t q_token
 #pragma omp parallel num_threads(nt)
     {
         Work w = {0};
-        int ok = alloc_work(&w, D) == 0;
+        int ok = alloc_work(&w, D, p->num_kv_heads) == 0;
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
@@ -967,6 +1091,10 @@ int ragserve_paged_attention(const AttnParams *p, const void *q, int64_t q_token
             if (!ok) continue;
             const Item *it = &order[i];
             int rows = item_rows(p, it);
+#if HAVE_AMX
+            if ((it->kv_heads > 1 || rows < VL) && amx) run_small_amx(p, &ops, it, &w, rows);
+            else
+#endif
             if (it->kv_heads > 1 || rows < VL) run_small(p, &ops, it, &w, rows);
 #if HAVE_AMX
             else if (amx) run_tile_amx(p, &ops, &pack, it, &w, rows, pad_rows(rows));
@@ -1016,7 +1144,7 @@ int ragserve_paged_attention(const AttnParams *p, const void *q, int64_t q_token
                 write_row(p, &ops, token, head, acc, 1.0f / l_sum);
             }
         }
-        if (ok) free_work(&w);
+        free_work(&w); /* frees what a failed alloc_work got, too */
     }
 #if HAVE_AMX
     amx_free_pack(&pack);
