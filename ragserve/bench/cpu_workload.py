@@ -24,6 +24,9 @@ class Workload:
     num_questions: int = 8
     question_tokens: int = 20
     answer_tokens: int = 16
+    # Each phase is timed this many times on fresh prompts, in the same process; the best
+    # time is the figure. A shared host's load moves single timings by up to 2x.
+    repeats: int = 3
     phases: tuple[str, ...] = PHASES
 
     @property
@@ -51,6 +54,7 @@ QUICK = Workload(
     num_questions=3,
     question_tokens=16,
     answer_tokens=4,
+    repeats=1,
 )
 
 
@@ -85,34 +89,56 @@ def workload_from_args(args: argparse.Namespace) -> Workload:
     return workload
 
 
+def _seed(base: int, repeat: int) -> int:
+    """Repeat 0 keeps the base seed (the same prompts as single runs); later repeats get ids
+    that share no prefix with any other phase's (a prime stride)."""
+    return base + 7919 * repeat
+
+
 def phase_specs(workload: Workload, vocab_size: int) -> list[dict[str, Any]]:
-    """Each phase's prompts, seeded: the same ids for every engine, dtype and round."""
+    """Each phase's prompts, seeded: the same ids for every engine, dtype and round; one
+    set per repeat, so no repeat is served from another's cache."""
     specs: list[dict[str, Any]] = []
     w = workload
+    repeats = range(w.repeats)
     for name in w.phases:
         if name == "throughput":
-            prompts = random_prompts(w.num_prompts, w.input_len, vocab_size, seed=1)
+            prompt_sets = [
+                random_prompts(w.num_prompts, w.input_len, vocab_size, seed=_seed(1, i))
+                for i in repeats
+            ]
             # NOTE: the same shape in other ids: warms every engine without cache hits.
             warmup = random_prompts(w.num_prompts, w.input_len, vocab_size, seed=2)
             specs.append(
-                {"kind": name, "prompts": prompts, "warmup": warmup, "output_len": w.output_len}
+                {
+                    "kind": name,
+                    "prompt_sets": prompt_sets,
+                    "warmup": warmup,
+                    "output_len": w.output_len,
+                }
             )
         elif name == "ttft":
             # A seed per length: no prompt shares a prefix with another (all cold).
-            prompts = [random_prompts(1, n, vocab_size, seed=100 + n)[0] for n in w.ttft_lengths]
+            prompt_sets = [
+                [
+                    random_prompts(1, n, vocab_size, seed=_seed(100 + n, i))[0]
+                    for n in w.ttft_lengths
+                ]
+                for i in repeats
+            ]
             # NOTE: an untimed prompt of another id set pays the first-use costs (allocator
             # growth, thread pools, kernel builds) outside every timed prompt.
             warmup = random_prompts(1, min(w.ttft_lengths), vocab_size, seed=99)
-            specs.append({"kind": name, "prompts": prompts, "warmup": warmup})
+            specs.append({"kind": name, "prompt_sets": prompt_sets, "warmup": warmup})
         else:
-            document = random_prompts(1, w.doc_tokens, vocab_size, seed=7)[0]
-            questions = random_prompts(w.num_questions, w.question_tokens, vocab_size, seed=8)
-            specs.append(
+            documents = [
                 {
-                    "kind": name,
-                    "document": document,
-                    "questions": questions,
-                    "output_len": w.answer_tokens,
+                    "document": random_prompts(1, w.doc_tokens, vocab_size, seed=_seed(7, i))[0],
+                    "questions": random_prompts(
+                        w.num_questions, w.question_tokens, vocab_size, seed=_seed(8, i)
+                    ),
                 }
-            )
+                for i in repeats
+            ]
+            specs.append({"kind": name, "documents": documents, "output_len": w.answer_tokens})
     return specs

@@ -41,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _spec(config: EngineConfig, vocab: int) -> dict[str, Any]:
     chunk = random_prompts(1, config.step_tokens, vocab, seed=11)[0]
     return {
-        "phases": [{"kind": "ttft", "prompts": [chunk]}],
+        "phases": [{"kind": "ttft", "prompt_sets": [[chunk]]}],
         "warmup_prompt": random_prompts(1, 8, vocab, seed=3)[0],
         "ragserve_config": dataclasses.asdict(config),
     }
