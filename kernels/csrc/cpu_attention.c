@@ -386,8 +386,16 @@ static inline vf masked_score(const Work *w, int64_t kc, int j, int rpad, int r,
 /* The online softmax of 32 rows [r0, r0 + 32) over the chunk's first nk keys (S^T unscaled in
  * st, masked past each row's position when `masked`): m/l/alpha updated, the probabilities
  * written straight into bf16 pairs pp (zero up to kpad keys). One pass finds the maxima, one
- * computes exp2(scale * s - m), sums and pairs them: the scores are read twice, never written. */
-static void block_softmax_pairs(Work *w, int64_t kc, int nk, int kpad, int r0, int rpad, int masked, float scale) {
+ * computes exp2(scale * s - m), sums and pairs them: the scores are read twice, never written.
+ * Returns whether any row's reference moved, i.e. whether O^T needs rescaling by alpha.
+ *
+ * NOTE: a row's reference m moves only when the chunk's max passes it by more than
+ * LAZY_RESCALE (base 2), so probabilities stay below 2^LAZY_RESCALE, far inside float32's
+ * and bf16's range, and O^T is rescaled only in the rare chunks where a reference moves
+ * instead of after every chunk (FlashAttention-4's conditional rescaling). */
+#define LAZY_RESCALE 8.0f
+static int block_softmax_pairs(Work *w, int64_t kc, int nk, int kpad, int r0, int rpad, int masked, float scale) {
+    int moved = 0;
     for (int r = r0; r < r0 + 32; r += VL) {
         const vi lim = *(const viu *)(w->lim + r);
         /* NOTE: four running maxima, so that the loop is not one chain of dependent maxes. */
@@ -401,8 +409,15 @@ static void block_softmax_pairs(Work *w, int64_t kc, int nk, int kpad, int r0, i
         }
         for (; j < nk; j++) m0 = vmax(m0, masked_score(w, kc, j, rpad, r, lim, masked));
         vf mx = vmax(vmax(m0, m1), vmax(m2, m3)) * scale;
-        vf m = loadu(w->m + r), l = loadu(w->l + r), alpha;
-        softmax_update(&mx, &m, &l, &alpha);
+        vf m = loadu(w->m + r), l = loadu(w->l + r);
+        const vi moves = mx > m + LAZY_RESCALE; /* false where both are -inf: nothing seen yet */
+        const vf m_new = vselect(moves, mx, m);
+        const vf ref = vselect(m_new > -INFINITY, m_new, splat(0.0f));
+        const vf alpha = vselect(moves, vexp2(m - ref), splat(1.0f));
+        moved |= _mm512_test_epi32_mask((__m512i)moves, (__m512i)moves) != 0;
+        l *= alpha;
+        m = m_new;
+        mx = ref;
         vf sum[2] = {splat(0.0f), splat(0.0f)}, zero = splat(0.0f);
         for (int j = 0; j < kpad; j += 2) {
             vf e[2];
@@ -419,6 +434,7 @@ static void block_softmax_pairs(Work *w, int64_t kc, int nk, int kpad, int r0, i
         storeu(w->l + r, l + (sum[0] + sum[1]));
         storeu(w->alpha + r, alpha);
     }
+    return moved;
 }
 
 /* Every key of the sequences whose tiles run on AMX, packed once per call (not once per tile
@@ -523,10 +539,10 @@ static void run_tile_amx(const AttnParams *p, const Operands *ops, const AmxPack
             if (nk == 0) continue;
             const int keys = (nk + 31) / 32 * 32;
             amx_qk(kb + kc * D, w->qp, w->st, r0, keys, rpad, D);
-            block_softmax_pairs(w, kc, nk, keys, r0, rpad, kc + nk - 1 > w->lim[r0], qscale);
-            for (int d = 0; d < D; d++)
-                for (int r = r0; r < r0 + 32; r += VL)
-                    storeu(ot + (int64_t)d * rpad + r, loadu(ot + (int64_t)d * rpad + r) * loadu(w->alpha + r));
+            if (block_softmax_pairs(w, kc, nk, keys, r0, rpad, kc + nk - 1 > w->lim[r0], qscale))
+                for (int d = 0; d < D; d++)
+                    for (int r = r0; r < r0 + 32; r += VL)
+                        storeu(ot + (int64_t)d * rpad + r, loadu(ot + (int64_t)d * rpad + r) * loadu(w->alpha + r));
             amx_pv(vt + kc, (int)kpad, w->pp, ot, r0, keys, rpad, D);
         }
     }
