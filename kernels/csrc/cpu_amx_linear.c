@@ -23,13 +23,19 @@
 #if HAVE_AMX
 #define BLOCK 32 /* weight rows and x rows per 2 x 2 block of C tiles */
 
-/* x^T as bf16 pairs along K: xp[k / 2][m] holds (x[m][k], x[m][k + 1]), zero for m >= rows. */
+/* x^T as bf16 pairs along K: xp[k / 2][m] holds (x[m][k], x[m][k + 1]), zero for m >= rows;
+ * 16 rows x 16 pairs at a time, as one 32-bit transpose. */
 static void pack_rows(const uint16_t *x, int64_t rows, int64_t k_in, int64_t mpad, uint32_t *xp) {
-    memset(xp, 0, sizeof(uint32_t) * (size_t)(k_in / 2) * (size_t)mpad);
-    for (int64_t m = 0; m < rows; m++) {
-        const uint32_t *pairs = (const uint32_t *)(x + m * k_in);
-        for (int64_t k = 0; k < k_in / 2; k++) xp[k * mpad + m] = pairs[k];
-    }
+    const int64_t pairs = k_in / 2;
+    for (int64_t m0 = 0; m0 < mpad; m0 += 16)
+        for (int64_t k0 = 0; k0 < pairs; k0 += 16) {
+            __m512i r[16];
+            for (int i = 0; i < 16; i++)
+                r[i] = m0 + i < rows ? _mm512_loadu_si512((const uint32_t *)(x + (m0 + i) * k_in) + k0)
+                                     : _mm512_setzero_si512();
+            transpose_16x16(r);
+            for (int k = 0; k < 16; k++) _mm512_storeu_si512(xp + (k0 + k) * mpad + m0, r[k]);
+        }
 }
 
 /* out[m][n0 + n] for the rows m0 + [0, 32) below rows, from the C block cb[32 n][32 m]:
