@@ -383,55 +383,74 @@ static inline vf masked_score(const Work *w, int64_t kc, int j, int rpad, int r,
     return masked ? vselect((vi){0} + (int32_t)(kc + j) <= lim, s, splat(-INFINITY)) : s;
 }
 
+/* exp2(scale * s - ref) of 16 rows [r, r + 16) over the chunk's first nk keys (masked past
+ * each row's position when `masked`), written as bf16 pairs into pp (zero up to kpad keys)
+ * and summed into *sum; returns the rows' largest unscaled score. */
+static inline vf exp_pass(Work *w, int64_t kc, int nk, int kpad, int r, int rpad, vi lim, int masked, float scale,
+                          vf ref, vf *sum) {
+    vf acc[2] = {splat(0.0f), splat(0.0f)}, top = splat(-INFINITY), zero = splat(0.0f);
+    for (int j = 0; j < kpad; j += 2) {
+        vf e[2];
+        for (int h = 0; h < 2; h++) {
+            e[h] = zero;
+            if (j + h >= nk) continue;
+            const vf score = masked_score(w, kc, j + h, rpad, r, lim, masked);
+            top = vmax(top, score);
+            e[h] = (vf)exp2_softmax((__m512)(score * scale - ref));
+            if (masked) e[h] = vselect((vi){0} + (int32_t)(kc + j + h) <= lim, e[h], zero);
+            acc[h] += e[h];
+        }
+        *(vpair *)(w->pp + (int64_t)(j / 2) * rpad + r) = round_pairs(e[0], e[1]);
+    }
+    *sum = acc[0] + acc[1];
+    return top;
+}
+
 /* The online softmax of 32 rows [r0, r0 + 32) over the chunk's first nk keys (S^T unscaled in
  * st, masked past each row's position when `masked`): m/l/alpha updated, the probabilities
- * written straight into bf16 pairs pp (zero up to kpad keys). One pass finds the maxima, one
- * computes exp2(scale * s - m), sums and pairs them: the scores are read twice, never written.
- * Returns whether any row's reference moved, i.e. whether O^T needs rescaling by alpha.
+ * written straight into bf16 pairs pp (zero up to kpad keys). Returns whether any row's
+ * reference moved, i.e. whether O^T needs rescaling by alpha.
  *
  * NOTE: a row's reference m moves only when the chunk's max passes it by more than
  * LAZY_RESCALE (base 2), so probabilities stay below 2^LAZY_RESCALE, far inside float32's
  * and bf16's range, and O^T is rescaled only in the rare chunks where a reference moves
- * instead of after every chunk (FlashAttention-4's conditional rescaling). */
+ * instead of after every chunk (FlashAttention-4's conditional rescaling). Rows that have a
+ * reference already take their exponentials against it in one pass over the scores, which
+ * finds the max on the way; only if that max moves a reference is the pass run again. */
 #define LAZY_RESCALE 8.0f
 static int block_softmax_pairs(Work *w, int64_t kc, int nk, int kpad, int r0, int rpad, int masked, float scale) {
     int moved = 0;
     for (int r = r0; r < r0 + 32; r += VL) {
         const vi lim = *(const viu *)(w->lim + r);
-        /* NOTE: four running maxima, so that the loop is not one chain of dependent maxes. */
-        vf m0 = splat(-INFINITY), m1 = m0, m2 = m0, m3 = m0;
-        int j = 0;
-        for (; j + 4 <= nk; j += 4) {
-            m0 = vmax(m0, masked_score(w, kc, j, rpad, r, lim, masked));
-            m1 = vmax(m1, masked_score(w, kc, j + 1, rpad, r, lim, masked));
-            m2 = vmax(m2, masked_score(w, kc, j + 2, rpad, r, lim, masked));
-            m3 = vmax(m3, masked_score(w, kc, j + 3, rpad, r, lim, masked));
-        }
-        for (; j < nk; j++) m0 = vmax(m0, masked_score(w, kc, j, rpad, r, lim, masked));
-        vf mx = vmax(vmax(m0, m1), vmax(m2, m3)) * scale;
-        vf m = loadu(w->m + r), l = loadu(w->l + r);
+        vf m = loadu(w->m + r), l = loadu(w->l + r), sum;
+        vf alpha = splat(1.0f), mx = splat(-INFINITY);
+        const int seen = _mm512_cmp_ps_mask((__m512)m, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ) == 0;
+        if (seen) mx = exp_pass(w, kc, nk, kpad, r, rpad, lim, masked, scale, m, &sum) * scale;
         const vi moves = mx > m + LAZY_RESCALE; /* false where both are -inf: nothing seen yet */
-        const vf m_new = vselect(moves, mx, m);
-        const vf ref = vselect(m_new > -INFINITY, m_new, splat(0.0f));
-        const vf alpha = vselect(moves, vexp2(m - ref), splat(1.0f));
-        moved |= _mm512_test_epi32_mask((__m512i)moves, (__m512i)moves) != 0;
-        l *= alpha;
-        m = m_new;
-        mx = ref;
-        vf sum[2] = {splat(0.0f), splat(0.0f)}, zero = splat(0.0f);
-        for (int j = 0; j < kpad; j += 2) {
-            vf e[2];
-            for (int h = 0; h < 2; h++) {
-                e[h] = zero;
-                if (j + h >= nk) continue;
-                e[h] = (vf)exp2_softmax((__m512)(loadu(w->st + (int64_t)(j + h) * rpad + r) * scale - mx));
-                if (masked) e[h] = vselect((vi){0} + (int32_t)(kc + j + h) <= lim, e[h], zero);
-                sum[h] += e[h];
+        if (!seen || _mm512_test_epi32_mask((__m512i)moves, (__m512i)moves) != 0) {
+            if (!seen) {
+                /* NOTE: four running maxima, so that the loop is not one chain of dependent maxes. */
+                vf m0 = splat(-INFINITY), m1 = m0, m2 = m0, m3 = m0;
+                int j = 0;
+                for (; j + 4 <= nk; j += 4) {
+                    m0 = vmax(m0, masked_score(w, kc, j, rpad, r, lim, masked));
+                    m1 = vmax(m1, masked_score(w, kc, j + 1, rpad, r, lim, masked));
+                    m2 = vmax(m2, masked_score(w, kc, j + 2, rpad, r, lim, masked));
+                    m3 = vmax(m3, masked_score(w, kc, j + 3, rpad, r, lim, masked));
+                }
+                for (; j < nk; j++) m0 = vmax(m0, masked_score(w, kc, j, rpad, r, lim, masked));
+                mx = vmax(vmax(m0, m1), vmax(m2, m3)) * scale;
             }
-            *(vpair *)(w->pp + (int64_t)(j / 2) * rpad + r) = round_pairs(e[0], e[1]);
+            const vi move = mx > m + LAZY_RESCALE;
+            const vf m_new = vselect(move, mx, m);
+            const vf ref = vselect(m_new > -INFINITY, m_new, splat(0.0f));
+            alpha = vselect(move, vexp2(m - ref), splat(1.0f));
+            moved |= _mm512_test_epi32_mask((__m512i)move, (__m512i)move) != 0;
+            m = m_new;
+            exp_pass(w, kc, nk, kpad, r, rpad, lim, masked, scale, ref, &sum);
         }
         storeu(w->m + r, m);
-        storeu(w->l + r, l + (sum[0] + sum[1]));
+        storeu(w->l + r, l * alpha + sum);
         storeu(w->alpha + r, alpha);
     }
     return moved;
