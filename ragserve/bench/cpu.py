@@ -221,8 +221,8 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
                 outcome.get("phases", {}).get("throughput", {}).pop("outputs", None)
     for dtype, result in payload["results"].items():
         title = (
-            f"ragserve bench cpu, {dtype}: medians of {args.rounds} round(s), each the best "
-            f"of {workload.repeats} repeat(s)"
+            f"ragserve bench cpu, {dtype}: the best of {args.rounds} round(s) of "
+            f"{workload.repeats} repeat(s)"
         )
         print_summary(title, result["summary"], [v.name for v in variants], workload.ttft_lengths)
         for name, share in result["agreement_with_ragserve"].items():

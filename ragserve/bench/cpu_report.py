@@ -1,6 +1,6 @@
-"""The figures of ``ragserve bench cpu`` from its runs: medians per variant, each against
-this CPU's floor and, where vLLM ran, as a ratio to vLLM's (per round, then the median),
-next to issue #20's targets."""
+"""The figures of ``ragserve bench cpu`` from its runs: each variant's best (and median),
+the best against this CPU's floor and, where vLLM ran, as a ratio to vLLM's (best over
+best, and per round, then the median), next to issue #20's targets."""
 
 from __future__ import annotations
 
@@ -97,14 +97,18 @@ def _paired_ratios(
 def summarize(
     runs: dict[str, list[dict[str, Any]]], floor: dict[str, Any], ttft_lengths: tuple[int, ...]
 ) -> dict[str, Any]:
-    """Per figure: the median of each variant's successful runs, the floor, how many times
-    the floor each median is (time over least time; for a rate, ceiling over rate) and each
-    ragserve variant's ratio to vLLM: the median of the rounds' own ratios, with their
-    range. NOTE: rounds run the variants one after another, so a ratio within a round
-    compares engines under the same load of a shared host; a ratio of medians would not."""
+    """Per figure: each variant's best and median over its successful runs, the floor, how
+    many times the floor each best is (time over least time; for a rate, ceiling over
+    rate), and each ragserve variant's ratio to vLLM two ways: best over best, and the
+    median of the rounds' own ratios, with their range.
+
+    NOTE: on a shared host whose load changes from minute to minute, the best of every
+    round and repeat is each engine's speed in the quietest minute it met, the fairest
+    comparison when the rounds are several; the rounds' ratios show the spread."""
     summary: dict[str, Any] = {}
     for name, _label, read, higher_better, target in figure_list(ttft_lengths):
         medians: dict[str, float | None] = {}
+        bests: dict[str, float | None] = {}
         for variant, variant_runs in runs.items():
             values = [
                 v
@@ -112,13 +116,25 @@ def summarize(
                 if v is not None
             ]
             medians[variant] = statistics.median(values) if values else None
-        row: dict[str, Any] = {"median": medians, "floor": _floor(name, floor), "target": target}
+            bests[variant] = (max(values) if higher_better else min(values)) if values else None
+        row: dict[str, Any] = {
+            "best": bests,
+            "median": medians,
+            "floor": _floor(name, floor),
+            "target": target,
+        }
         if row["floor"]:
             row["x_floor"] = {
-                v: (row["floor"] / m if higher_better else m / row["floor"]) if m else None
-                for v, m in medians.items()
+                v: (row["floor"] / b if higher_better else b / row["floor"]) if b else None
+                for v, b in bests.items()
             }
         if "vllm" in runs:
+            theirs = bests.get("vllm")
+            row["best_vs_vllm"] = {
+                v: b / theirs if b is not None and theirs else None
+                for v, b in bests.items()
+                if v != "vllm"
+            }
             paired = {v: _paired_ratios(runs[v], runs["vllm"], read) for v in runs if v != "vllm"}
             if any(paired.values()):
                 row["vs_vllm"] = {v: statistics.median(r) if r else None for v, r in paired.items()}
@@ -132,17 +148,19 @@ def print_summary(
 ) -> None:
     ours = [v for v in variants if v != "vllm"]
     with_vllm = "vllm" in variants
-    header = ["figure (median)", *variants, "floor", *(f"{v} x floor" for v in variants)]
+    header = ["figure (best)", *variants, "floor", *(f"{v} x floor" for v in variants)]
     if with_vllm:
         header += [f"{v} / vllm" for v in ours]
+        header += [f"{v} / vllm, rounds' median" for v in ours]
     header.append("target")
     rows: list[list[Any]] = []
     for name, label, _read, _higher, _target in figure_list(ttft_lengths):
         row = summary[name]
         x_floor = row.get("x_floor", {})
-        cells: list[Any] = [label, *(row["median"].get(v) for v in variants), row["floor"]]
+        cells: list[Any] = [label, *(row["best"].get(v) for v in variants), row["floor"]]
         cells += [x_floor.get(v) for v in variants]
         if with_vllm:
+            cells += [row.get("best_vs_vllm", {}).get(v) for v in ours]
             cells += [row.get("vs_vllm", {}).get(v) for v in ours]
         rows.append([*cells, row["target"] or None])
     print_table(title, header, rows)
