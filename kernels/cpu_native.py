@@ -231,7 +231,7 @@ ENV_AMX = "RAGSERVE_CPU_AMX"
 
 
 def amx() -> bool:
-    """Whether bf16 attention tiles multiply on AMX tiles: an AMX build that the OS lets use
-    them, unless ``RAGSERVE_CPU_AMX=0`` (read once, when the library first attends)."""
+    """Whether bf16 attention and linears of a few rows multiply on AMX tiles: an AMX build
+    that the OS lets use them, unless ``RAGSERVE_CPU_AMX=0`` (read once, at the first ask)."""
     library = load()
     return library is not None and bool(library.ragserve_amx())
