@@ -698,13 +698,28 @@ static inline void row_values_dot(const uint32_t *pb, const uint32_t *vp, int pa
 }
 #endif
 
-static void run_small(const AttnParams *p, const Operands *ops, const Item *it, Work *w, int rows) {
-    const int D = p->head_dim, group = p->num_heads / p->num_kv_heads;
-    const int per_head = (it->t1 - it->t0) * group;
+/* What both small modes derive from an item: rows per kv head, the cached context before
+ * the item's sequence's new tokens, its block table, and the scores' base-2 scale. */
+typedef struct {
+    int D, group, per_head;
+    int64_t context;
+    const int32_t *table;
+    float qscale;
+} SmallItem;
+
+static inline SmallItem small_item(const AttnParams *p, const Item *it) {
+    const int group = p->num_heads / p->num_kv_heads;
     const int32_t query_len = p->query_start[it->seq + 1] - p->query_start[it->seq];
-    const int64_t context = p->seq_lens[it->seq] - query_len;
-    const int32_t *table = p->block_tables + (int64_t)it->seq * p->table_stride;
-    const float qscale = p->scale * LOG2E;
+    return (SmallItem){p->head_dim, group, (it->t1 - it->t0) * group, p->seq_lens[it->seq] - query_len,
+                       p->block_tables + (int64_t)it->seq * p->table_stride, p->scale * LOG2E};
+}
+
+static void run_small(const AttnParams *p, const Operands *ops, const Item *it, Work *w, int rows) {
+    const SmallItem si = small_item(p, it);
+    const int D = si.D, group = si.group, per_head = si.per_head;
+    const int64_t context = si.context;
+    const int32_t *table = si.table;
+    const float qscale = si.qscale;
     const int dot = HAVE_BF16_DOT && p->is_bf16;
     uint16_t *qh = (uint16_t *)w->qp; /* bf16 dot: Q rows as they are */
 
@@ -770,12 +785,8 @@ static void run_small(const AttnParams *p, const Operands *ops, const Item *it, 
  * per-row dot products and their horizontal sums; tiles do a 16-key block in a few
  * instructions whatever the row count. */
 static void run_small_amx(const AttnParams *p, const Operands *ops, const Item *it, Work *w, int rows) {
-    const int D = p->head_dim, group = p->num_heads / p->num_kv_heads;
-    const int per_head = (it->t1 - it->t0) * group;
-    const int32_t query_len = p->query_start[it->seq + 1] - p->query_start[it->seq];
-    const int64_t context = p->seq_lens[it->seq] - query_len;
-    const int32_t *table = p->block_tables + (int64_t)it->seq * p->table_stride;
-    const float qscale = p->scale * LOG2E;
+    const SmallItem si = small_item(p, it);
+    const int D = si.D, per_head = si.per_head;
     const int64_t token_bytes = (int64_t)p->num_kv_heads * D * 2;
     const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                               _mm512_set1_epi32(16));
@@ -788,7 +799,7 @@ static void run_small_amx(const AttnParams *p, const Operands *ops, const Item *
         const uint16_t *src = (const uint16_t *)ops->q + token * ops->q_token_stride + (int64_t)head * D;
         uint32_t *pairs = w->qh + (int64_t)(r / per_head) * (D / 2) * 16 + r % per_head;
         for (int i = 0; i < D / 2; i++) pairs[i * 16] = (uint32_t)src[2 * i] | (uint32_t)src[2 * i + 1] << 16;
-        w->lim[r] = (int32_t)(context + it->t0 + (r % per_head) / group);
+        w->lim[r] = (int32_t)(si.context + it->t0 + (r % per_head) / si.group);
         w->m[r] = -INFINITY;
         w->l[r] = 0.0f;
     }
@@ -800,7 +811,7 @@ static void run_small_amx(const AttnParams *p, const Operands *ops, const Item *
         const int npad = (n + VL - 1) / VL * VL, kpad = (n + 31) / 32 * 32;
         const int64_t next_end = kc + n + KC < it->k1 ? kc + n + KC : it->k1;
         for (int h = 0; h < it->kv_heads; h++) {
-            chunk_rows(p, ops, table, it->kv_head + h, kc, n, next_end, 1, w);
+            chunk_rows(p, ops, si.table, it->kv_head + h, kc, n, next_end, 1, w);
             /* NOTE: pairs past the chunk meet probabilities 0, but 0 * NaN is NaN: zero them. */
             for (int i = (n + 1) / 2; i < kpad / 2; i++) memset(w->vp + (int64_t)i * D, 0, sizeof(uint32_t) * (size_t)D);
             const uint32_t *qh = w->qh + (int64_t)h * (D / 2) * 16;
@@ -827,7 +838,7 @@ static void run_small_amx(const AttnParams *p, const Operands *ops, const Item *
                 _tile_stored(0, w->ct, 64);
                 for (int r = 0; r < per_head; r++) {
                     __m512 sc = _mm512_i32gather_ps(column, w->ct + r, 4);
-                    _mm512_storeu_ps(w->st + (int64_t)(h * per_head + r) * KC + j0, _mm512_mul_ps(sc, _mm512_set1_ps(qscale)));
+                    _mm512_storeu_ps(w->st + (int64_t)(h * per_head + r) * KC + j0, _mm512_mul_ps(sc, _mm512_set1_ps(si.qscale)));
                 }
             }
             float *oh = w->oh + (int64_t)h * 16 * D;
