@@ -132,5 +132,7 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         out.data_ptr(),
         torch.get_num_threads(),
     )
-    assert status == 0
+    if status == -2:
+        raise MemoryError(f"no memory for the native {x.dtype} product of {rows} rows")
+    assert status == 0, status
     return out

@@ -44,7 +44,7 @@ ENV_DISABLE = "RAGSERVE_CPU_NATIVE"
 ENV_CACHE = "RAGSERVE_KERNEL_CACHE"
 
 _lock = threading.Lock()
-_loaded: dict[str, ctypes.CDLL | int | None] = {}  # "lib" and its vector "width"
+_loaded: dict[str, ctypes.CDLL | int | None] = {}  # "lib", its vector "width", "amx"
 
 
 class AttnParams(ctypes.Structure):
@@ -233,5 +233,8 @@ ENV_AMX = "RAGSERVE_CPU_AMX"
 def amx() -> bool:
     """Whether bf16 attention and linears of a few rows multiply on AMX tiles: an AMX build
     that the OS lets use them, unless ``RAGSERVE_CPU_AMX=0`` (read once, at the first ask)."""
-    library = load()
-    return library is not None and bool(library.ragserve_amx())
+    usable = _loaded.get("amx")
+    if usable is None:  # NOTE: asked once: every bf16 linear call of a few rows checks it
+        library = load()
+        usable = _loaded["amx"] = library is not None and bool(library.ragserve_amx())
+    return bool(usable)

@@ -44,7 +44,7 @@ static void store_block(const float *cb, int64_t m0, int64_t rows, int64_t n0, i
                         const uint16_t *bias, uint16_t *out) {
     for (int q = 0; q < 4; q++) {
         const int n_half = q / 2, m_half = q % 2;
-        if (n_half * 16 >= nb) continue;
+        if (n_half * 16 >= nb || m0 + m_half * 16 >= rows) continue;
         __m512i r[16];
         for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512(cb + (n_half * 16 + i) * BLOCK + m_half * 16);
         transpose_16x16(r); /* r[j] lane i: output n_half * 16 + i of row m_half * 16 + j */
@@ -82,13 +82,14 @@ static void multiply_block(const uint16_t *w, int64_t k_in, const uint32_t *xp, 
     amx_store_2x2(cb, BLOCK);
 }
 
+/* tail: BLOCK x k_in scratch for the last block's rows, zero-padded to 32, where n_out is
+ * not a multiple of BLOCK (else NULL); only the thread that owns the last block uses it. */
 static void multiply(int64_t rows, int64_t n_out, int64_t k_in, const uint32_t *xp, int64_t mpad,
-                     const uint16_t *w, const uint16_t *bias, uint16_t *out, int threads) {
+                     const uint16_t *w, const uint16_t *bias, uint16_t *out, uint16_t *tail, int threads) {
     const int64_t blocks = (n_out + BLOCK - 1) / BLOCK;
 #pragma omp parallel num_threads(threads)
     {
         float cb[BLOCK * BLOCK] __attribute__((aligned(64)));
-        uint16_t *tail = NULL; /* the last block's rows, zero-padded to 32, where n_out is not a multiple */
         amx_configure();
 #pragma omp for schedule(static)
         for (int64_t blk = 0; blk < blocks; blk++) {
@@ -96,8 +97,7 @@ static void multiply(int64_t rows, int64_t n_out, int64_t k_in, const uint32_t *
             const int nb = n_out - n0 < BLOCK ? (int)(n_out - n0) : BLOCK;
             const uint16_t *wb = w + n0 * k_in;
             if (nb < BLOCK) {
-                tail = calloc((size_t)(BLOCK * k_in), sizeof(uint16_t));
-                if (tail == NULL) abort(); /* a few KB: only a broken process fails here */
+                memset(tail, 0, sizeof(uint16_t) * (size_t)(BLOCK * k_in));
                 memcpy(tail, wb, sizeof(uint16_t) * (size_t)(nb * k_in));
                 wb = tail;
             }
@@ -107,7 +107,6 @@ static void multiply(int64_t rows, int64_t n_out, int64_t k_in, const uint32_t *
                 store_block(cb, m0, rows, n0, n_out, nb, bias, out);
             }
         }
-        free(tail);
         _tile_release();
     }
 }
@@ -120,10 +119,16 @@ int ragserve_amx_linear_bf16(int64_t rows, int64_t n_out, int64_t k_in, const ui
     if (!amx_usable() || k_in % 32 || rows < 1 || n_out < 1) return -1;
     const int64_t mpad = (rows + BLOCK - 1) / BLOCK * BLOCK;
     uint32_t *xp = aligned_alloc(64, (sizeof(uint32_t) * (size_t)(k_in / 2) * (size_t)mpad + 63) / 64 * 64);
-    if (xp == NULL) return -2;
+    uint16_t *tail = n_out % BLOCK ? malloc(sizeof(uint16_t) * (size_t)(BLOCK * k_in)) : NULL;
+    if (xp == NULL || (n_out % BLOCK && tail == NULL)) {
+        free(xp);
+        free(tail);
+        return -2;
+    }
     pack_rows(x, rows, k_in, mpad, xp);
-    multiply(rows, n_out, k_in, xp, mpad, w, bias, out, threads);
+    multiply(rows, n_out, k_in, xp, mpad, w, bias, out, tail, threads);
     free(xp);
+    free(tail);
     return 0;
 #else
     (void)rows, (void)n_out, (void)k_in, (void)x, (void)w, (void)bias, (void)out, (void)threads;
