@@ -44,7 +44,7 @@ ENV_DISABLE = "RAGSERVE_CPU_NATIVE"
 ENV_CACHE = "RAGSERVE_KERNEL_CACHE"
 
 _lock = threading.Lock()
-_loaded: dict[str, ctypes.CDLL | int | None] = {}  # "lib", its vector "width", "amx"
+_loaded: dict[str, ctypes.CDLL | int | None] = {}  # "lib", its vector "width", build flags
 
 
 class AttnParams(ctypes.Structure):
@@ -221,10 +221,19 @@ def vector_width() -> int | None:
     return width  # type: ignore[return-value]
 
 
+def _build_flag(name: str) -> bool:
+    """The library's ``ragserve_<name>()`` as a bool (False without the library), asked once:
+    every bf16 linear call of a few rows checks these."""
+    flag = _loaded.get(name)
+    if flag is None:
+        library = load()
+        flag = _loaded[name] = library is not None and bool(getattr(library, f"ragserve_{name}")())
+    return bool(flag)
+
+
 def bf16_dot() -> bool:
     """Whether bf16 attention tiles multiply bf16 pairs (a build for AVX-512 BF16)."""
-    library = load()
-    return library is not None and bool(library.ragserve_bf16_dot())
+    return _build_flag("bf16_dot")
 
 
 ENV_AMX = "RAGSERVE_CPU_AMX"
@@ -233,8 +242,4 @@ ENV_AMX = "RAGSERVE_CPU_AMX"
 def amx() -> bool:
     """Whether bf16 attention and linears of a few rows multiply on AMX tiles: an AMX build
     that the OS lets use them, unless ``RAGSERVE_CPU_AMX=0`` (read once, at the first ask)."""
-    usable = _loaded.get("amx")
-    if usable is None:  # NOTE: asked once: every bf16 linear call of a few rows checks it
-        library = load()
-        usable = _loaded["amx"] = library is not None and bool(library.ragserve_amx())
-    return bool(usable)
+    return _build_flag("amx")
