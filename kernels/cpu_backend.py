@@ -68,19 +68,37 @@ class CpuBackend(AttentionBackend):
     def is_native(self) -> bool:
         return self._library is not None
 
-    def _native_reason(self, query: torch.Tensor, kv_layer: torch.Tensor) -> str | None:
-        """Why the native kernel cannot take this call, or None when it can."""
+    def _native_reason(
+        self, heads: int, dim: int, dtype: torch.dtype, kv_layer: torch.Tensor
+    ) -> str | None:
+        """Why the native kernel cannot attend ``heads`` query heads of ``dim`` in ``dtype``
+        over ``kv_layer``, or None when it can."""
         if self._library is None or self._width is None:
             return "the native kernels are not built"
-        heads, dim = query.shape[1], query.shape[2]
         group = heads // kv_layer.shape[3]
-        if query.device.type != "cpu":
+        if kv_layer.device.type != "cpu":
             return "not on the CPU"
-        if query.dtype not in _NATIVE_DTYPES or kv_layer.dtype != query.dtype:
-            return f"{query.dtype} queries over a {kv_layer.dtype} cache"
+        if dtype not in _NATIVE_DTYPES or kv_layer.dtype != dtype:
+            return f"{dtype} queries over a {kv_layer.dtype} cache"
         if dim % (2 * self._width) or dim > 512 or group > 8 * self._width:
             return f"head_dim {dim} with {group} query heads per kv head"
         return None
+
+    def native_layout(
+        self,
+        meta: AttentionMetadata,
+        kv_layer: torch.Tensor,
+        heads: int,
+        dtype: torch.dtype,
+        scale: float,
+    ) -> tuple[cpu_native.AttnParams, torch.Tensor] | None:
+        """The native kernel's layout of this step and its int64 cache slots, for callers
+        that run the kernel themselves (``kernels/cpu_decoder_stack.py``); None where the
+        native kernel cannot take it."""
+        if self._native_reason(heads, kv_layer.shape[-1], dtype, kv_layer) is not None:
+            return None
+        step = self._step(meta, kv_layer, heads, dtype, scale)
+        return step.params, step.keep[3]
 
     def forward(
         self,
@@ -91,7 +109,7 @@ class CpuBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        reason = self._native_reason(query, kv_layer)
+        reason = self._native_reason(query.shape[1], query.shape[2], query.dtype, kv_layer)
         if reason is None:
             return self._native_forward(query, key, value, kv_layer, meta, scale, store=True)
         if reason not in self._warned:
@@ -101,10 +119,15 @@ class CpuBackend(AttentionBackend):
 
     # -- native --------------------------------------------------------------------------------
     def _step(
-        self, meta: AttentionMetadata, kv_layer: torch.Tensor, query: torch.Tensor, scale: float
+        self,
+        meta: AttentionMetadata,
+        kv_layer: torch.Tensor,
+        heads: int,
+        dtype: torch.dtype,
+        scale: float,
     ) -> _NativeStep:
         threads = torch.get_num_threads()
-        key = (*kv_layer.shape, *kv_layer.stride()[:2], query.shape[1], query.dtype, scale, threads)
+        key = (*kv_layer.shape, *kv_layer.stride()[:2], heads, dtype, scale, threads)
         step = self._native_step
         if step is not None and step.meta is meta and step.key == key:
             return step
@@ -113,11 +136,11 @@ class CpuBackend(AttentionBackend):
         tables = meta.block_tables.to(torch.int32).contiguous()
         params = cpu_native.AttnParams(
             num_seqs=meta.num_seqs,
-            num_heads=query.shape[1],
+            num_heads=heads,
             num_kv_heads=kv_layer.shape[3],
-            head_dim=query.shape[2],
+            head_dim=kv_layer.shape[4],
             block_size=kv_layer.shape[2],
-            is_bf16=_NATIVE_DTYPES[query.dtype],
+            is_bf16=_NATIVE_DTYPES[dtype],
             num_threads=threads,
             block_stride=kv_layer.stride(0),
             kv_offset=kv_layer.stride(1),
@@ -143,7 +166,7 @@ class CpuBackend(AttentionBackend):
         store: bool,
     ) -> torch.Tensor:
         assert self._library is not None
-        step = self._step(meta, kv_layer, query, scale)
+        step = self._step(meta, kv_layer, query.shape[1], query.dtype, scale)
         q = _rows_contiguous(query)
         out = torch.empty(q.shape, dtype=q.dtype)
         key_ptr = value_ptr = None

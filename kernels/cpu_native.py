@@ -36,8 +36,9 @@ SOURCES = (
     "cpu_layer_ops.c",
     "cpu_small_linear.c",
     "cpu_amx_linear.c",
+    "cpu_decoder_stack.c",
 )  # compiled into one library
-HEADERS = ("cpu_vec.h", "cpu_bf16_dot.h", "cpu_amx.h", "cpu_amx_attention.h")
+HEADERS = ("cpu_kernels.h", "cpu_vec.h", "cpu_bf16_dot.h", "cpu_amx.h", "cpu_amx_attention.h")
 CSRC = Path(__file__).parent / "csrc"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=gnu11", "-shared", "-fPIC", "-Wall")
 ENV_DISABLE = "RAGSERVE_CPU_NATIVE"
@@ -178,6 +179,8 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
     library.ragserve_small_linear_bf16.restype = ctypes.c_int
     library.ragserve_amx_linear_bf16.argtypes = library.ragserve_small_linear.argtypes
     library.ragserve_amx_linear_bf16.restype = ctypes.c_int
+    library.ragserve_decoder_stack_bf16.argtypes = [pointer]
+    library.ragserve_decoder_stack_bf16.restype = ctypes.c_int
     library.ragserve_vector_width.restype = ctypes.c_int
     library.ragserve_bf16_dot.restype = ctypes.c_int
     library.ragserve_amx.restype = ctypes.c_int

@@ -4,8 +4,8 @@
  *  - S^T = K . Q^T: A holds 16 keys' rows (bf16, contiguous in kb [keys][D]), B holds Q^T
  *    as pairs along head_dim (qp [D / 2][rpad], the layout the vdpbf16ps tiles use), C is
  *    S^T [keys][rows]: rows stay the vector dimension for the softmax pass.
- *  - O^T += V^T . P^T: A holds V^T (vt [D][kpad]), B the probabilities as bf16 pairs along
- *    keys (pp [keys / 2][rpad]), C is O^T [D][rpad], so the online-softmax rescale of a row
+ *  - O^T += V^T . P^T: A holds V^T (vt [D][vs]), B the probabilities as bf16 pairs along
+ *    keys (pp [keys / 2][rs]), C is O^T [D][rs], so the online-softmax rescale of a row
  *    is a vector multiply along rows.
  * 2 x 2 blocks of C share each loaded A and B tile. Sums stay float32, as in the vdpbf16ps
  * path; only the order of additions differs.
@@ -50,35 +50,35 @@ static void amx_pack_vt(const uint16_t *const *vrow, int n, int64_t stride, int 
 }
 
 /* S^T[j][r] = K[j] . Q[r] (unscaled) for the 32 rows [r0, r0 + 32) and keys j < keys (a
- * multiple of 32); kb holds the chunk's keys [kpad][D], zero past the chunk. */
-static void amx_qk(const uint16_t *kb, const uint32_t *qp, float *st, int r0, int keys, int rpad, int D) {
+ * multiple of 32); kb holds the chunk's keys [kpad][D], zero past the chunk; qp and st have
+ * rs elements between rows. */
+static void amx_qk(const uint16_t *kb, const uint32_t *qp, float *st, int r0, int keys, int rs, int D) {
     for (int j0 = 0; j0 < keys; j0 += 32) {
         _tile_zero(0);
         _tile_zero(1);
         _tile_zero(2);
         _tile_zero(3);
         for (int d0 = 0; d0 < D; d0 += 32) {
-            const uint32_t *q = qp + (int64_t)(d0 / 2) * rpad + r0;
+            const uint32_t *q = qp + (int64_t)(d0 / 2) * rs + r0;
             amx_accumulate_2x2(kb + (int64_t)j0 * D + d0, kb + (int64_t)(j0 + 16) * D + d0, (int64_t)D * 2, q, q + 16,
-                               (int64_t)rpad * 4);
+                               (int64_t)rs * 4);
         }
-        amx_store_2x2(st + (int64_t)j0 * rpad + r0, rpad);
+        amx_store_2x2(st + (int64_t)j0 * rs + r0, rs);
     }
 }
 
 /* O^T[d][r] += sum over keys j < keys of V[j][d] P[r][j] for the 32 rows [r0, r0 + 32), from
- * vt [D][kpad] (zero past the chunk) and pp [kpad / 2][rpad]; ot is [D][rpad]. */
-static void amx_pv(const uint16_t *vt, int kpad, const uint32_t *pp, float *ot, int r0, int keys, int rpad,
-                   int D) {
+ * vt [D][vs] (zero past the chunk) and pp [keys / 2][rs]; ot is [D][rs]. */
+static void amx_pv(const uint16_t *vt, int64_t vs, const uint32_t *pp, float *ot, int r0, int keys, int rs, int D) {
     for (int d0 = 0; d0 < D; d0 += 32) {
-        float *o = ot + (int64_t)d0 * rpad + r0;
-        amx_load_2x2(o, rpad);
+        float *o = ot + (int64_t)d0 * rs + r0;
+        amx_load_2x2(o, rs);
         for (int j0 = 0; j0 < keys; j0 += 32) {
-            const uint32_t *p = pp + (int64_t)(j0 / 2) * rpad + r0;
-            amx_accumulate_2x2(vt + (int64_t)d0 * kpad + j0, vt + (int64_t)(d0 + 16) * kpad + j0, (int64_t)kpad * 2, p,
-                               p + 16, (int64_t)rpad * 4);
+            const uint32_t *p = pp + (int64_t)(j0 / 2) * rs + r0;
+            amx_accumulate_2x2(vt + (int64_t)d0 * vs + j0, vt + (int64_t)(d0 + 16) * vs + j0, vs * 2, p, p + 16,
+                               (int64_t)rs * 4);
         }
-        amx_store_2x2(o, rpad);
+        amx_store_2x2(o, rs);
     }
 }
 

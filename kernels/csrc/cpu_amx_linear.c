@@ -18,6 +18,7 @@
 #include <string.h>
 #include <omp.h>
 
+#include "cpu_kernels.h"
 #include "cpu_amx.h"
 
 #if HAVE_AMX

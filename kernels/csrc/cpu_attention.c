@@ -33,6 +33,7 @@
 #include <string.h>
 #include <omp.h>
 
+#include "cpu_kernels.h"
 #include "cpu_vec.h"
 
 #if VL == 16
@@ -51,18 +52,6 @@
 
 #include "cpu_bf16_dot.h"
 #include "cpu_amx_attention.h"
-
-typedef struct {
-    int32_t num_seqs, num_heads, num_kv_heads, head_dim;
-    int32_t block_size, is_bf16, num_threads, _pad;
-    int64_t block_stride;  /* elements between consecutive blocks of one layer */
-    int64_t kv_offset;     /* elements from a block's K plane to its V plane */
-    int64_t table_stride;  /* entries between block-table rows */
-    const int32_t *query_start; /* [num_seqs + 1] */
-    const int32_t *seq_lens;    /* [num_seqs] */
-    const int32_t *block_tables;
-    float scale;
-} AttnParams;
 
 typedef struct {
     const void *q;
@@ -251,11 +240,11 @@ static inline int visible(const Work *w, int64_t kc, int n, int r) {
     return keys < 0 ? 0 : (keys > n ? n : (int)keys);
 }
 
-/* A tile's queries: Q^T scaled into qt [D][rpad] (float32 products) or as bf16 pairs into qp
- * [D / 2][rpad] (pair products), zero in the padding rows; each row's last visible key in lim
- * (INT32_MAX for padding), and m/l reset. */
+/* A tile's queries: Q^T scaled into qt [D][stride] (float32 products) or as bf16 pairs into
+ * qp [D / 2][stride] (pair products), zero in the padding rows up to rpad; each row's last
+ * visible key in lim (INT32_MAX for padding), and m/l reset. */
 static void tile_queries(const AttnParams *p, const Operands *ops, const Item *it, Work *w, int rows, int rpad,
-                         int dot) {
+                         int stride, int dot) {
     const int D = p->head_dim, group = p->num_heads / p->num_kv_heads;
     const int32_t q_first = p->query_start[it->seq];
     const int64_t context = p->seq_lens[it->seq] - (p->query_start[it->seq + 1] - q_first);
@@ -267,12 +256,12 @@ static void tile_queries(const AttnParams *p, const Operands *ops, const Item *i
             const uint16_t *src = (const uint16_t *)ops->q + (q_first + it->t0 + r / group) * ops->q_token_stride +
                                   (int64_t)(it->kv_head * group + r % group) * D;
             for (int i = 0; i < D / 2; i++)
-                pairs[(int64_t)i * rpad] = r < rows ? (uint32_t)src[2 * i] | (uint32_t)src[2 * i + 1] << 16 : 0u;
+                pairs[(int64_t)i * stride] = r < rows ? (uint32_t)src[2 * i] | (uint32_t)src[2 * i + 1] << 16 : 0u;
             w->lim[r] = r < rows ? (int32_t)(context + it->t0 + r / group) : INT32_MAX;
             continue;
         }
         if (r >= rows) {
-            for (int d = 0; d < D; d++) column[(int64_t)d * rpad] = 0.0f;
+            for (int d = 0; d < D; d++) column[(int64_t)d * stride] = 0.0f;
             w->lim[r] = INT32_MAX;
             continue;
         }
@@ -280,10 +269,10 @@ static void tile_queries(const AttnParams *p, const Operands *ops, const Item *i
                            (int64_t)(it->kv_head * group + r % group) * D;
         if (p->is_bf16) {
             const uint16_t *src = (const uint16_t *)ops->q + at;
-            for (int d = 0; d < D; d++) column[(int64_t)d * rpad] = qscale * bf16_to_f32(src[d]);
+            for (int d = 0; d < D; d++) column[(int64_t)d * stride] = qscale * bf16_to_f32(src[d]);
         } else {
             const float *src = (const float *)ops->q + at;
-            for (int d = 0; d < D; d++) column[(int64_t)d * rpad] = qscale * src[d];
+            for (int d = 0; d < D; d++) column[(int64_t)d * stride] = qscale * src[d];
         }
         w->lim[r] = (int32_t)(context + it->t0 + r / group);
     }
@@ -300,7 +289,7 @@ static void run_tile(const AttnParams *p, const Operands *ops, const Item *it, W
     const int32_t *table = p->block_tables + (int64_t)it->seq * p->table_stride;
     const int dot = HAVE_BF16_DOT && p->is_bf16;
 
-    tile_queries(p, ops, it, w, rows, rpad, dot);
+    tile_queries(p, ops, it, w, rows, rpad, rpad, dot);
     memset(w->o, 0, sizeof(float) * (size_t)rows * D);
 
     for (int64_t kc = it->k0; kc < it->k1; kc += KC) {
@@ -457,15 +446,22 @@ static int block_softmax_pairs(Work *w, int64_t kc, int nk, int kpad, int r0, in
 }
 
 /* Every key of the sequences whose tiles run on AMX, packed once per call (not once per tile
- * and chunk): per (sequence, kv head) K rows [kpad][D] and V^T [D][kpad], kpad the keys
- * rounded up to 32, zero past them. Sequences without AMX tiles have offset -1. */
+ * and chunk): per (sequence, kv head) K rows [kpad][D] and V^T [D][vt_stride(kpad)], kpad the
+ * keys rounded up to 32, zero past them. Sequences without AMX tiles have offset -1. */
 typedef struct {
     uint16_t *k, *vt;
-    int64_t *offset; /* [num_seqs]: elements to the sequence's kv head 0, in k and in vt */
+    int64_t *offset; /* [num_seqs]: elements to the sequence's kv head 0 in k */
+    int64_t *v_offset; /* [num_seqs]: the same in vt */
     int32_t *kpad;   /* [num_seqs] */
     int64_t jobs;    /* (sequence, kv head, 32 keys) packing jobs */
     int64_t *job_start; /* [num_seqs + 1]: first job of each sequence */
 } AmxPack;
+
+/* NOTE: V^T rows and the tiles' row-indexed buffers are padded by one cache line, so that
+ * the 16 rows of an A or B tile do not all fall into one L1 set (rows 4 KiB apart would:
+ * 2,048 keys of V^T, or 256 rows of S^T, thrashed L1 in every tile product). */
+static inline int64_t vt_stride(int64_t kpad) { return kpad + 32; }
+static inline int row_stride(int rpad) { return rpad + 16; }
 
 static inline int amx_tiles(const AttnParams *p, int s) {
     return (p->query_start[s + 1] - p->query_start[s]) * (p->num_heads / p->num_kv_heads) >= VL;
@@ -477,21 +473,24 @@ static inline int amx_tiles(const AttnParams *p, int s) {
 static int amx_plan_pack(const AttnParams *p, AmxPack *pack) {
     const int64_t D = p->head_dim, heads = p->num_kv_heads;
     pack->offset = malloc(sizeof(int64_t) * (size_t)p->num_seqs);
+    pack->v_offset = malloc(sizeof(int64_t) * (size_t)p->num_seqs);
     pack->kpad = malloc(sizeof(int32_t) * (size_t)p->num_seqs);
     pack->job_start = malloc(sizeof(int64_t) * (size_t)(p->num_seqs + 1));
-    if (!pack->offset || !pack->kpad || !pack->job_start) return -2;
-    int64_t elements = 0, jobs = 0;
+    if (!pack->offset || !pack->v_offset || !pack->kpad || !pack->job_start) return -2;
+    int64_t elements = 0, v_elements = 0, jobs = 0;
     for (int s = 0; s < p->num_seqs; s++) {
         pack->job_start[s] = jobs;
         pack->kpad[s] = (p->seq_lens[s] + 31) / 32 * 32;
         pack->offset[s] = amx_tiles(p, s) ? elements : -1;
+        pack->v_offset[s] = v_elements;
         if (pack->offset[s] < 0) continue;
         elements += heads * pack->kpad[s] * D;
+        v_elements += heads * vt_stride(pack->kpad[s]) * D;
         jobs += heads * (pack->kpad[s] / 32);
     }
     pack->job_start[p->num_seqs] = jobs;
     pack->jobs = jobs;
-    pack->k = aligned_alloc(64, ((size_t)(2 * elements) * sizeof(uint16_t) + 63) / 64 * 64 + 64);
+    pack->k = aligned_alloc(64, ((size_t)(elements + v_elements) * sizeof(uint16_t) + 63) / 64 * 64 + 64);
     if (!pack->k) return -2;
     pack->vt = pack->k + elements;
     return 0;
@@ -500,6 +499,7 @@ static int amx_plan_pack(const AttnParams *p, AmxPack *pack) {
 static void amx_free_pack(AmxPack *pack) {
     free(pack->k);
     free(pack->offset);
+    free(pack->v_offset);
     free(pack->kpad);
     free(pack->job_start);
 }
@@ -530,23 +530,24 @@ static void amx_pack_job(const AttnParams *p, const Operands *ops, const AmxPack
             memset(k + (int64_t)j * D, 0, sizeof(uint16_t) * (size_t)D);
         }
     }
-    amx_pack_vt(vrow, n, kpad, D, (const uint16_t *)ZERO_ROW, pack->vt + pack->offset[s] + h * D * kpad + j0);
+    const int64_t vs = vt_stride(kpad);
+    amx_pack_vt(vrow, n, vs, D, (const uint16_t *)ZERO_ROW, pack->vt + pack->v_offset[s] + h * D * vs + j0);
 }
 
 /* run_tile's work with both products on AMX tiles (cpu_amx.h) over the packed keys: each
  * 32-row block runs its products and softmax while its scores (32 rows x KC keys) stay in
- * L1. O is kept transposed in ot [D][rpad] and turned into w->o [rows][D] at the end. */
+ * L1. O is kept transposed in ot [D][rs] and turned into w->o [rows][D] at the end. */
 static void run_tile_amx(const AttnParams *p, const Operands *ops, const AmxPack *pack, const Item *it, Work *w,
                          int rows, int rpad) {
-    const int D = p->head_dim;
+    const int D = p->head_dim, rs = row_stride(rpad);
     const float qscale = p->scale * LOG2E;
-    const int64_t kpad = pack->kpad[it->seq];
+    const int64_t kpad = pack->kpad[it->seq], vs = vt_stride(kpad);
     const uint16_t *kb = pack->k + pack->offset[it->seq] + (int64_t)it->kv_head * kpad * D;
-    const uint16_t *vt = pack->vt + pack->offset[it->seq] + (int64_t)it->kv_head * D * kpad;
+    const uint16_t *vt = pack->vt + pack->v_offset[it->seq] + (int64_t)it->kv_head * D * vs;
     float *ot = w->qt;
 
-    tile_queries(p, ops, it, w, rows, rpad, 1);
-    memset(ot, 0, sizeof(float) * (size_t)D * rpad);
+    tile_queries(p, ops, it, w, rows, rpad, rs, 1);
+    memset(ot, 0, sizeof(float) * (size_t)D * rs);
     amx_configure();
     for (int64_t kc = it->k0; kc < it->k1; kc += KC) {
         const int n = (int)(it->k1 - kc < KC ? it->k1 - kc : KC);
@@ -557,17 +558,22 @@ static void run_tile_amx(const AttnParams *p, const Operands *ops, const AmxPack
             const int nk = (int)(needed < 0 ? 0 : (needed > n ? n : needed));
             if (nk == 0) continue;
             const int keys = (nk + 31) / 32 * 32;
-            amx_qk(kb + kc * D, w->qp, w->st, r0, keys, rpad, D);
-            if (block_softmax_pairs(w, kc, nk, keys, r0, rpad, kc + nk - 1 > w->lim[r0], qscale))
+            amx_qk(kb + kc * D, w->qp, w->st, r0, keys, rs, D);
+            if (block_softmax_pairs(w, kc, nk, keys, r0, rs, kc + nk - 1 > w->lim[r0], qscale))
                 for (int d = 0; d < D; d++)
                     for (int r = r0; r < r0 + 32; r += VL)
-                        storeu(ot + (int64_t)d * rpad + r, loadu(ot + (int64_t)d * rpad + r) * loadu(w->alpha + r));
-            amx_pv(vt + kc, (int)kpad, w->pp, ot, r0, keys, rpad, D);
+                        storeu(ot + (int64_t)d * rs + r, loadu(ot + (int64_t)d * rs + r) * loadu(w->alpha + r));
+            amx_pv(vt + kc, vs, w->pp, ot, r0, keys, rs, D);
         }
     }
     _tile_release();
-    for (int r = 0; r < rows; r++)
-        for (int d = 0; d < D; d++) w->o[(int64_t)r * D + d] = ot[(int64_t)d * rpad + r];
+    for (int r0 = 0; r0 < rpad; r0 += 16)
+        for (int d0 = 0; d0 < D; d0 += 16) {
+            __m512i t[16];
+            for (int i = 0; i < 16; i++) t[i] = _mm512_loadu_si512(ot + (int64_t)(d0 + i) * rs + r0);
+            transpose_16x16(t);
+            for (int i = 0; i < 16; i++) _mm512_storeu_si512(w->o + (int64_t)(r0 + i) * D + d0, t[i]);
+        }
 }
 #endif
 

@@ -10,6 +10,7 @@
 #include <string.h>
 #include <omp.h>
 
+#include "cpu_kernels.h"
 #include "cpu_vec.h"
 
 #define MIN_ROWS_PER_THREAD 16

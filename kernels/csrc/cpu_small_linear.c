@@ -24,10 +24,9 @@
 #include <stdint.h>
 #include <omp.h>
 
+#include "cpu_kernels.h"
 #include "cpu_vec.h"
 
-#define SMALL_LINEAR_MAX_ROWS 64
-#define BF16_SMALL_LINEAR_MAX_ROWS 2
 #define STREAM_MAX_ROWS 4
 #define STREAM_NB 8 /* weight rows per step: 8 x 576 floats stay in L1 for every x row */
 #define TILE_M 2    /* x rows per tile */

@@ -46,6 +46,7 @@ from ragserve.models.layers import (
     fused_ops,
     use_fused_kernels,
 )
+from ragserve.models.native_layers import run_native_layers, shapes_fit
 from ragserve.models.rotary import RotaryEmbedding, Rotation, compute_inv_freq, rope_parameters
 
 # HF projection name -> (our fused projection, shard index within it)
@@ -349,6 +350,8 @@ class LlamaModel(nn.Module):
             for i in range(shape.num_layers)
         )
         self.norm = RMSNorm(shape.hidden_size, config.rms_norm_eps, device=device, dtype=dtype)
+        # Whether small bf16 CPU steps may run the layers in one native call (native_layers.py).
+        self.native_shapes = shapes_fit(shape, flags.qk_norm, quantization)
         inv_freq, attention_scaling = compute_inv_freq(
             rope_parameters(config), shape.head_dim, int(config.max_position_embeddings)
         )
@@ -365,11 +368,15 @@ class LlamaModel(nn.Module):
         hidden = self.embed_tokens(input_ids)
         rotation = self.rotary_emb(positions)
         residual: torch.Tensor | None = None
+        done = 0
+        native = run_native_layers(self, hidden, rotation, output_rows)
+        if native is not None:
+            hidden, residual, done = native
         last = len(self.layers) - 1
-        for index, layer in enumerate(self.layers):
+        for index in range(done, len(self.layers)):
             # The last layer computes its output for the needed rows only: in a long
             # prompt's prefill that skips nearly 1/num_layers of the work (3% for Llama-3.1-8B).
-            hidden, residual = layer(
+            hidden, residual = self.layers[index](
                 hidden, residual, rotation, output_rows if index == last else None
             )
         if residual is None:  # a model without layers

@@ -1,0 +1,150 @@
+"""A run of bf16 Llama decoder layers in one native call (``csrc/cpu_decoder_stack.c``).
+
+A decode step of a small model is hundreds of kernel calls, each a few microseconds of work
+behind 10-30 us of Python: module dispatch, views, allocations, ctypes. For steps of a few
+rows (decode steps, short questions) the native library runs the layers' loop itself,
+calling the same kernels in the same order as the per-op path, so the results are
+bit-identical to it; only the Python between the calls is gone.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kernels import cpu_native
+from kernels.cpu_linear import AMX_LINEAR_MAX_ROWS, BF16_SMALL_LINEAR_MAX_ROWS
+
+_WEIGHTS = (
+    "input_norm",
+    "qkv",
+    "qkv_bias",
+    "o",
+    "o_bias",
+    "post_norm",
+    "gate_up",
+    "gate_up_bias",
+    "down",
+    "down_bias",
+)
+
+
+class _LayerWeights(ctypes.Structure):
+    """Mirror of ``LayerWeights`` in the C file: the pointers named in ``_WEIGHTS``."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in _WEIGHTS]
+
+
+class _DecoderStack(ctypes.Structure):
+    """Mirror of ``DecoderStack`` in the C file."""
+
+    _fields_ = [
+        ("num_layers", ctypes.c_int32),
+        ("rows", ctypes.c_int32),
+        ("hidden_size", ctypes.c_int32),
+        ("num_heads", ctypes.c_int32),
+        ("num_kv_heads", ctypes.c_int32),
+        ("head_dim", ctypes.c_int32),
+        ("intermediate_size", ctypes.c_int32),
+        ("threads", ctypes.c_int32),
+        ("eps", ctypes.c_float),
+        ("_pad", ctypes.c_int32),
+        ("layer_stride", ctypes.c_int64),
+        ("layers", ctypes.POINTER(_LayerWeights)),
+        ("attn", ctypes.POINTER(cpu_native.AttnParams)),
+        ("slots", ctypes.c_void_p),
+        ("kv", ctypes.c_void_p),
+        ("cos", ctypes.c_void_p),
+        ("sin", ctypes.c_void_p),
+        ("hidden", ctypes.c_void_p),
+        ("residual", ctypes.c_void_p),
+    ]
+
+
+@dataclass(frozen=True)
+class LayerTensors:
+    """One decoder layer's bf16 weights, as the per-op path uses them (fused qkv and gate/up)."""
+
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor
+    down_bias: torch.Tensor | None
+
+
+def max_rows() -> int:
+    """The most rows a step may have here: as many as the per-op path multiplies natively
+    (AMX tiles, or one or two rows of ``vdpbf16ps``); 0 without those kernels."""
+    if not cpu_native.bf16_dot():
+        return 0
+    return AMX_LINEAR_MAX_ROWS if cpu_native.amx() else BF16_SMALL_LINEAR_MAX_ROWS
+
+
+def _pointer(tensor: torch.Tensor | None) -> int | None:
+    if tensor is None:
+        return None
+    assert tensor.is_contiguous() and tensor.dtype == torch.bfloat16
+    return tensor.data_ptr()
+
+
+def run(
+    layers: Sequence[LayerTensors],
+    embeddings: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    attention: cpu_native.AttnParams,
+    slots: torch.Tensor,
+    kv_cache: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(last layer's MLP output, residual stream)`` after ``layers``, as the per-op loop
+    returns them; ``embeddings [rows, hidden]`` (bf16, contiguous) become the residual stream.
+
+    ``attention`` is the step's layout (``CpuBackend.native_layout``), ``slots`` its int64
+    cache slots, ``kv_cache`` the whole cache (layer ``i`` of ``layers`` is its layer ``i``),
+    ``cos``/``sin`` the rows' rotary tables ``[rows, 1, head_dim / 2]``.
+    """
+    library = cpu_native.load()
+    assert library is not None and embeddings.is_contiguous()
+    rows, hidden_size = embeddings.shape
+    weights = (_LayerWeights * len(layers))()
+    for entry, layer in zip(weights, layers, strict=True):
+        for name in _WEIGHTS:
+            setattr(entry, name, _pointer(getattr(layer, name)))
+    first = layers[0]
+    head_dim = attention.head_dim
+    hidden = torch.empty_like(embeddings)
+    stack = _DecoderStack(
+        num_layers=len(layers),
+        rows=rows,
+        hidden_size=hidden_size,
+        num_heads=attention.num_heads,
+        num_kv_heads=attention.num_kv_heads,
+        head_dim=head_dim,
+        intermediate_size=first.gate_up.shape[0] // 2,
+        threads=torch.get_num_threads(),
+        eps=eps,
+        layer_stride=kv_cache.stride(1),
+        layers=weights,
+        attn=ctypes.pointer(attention),
+        slots=slots.data_ptr(),
+        kv=kv_cache.data_ptr(),
+        cos=_pointer(cos),
+        sin=_pointer(sin),
+        hidden=hidden.data_ptr(),
+        residual=embeddings.data_ptr(),
+    )
+    status = library.ragserve_decoder_stack_bf16(ctypes.byref(stack))
+    if status == -2:
+        raise MemoryError(f"no memory for the native decoder layers of a {rows}-row step")
+    if status != 0:
+        raise RuntimeError(f"the native decoder layers refused a {rows}-row step ({status})")
+    return hidden, embeddings
