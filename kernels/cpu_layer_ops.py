@@ -96,5 +96,6 @@ def rotate(heads: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
         sin.data_ptr(),
         out.data_ptr(),
         count * dim,
+        torch.get_num_threads(),
     )
     return out

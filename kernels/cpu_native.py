@@ -162,6 +162,7 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
         pointer,
         pointer,
         int64,
+        int32,
     ]
     library.ragserve_rotary.restype = None
     library.ragserve_small_linear.argtypes = [

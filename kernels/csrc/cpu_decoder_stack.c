@@ -62,7 +62,7 @@ int ragserve_decoder_stack_bf16(const DecoderStack *s) {
         if (status != 0) break;
         /* q and k are adjacent columns of qkv: rotated as one [rows, heads + kv_heads, D]. */
         ragserve_rotary(1, rows, s->num_heads + s->num_kv_heads, (int)D, qkv, qkv_width, s->cos, s->sin, rotated,
-                        rotated_width);
+                        rotated_width, s->threads);
         status = ragserve_paged_attention(s->attn, rotated, rotated_width, rotated + q_size, rotated_width,
                                           qkv + rotated_width, qkv_width, s->slots, s->kv + l * s->layer_stride, attn);
         if (status == 0) status = linear(s, H, q_size, attn, w->o, w->o_bias, s->hidden);

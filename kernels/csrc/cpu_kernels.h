@@ -30,7 +30,7 @@ int ragserve_add_rms_norm(int is_bf16, int64_t rows, int64_t cols, const void *x
 int ragserve_silu_mul(int is_bf16, int64_t rows, int64_t inter, const void *gate_up, int64_t stride, void *out,
                       int threads);
 void ragserve_rotary(int is_bf16, int64_t tokens, int heads, int head_dim, const void *src, int64_t src_stride,
-                     const void *cos, const void *sin, void *dst, int64_t dst_stride);
+                     const void *cos, const void *sin, void *dst, int64_t dst_stride, int threads);
 int ragserve_small_linear(int64_t rows, int64_t n_out, int64_t k_in, const float *x, const float *w,
                           const float *bias, float *out, int threads);
 int ragserve_small_linear_bf16(int64_t rows, int64_t n_out, int64_t k_in, const uint16_t *x, const uint16_t *w,

@@ -83,13 +83,15 @@ int ragserve_silu_mul(int is_bf16, int64_t rows, int64_t inter, const void *gate
 /* Half-rotation ("neox") rotary embedding of `heads` heads of head_dim per token:
  * dst[h] = [x1 * cos - x2 * sin, x2 * cos + x1 * sin] with cos/sin rows [tokens, head_dim/2].
  * src rows are src_stride elements apart (heads contiguous within a row); dst likewise.
+ * Tokens are spread over up to `threads` threads.
  *
  * NOTE: no fused multiply-adds here: transformers rounds each product before the sum, and
  * the float32 path must match it bit for bit. */
 __attribute__((optimize("fp-contract=off"))) void ragserve_rotary(
     int is_bf16, int64_t tokens, int heads, int head_dim, const void *src, int64_t src_stride,
-    const void *cos, const void *sin, void *dst, int64_t dst_stride) {
+    const void *cos, const void *sin, void *dst, int64_t dst_stride, int threads) {
     const int half = head_dim / 2;
+#pragma omp parallel for num_threads(threads_for(tokens, threads)) schedule(static)
     for (int64_t t = 0; t < tokens; t++) {
         for (int h = 0; h < heads; h++) {
             const int64_t s = t * src_stride + (int64_t)h * head_dim, d = t * dst_stride + (int64_t)h * head_dim;
