@@ -17,19 +17,24 @@
 #include "cpu_bf16_dot.h"
 
 #if HAVE_AMX
-/* 2^x for the softmax's x <= 0, to ~3e-6 relative (a degree-5 polynomial; the probabilities
- * are rounded to bf16, 4e-3, for P . V), in 9 instructions where vexp2 takes 14. */
+/* 2^x for the softmax's x <= 2^LAZY_RESCALE (larger x come only in a pass whose results are
+ * dropped), to ~1e-4 relative: a degree-3 polynomial on the fraction, far below the bf16
+ * rounding (4e-3) the probabilities get for P . V, and the same approximation in the sum
+ * they are divided by. The integer part is rounded by adding 1.5 * 2^23, whose low
+ * mantissa bits then hold it, and is shifted into p's exponent: 8 instructions in all,
+ * where a degree-5 polynomial with vrndscaleps and vscalefps took 10 (3 of them port-0
+ * only). */
 static inline __m512 exp2_softmax(__m512 x) {
+    const __m512 shift = _mm512_set1_ps(12582912.0f);
     x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
-    __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 f = _mm512_sub_ps(x, n); /* in [-0.5, 0.5] */
-    __m512 p = _mm512_set1_ps(1.3333558e-3f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+    const __m512 t = _mm512_add_ps(x, shift);
+    const __m512 f = _mm512_sub_ps(x, _mm512_sub_ps(t, shift)); /* in [-0.5, 0.5] */
+    __m512 p = _mm512_set1_ps(5.5007654e-2f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4220794e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9328273e-1f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
+    const __m512i scale = _mm512_slli_epi32(_mm512_castps_si512(t), 23);
+    return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), scale));
 }
 
 /* V^T of 32 keys, n of them real (rows in vrow), into columns [0, 32) of vt [D][stride]
