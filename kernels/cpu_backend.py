@@ -40,6 +40,7 @@ class _NativeStep:
     meta: AttentionMetadata
     key: tuple[object, ...]  # kv_layer layout, head counts, dtype, scale, threads
     params: cpu_native.AttnParams
+    slots: torch.Tensor  # int64 cache slots of the step's new K/V
     keep: tuple[torch.Tensor, ...]  # tensors the params point into
 
 
@@ -98,7 +99,7 @@ class CpuBackend(AttentionBackend):
         if self._native_reason(heads, kv_layer.shape[-1], dtype, kv_layer) is not None:
             return None
         step = self._step(meta, kv_layer, heads, dtype, scale)
-        return step.params, step.keep[3]
+        return step.params, step.slots
 
     def forward(
         self,
@@ -151,7 +152,7 @@ class CpuBackend(AttentionBackend):
             scale=scale,
         )
         slots = meta.slot_mapping.to(torch.int64).contiguous()
-        step = _NativeStep(meta, key, params, (query_start, seq_lens, tables, slots))
+        step = _NativeStep(meta, key, params, slots, (query_start, seq_lens, tables))
         self._native_step = step
         return step
 
@@ -184,7 +185,7 @@ class CpuBackend(AttentionBackend):
             key_stride,
             value_ptr,
             value_stride,
-            step.keep[3].data_ptr(),
+            step.slots.data_ptr(),
             kv_layer.data_ptr(),
             out.data_ptr(),
         )

@@ -1,10 +1,11 @@
-"""A run of bf16 Llama decoder layers in one native call (``csrc/cpu_decoder_stack.c``).
+"""A run of Llama decoder layers in one native call (``csrc/cpu_decoder_stack.c``).
 
 A decode step of a small model is hundreds of kernel calls, each a few microseconds of work
 behind 10-30 us of Python: module dispatch, views, allocations, ctypes. For steps of a few
-rows (decode steps, short questions) the native library runs the layers' loop itself,
-calling the same kernels in the same order as the per-op path, so the results are
-bit-identical to it; only the Python between the calls is gone.
+rows (decode steps, short questions), float32 or bf16, the native library runs the layers'
+loop itself, calling the same kernels in the same order as the per-op path, so the results
+are bit-identical to it (and float32 stays token-identical to transformers); only the
+Python between the calls is gone.
 """
 
 from __future__ import annotations
@@ -16,7 +17,11 @@ from dataclasses import dataclass
 import torch
 
 from kernels import cpu_native
-from kernels.cpu_linear import AMX_LINEAR_MAX_ROWS, BF16_SMALL_LINEAR_MAX_ROWS
+from kernels.cpu_linear import (
+    AMX_LINEAR_MAX_ROWS,
+    BF16_SMALL_LINEAR_MAX_ROWS,
+    SMALL_LINEAR_MAX_ROWS,
+)
 
 _WEIGHTS = (
     "input_norm",
@@ -51,7 +56,7 @@ class _DecoderStack(ctypes.Structure):
         ("intermediate_size", ctypes.c_int32),
         ("threads", ctypes.c_int32),
         ("eps", ctypes.c_float),
-        ("_pad", ctypes.c_int32),
+        ("is_bf16", ctypes.c_int32),
         ("layer_stride", ctypes.c_int64),
         ("layers", ctypes.POINTER(_LayerWeights)),
         ("attn", ctypes.POINTER(cpu_native.AttnParams)),
@@ -66,7 +71,7 @@ class _DecoderStack(ctypes.Structure):
 
 @dataclass(frozen=True)
 class LayerTensors:
-    """One decoder layer's bf16 weights, as the per-op path uses them (fused qkv and gate/up)."""
+    """One decoder layer's weights, as the per-op path uses them (fused qkv and gate/up)."""
 
     input_norm: torch.Tensor
     qkv: torch.Tensor
@@ -80,23 +85,44 @@ class LayerTensors:
     down_bias: torch.Tensor | None
 
 
-def max_rows() -> int:
-    """The most rows a step may have here: as many as the per-op path multiplies natively
-    (AMX tiles, or one or two rows of ``vdpbf16ps``); 0 without those kernels."""
-    if not cpu_native.bf16_dot():
+def max_rows(dtype: torch.dtype) -> int:
+    """The most rows a step in ``dtype`` may have here: as many as the per-op path multiplies
+    natively (float32 register tiles; bf16 AMX tiles, or one or two rows of ``vdpbf16ps``);
+    0 without those kernels."""
+    if dtype == torch.float32:
+        return SMALL_LINEAR_MAX_ROWS if cpu_native.vector_width() is not None else 0
+    if dtype != torch.bfloat16 or not cpu_native.bf16_dot():
         return 0
     return AMX_LINEAR_MAX_ROWS if cpu_native.amx() else BF16_SMALL_LINEAR_MAX_ROWS
 
 
-def _pointer(tensor: torch.Tensor | None) -> int | None:
+def _pointer(tensor: torch.Tensor | None, dtype: torch.dtype) -> int | None:
     if tensor is None:
         return None
-    assert tensor.is_contiguous() and tensor.dtype == torch.bfloat16
+    assert tensor.is_contiguous() and tensor.dtype == dtype
     return tensor.data_ptr()
 
 
+class StackWeights:
+    """Every layer's weight pointers in the C layout, gathered once (not once per step).
+
+    NOTE: it points into the tensors it holds, so it stays valid while they are written in
+    place (as loaders do); whoever replaces a weight tensor builds a new one.
+    """
+
+    def __init__(self, layers: Sequence[LayerTensors], dtype: torch.dtype) -> None:
+        self.layers = tuple(layers)
+        self.dtype = dtype
+        self.intermediate_size = self.layers[0].gate_up.shape[0] // 2
+        self.array = (_LayerWeights * len(self.layers))()
+        for entry, layer in zip(self.array, self.layers, strict=True):
+            for name in _WEIGHTS:
+                setattr(entry, name, _pointer(getattr(layer, name), dtype))
+
+
 def run(
-    layers: Sequence[LayerTensors],
+    weights: StackWeights,
+    num_layers: int,
     embeddings: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
@@ -105,44 +131,41 @@ def run(
     kv_cache: torch.Tensor,
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(last layer's MLP output, residual stream)`` after ``layers``, as the per-op loop
-    returns them; ``embeddings [rows, hidden]`` (bf16, contiguous) become the residual stream.
+    """``(last layer's MLP output, residual stream)`` after the first ``num_layers`` layers
+    of ``weights``, as the per-op loop returns them; ``embeddings [rows, hidden]``
+    (contiguous, the weights' dtype) become the residual stream.
 
     ``attention`` is the step's layout (``CpuBackend.native_layout``), ``slots`` its int64
-    cache slots, ``kv_cache`` the whole cache (layer ``i`` of ``layers`` is its layer ``i``),
+    cache slots, ``kv_cache`` the whole cache (layer ``i`` of ``weights`` is its layer ``i``),
     ``cos``/``sin`` the rows' rotary tables ``[rows, 1, head_dim / 2]``.
     """
     library = cpu_native.load()
     assert library is not None and embeddings.is_contiguous()
+    assert embeddings.dtype == weights.dtype and 0 < num_layers <= len(weights.layers)
     rows, hidden_size = embeddings.shape
-    weights = (_LayerWeights * len(layers))()
-    for entry, layer in zip(weights, layers, strict=True):
-        for name in _WEIGHTS:
-            setattr(entry, name, _pointer(getattr(layer, name)))
-    first = layers[0]
-    head_dim = attention.head_dim
     hidden = torch.empty_like(embeddings)
     stack = _DecoderStack(
-        num_layers=len(layers),
+        num_layers=num_layers,
         rows=rows,
         hidden_size=hidden_size,
         num_heads=attention.num_heads,
         num_kv_heads=attention.num_kv_heads,
-        head_dim=head_dim,
-        intermediate_size=first.gate_up.shape[0] // 2,
+        head_dim=attention.head_dim,
+        intermediate_size=weights.intermediate_size,
         threads=torch.get_num_threads(),
         eps=eps,
+        is_bf16=embeddings.dtype == torch.bfloat16,
         layer_stride=kv_cache.stride(1),
-        layers=weights,
+        layers=weights.array,
         attn=ctypes.pointer(attention),
         slots=slots.data_ptr(),
         kv=kv_cache.data_ptr(),
-        cos=_pointer(cos),
-        sin=_pointer(sin),
+        cos=_pointer(cos, embeddings.dtype),
+        sin=_pointer(sin, embeddings.dtype),
         hidden=hidden.data_ptr(),
         residual=embeddings.data_ptr(),
     )
-    status = library.ragserve_decoder_stack_bf16(ctypes.byref(stack))
+    status = library.ragserve_decoder_stack(ctypes.byref(stack))
     if status == -2:
         raise MemoryError(f"no memory for the native decoder layers of a {rows}-row step")
     if status != 0:

@@ -180,8 +180,8 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
     library.ragserve_small_linear_bf16.restype = ctypes.c_int
     library.ragserve_amx_linear_bf16.argtypes = library.ragserve_small_linear.argtypes
     library.ragserve_amx_linear_bf16.restype = ctypes.c_int
-    library.ragserve_decoder_stack_bf16.argtypes = [pointer]
-    library.ragserve_decoder_stack_bf16.restype = ctypes.c_int
+    library.ragserve_decoder_stack.argtypes = [pointer]
+    library.ragserve_decoder_stack.restype = ctypes.c_int
     library.ragserve_vector_width.restype = ctypes.c_int
     library.ragserve_bf16_dot.restype = ctypes.c_int
     library.ragserve_amx.restype = ctypes.c_int

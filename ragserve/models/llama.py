@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import cpu_layer_ops
+from kernels.cpu_decoder_stack import StackWeights
 from kernels.cpu_linear import (
     can_pack,
     pack_weight,
@@ -350,8 +351,10 @@ class LlamaModel(nn.Module):
             for i in range(shape.num_layers)
         )
         self.norm = RMSNorm(shape.hidden_size, config.rms_norm_eps, device=device, dtype=dtype)
-        # Whether small bf16 CPU steps may run the layers in one native call (native_layers.py).
+        # Whether small CPU steps may run the layers in one native call (native_layers.py),
+        # and the weight pointers that call takes, gathered on first use.
         self.native_shapes = shapes_fit(shape, flags.qk_norm, quantization)
+        self.native_weights: StackWeights | None = None
         inv_freq, attention_scaling = compute_inv_freq(
             rope_parameters(config), shape.head_dim, int(config.max_position_embeddings)
         )
@@ -491,14 +494,17 @@ class LlamaForCausalLM(nn.Module):
         return F.linear(hidden, weight).float()
 
     def pack_cpu_weights(self) -> None:
-        """Prepack every bf16 CPU projection and the LM head (``kernels/cpu_linear.py``).
+        """Prepack every bf16 CPU projection and the LM head (``kernels/cpu_linear.py``),
+        and forget the native layers' weight pointers (``native_layers.py``).
 
-        A no-op for other dtypes and devices. ``load_weights`` calls it; call it again after
-        writing weights any other way. Costs one extra copy of those weights in memory.
+        Packing is a no-op for other dtypes and devices. ``load_weights`` calls it; call it
+        again after writing weights any other way. Costs one extra copy of those weights in
+        memory.
         """
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack_for_cpu()
+        self.model.native_weights = None  # gathered again from the weights as they are now
         tied = self.model.embed_tokens.weight if self.lm_head is None else None
         self._packed_tied_head = pack_weight(tied) if tied is not None and can_pack(tied) else None
 

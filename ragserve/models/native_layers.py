@@ -1,11 +1,12 @@
-"""Small bf16 CPU steps through the decoder layers in one native call.
+"""Small CPU steps through the decoder layers in one native call.
 
 A decode step or a short question on the CPU is a few microseconds of work per kernel and
 hundreds of kernels; the Python between them (module calls, views, allocations) took a
 quarter of a batch-1 step of SmolLM2. Where a step's rows are few enough for the native
 products (``kernels/cpu_decoder_stack.py``), the layers run in one call instead: the same
-kernels in the same order, so the results are bit-identical to the per-op path, which stays
-the path for everything else (prefill chunks, float32, FP8, Qwen3's q/k norms, GPUs).
+kernels in the same order, so the results are bit-identical to the per-op path (float32
+stays token-identical to transformers), which stays the path for everything else (prefill
+chunks, float16, FP8, Qwen3's q/k norms, GPUs).
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ if TYPE_CHECKING:
 
 
 def shapes_fit(shape: ModelShape, qk_norm: bool, quantization: str) -> bool:
-    """Whether a model of this shape can ever take the native layers: plain bf16 projections
-    (no FP8), no q/k norms, and every product's inner size a multiple of 32 (bf16 pairs)."""
+    """Whether a model of this shape can ever take the native layers: plain projections (no
+    FP8), no q/k norms, and every product's inner size a multiple of 32 (bf16 pairs, and a
+    multiple of any vector width for float32)."""
     sizes = (
         shape.hidden_size,
         shape.num_heads * shape.head_dim,
@@ -67,9 +69,8 @@ def run_native_layers(
         count < 1
         or not model.native_shapes
         or rotation.fused
-        or embeddings.dtype != torch.bfloat16
         or embeddings.device.type != "cpu"
-        or not 0 < rows <= cpu_decoder_stack.max_rows()
+        or not 0 < rows <= cpu_decoder_stack.max_rows(embeddings.dtype)
     ):
         return None
     context = get_forward_context()
@@ -83,8 +84,15 @@ def run_native_layers(
     if layout is None:
         return None
     params, slots = layout
+    weights = model.native_weights
+    if weights is None or weights.dtype != embeddings.dtype:
+        weights = cpu_decoder_stack.StackWeights(
+            [_tensors(layer) for layer in layers], embeddings.dtype
+        )
+        model.native_weights = weights
     hidden, residual = cpu_decoder_stack.run(
-        [_tensors(layer) for layer in layers[:count]],
+        weights,
+        count,
         embeddings,
         rotation.cos,
         rotation.sin,

@@ -1,4 +1,4 @@
-"""Small bf16 CPU steps run the decoder layers in one native call, bit-identical to the
+"""Small CPU steps run the decoder layers in one native call, bit-identical to the
 per-op path: the same hidden states and the same K/V written, for decode steps of one,
 two and several sequences, and for a short question whose last layer computes one row."""
 
@@ -24,11 +24,6 @@ BLOCK_SIZE = 16
 NUM_BLOCKS = 64
 # head_dim 32: the native products take inner sizes in multiples of 32
 SHAPE = {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2}
-
-needs_native_bf16 = pytest.mark.skipif(
-    cpu_decoder_stack.max_rows() == 0,
-    reason="no native bf16 products on this CPU (AVX-512 BF16)",
-)
 
 
 def _sequence(seq_id: int, num_tokens: int, first_block: int) -> Sequence:
@@ -69,30 +64,39 @@ def _step_both_ways(runner: ModelRunner, seqs: list[Sequence], num_new: list[int
     return took is not None
 
 
-@needs_native_bf16
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("arch", ["llama", "llama-bias"])
-def test_native_layers_match_the_per_op_path(tmp_path: Path, arch: str) -> None:
-    model = load_model(make_tiny_model(tmp_path, arch, **SHAPE), dtype="bfloat16").model
+def test_native_layers_match_the_per_op_path(tmp_path: Path, arch: str, dtype: torch.dtype) -> None:
+    most = cpu_decoder_stack.max_rows(dtype)
+    if most == 0:
+        pytest.skip(f"no native {dtype} products on this CPU (bf16: AVX-512 BF16)")
+    model = load_model(make_tiny_model(tmp_path, arch, **SHAPE), dtype=dtype).model
     assert model.model.native_shapes
     shape = (NUM_BLOCKS, model.num_layers, 2, BLOCK_SIZE, model.num_kv_heads, model.head_dim)
-    kv_cache = torch.zeros(shape, dtype=torch.bfloat16)
+    kv_cache = torch.zeros(shape, dtype=dtype)
     runner = ModelRunner(model, kv_cache, CpuBackend(), BLOCK_SIZE, torch.device("cpu"))
     seqs = [_sequence(i, 40 + 3 * i, 4 * i) for i in range(6)]
 
-    # Prompts of 40+ rows take the per-op path (more rows than the native products).
+    # Prompts of 285 rows take the per-op path (more rows than the native products).
     assert not _step_both_ways(runner, seqs, [seq.num_tokens for seq in seqs])
     for seq in seqs:
         seq.token_ids.append(7)
-    # One decode, then two, then four sequences (four: AMX tiles, where the CPU has them).
+    # One decode, then two, then four sequences (bf16 four: AMX tiles, where the CPU has them).
     assert _step_both_ways(runner, seqs[:1], [1])
     seqs[0].token_ids.append(8)
     assert _step_both_ways(runner, seqs[:2], [1, 1])
-    assert _step_both_ways(runner, seqs[2:], [1, 1, 1, 1]) == (cpu_decoder_stack.max_rows() >= 4)
+    assert _step_both_ways(runner, seqs[2:], [1, 1, 1, 1]) == (most >= 4)
     # A short question on a cached document: only its last row is sampled, so the last
     # layer runs per op (one row) after the native layers.
     question = _sequence(9, 60, 40)
     question.num_computed_tokens = 48
-    assert _step_both_ways(runner, [question], [12]) == (cpu_decoder_stack.max_rows() >= 12)
+    assert _step_both_ways(runner, [question], [12]) == (most >= 12)
+
+    # The weight pointers are gathered once, and again after the weights are rewritten.
+    gathered = model.model.native_weights
+    assert gathered is not None and gathered.dtype == dtype
+    model.pack_cpu_weights()
+    assert model.model.native_weights is None
 
 
 def test_shapes_that_cannot_take_the_native_layers() -> None:
