@@ -815,9 +815,11 @@ static void run_small_amx(const AttnParams *p, const Operands *ops, const Item *
     for (int64_t kc = it->k0; kc < it->k1; kc += KC) {
         const int n = (int)(it->k1 - kc < KC ? it->k1 - kc : KC);
         const int npad = (n + VL - 1) / VL * VL, kpad = (n + 31) / 32 * 32;
-        const int64_t next_end = kc + n + KC < it->k1 ? kc + n + KC : it->k1;
         for (int h = 0; h < it->kv_heads; h++) {
-            chunk_rows(p, ops, si.table, it->kv_head + h, kc, n, next_end, 1, w);
+            /* NOTE: no software prefetch of the next chunk here: the hardware prefetchers
+             * keep up with these short passes over whole blocks, and the prefetches only
+             * queued behind them (decodes 32 x 300 took 0.38 ms a layer with, 0.32 without). */
+            chunk_rows(p, ops, si.table, it->kv_head + h, kc, n, kc + n, 1, w);
             /* NOTE: pairs past the chunk meet probabilities 0, but 0 * NaN is NaN: zero them. */
             for (int i = (n + 1) / 2; i < kpad / 2; i++) memset(w->vp + (int64_t)i * D, 0, sizeof(uint32_t) * (size_t)D);
             const uint32_t *qh = w->qh + (int64_t)h * (D / 2) * 16;
