@@ -23,7 +23,13 @@ from tqdm import tqdm
 
 from ragserve.bench.common import random_prompts, write_json
 from ragserve.bench.cpu_engines import find_tcmalloc, make_variants, run_variant
-from ragserve.bench.cpu_floors import DTYPES, cpu_features, floors, measure_ceilings
+from ragserve.bench.cpu_floors import (
+    DTYPES,
+    best_ceilings,
+    cpu_features,
+    floors,
+    measure_ceilings,
+)
 from ragserve.bench.cpu_report import print_summary, summarize
 from ragserve.bench.cpu_workload import (
     Workload,
@@ -153,9 +159,10 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
         print(note, flush=True)
 
     features = cpu_features()
-    ceilings = measure_ceilings(*((2, 1024) if args.quick else (5, 2048)))
+    ceiling_shape = (2, 1024) if args.quick else (5, 2048)
+    ceilings = measure_ceilings(*ceiling_shape)
     rows = [*ceilings.items(), *features.items()]
-    print_table("this CPU's ceilings", ["figure", "value"], rows)
+    print_table("this CPU's ceilings (before the first round)", ["figure", "value"], rows)
     payload: dict[str, Any] = {
         "workload": dataclasses.asdict(workload),
         "shape": dataclasses.asdict(shape),
@@ -181,16 +188,19 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
             spec_path = work / f"spec-{dtype}.json"
             spec = _spec(config, dtype, workload, shape.vocab_size, vllm_dir)
             spec_path.write_text(json.dumps(spec))
-            floor = floors(shape, workload, dtype, ceilings)
             runs: dict[str, list[dict[str, Any]]] = {v.name: [] for v in variants}
             result: dict[str, Any] = {
                 "ragserve_config": spec["ragserve_config"],
                 "vllm_settings": spec["vllm_settings"] if vllm_dir else None,
-                "floors": floor,
                 "runs": runs,
             }
             payload["results"][dtype] = result
             for round_index in range(args.rounds):
+                if round_index > 0:
+                    # NOTE: the floors come from the quietest minute the ceilings met, as the
+                    # figures are each engine's best: a busy minute's ceilings would put the
+                    # floors above what the engines reach in quiet ones.
+                    ceilings = best_ceilings(ceilings, measure_ceilings(*ceiling_shape))
                 for variant in variants:
                     bar.set_postfix_str(f"{dtype} {variant.name} round {round_index + 1}")
                     done_before = bar.n
@@ -213,12 +223,19 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
                             f"log: {log_path}\n{outcome.get('log_tail', '')[-1500:]}"
                         )
                     write_json(args.out, payload, quiet=True)
+            floor = result["floors"] = floors(shape, workload, dtype, ceilings)
+            payload["ceilings"] = ceilings
             result["summary"] = summarize(runs, floor, workload.ttft_lengths)
             result["agreement_with_ragserve"] = {
                 v.name: _agreement(runs, v.name) for v in variants if v.name != "ragserve"
             }
             for outcome in (r for rs in runs.values() for r in rs):
                 outcome.get("phases", {}).get("throughput", {}).pop("outputs", None)
+    print_table(
+        "this CPU's ceilings: the best before any round, under the floors",
+        ["figure", "value"],
+        list(payload["ceilings"].items()),
+    )
     for dtype, result in payload["results"].items():
         title = (
             f"ragserve bench cpu, {dtype}: the best of {args.rounds} round(s) of "

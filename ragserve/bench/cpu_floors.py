@@ -50,6 +50,12 @@ def measure_ceilings(repeats: int = 5, size: int = 2048) -> dict[str, float]:
     return ceilings
 
 
+def best_ceilings(*measured: dict[str, float]) -> dict[str, float]:
+    """Each ceiling's highest value over several measurements (on a shared host, the
+    quietest minute's)."""
+    return {key: max(m[key] for m in measured) for key in measured[0]}
+
+
 def cpu_features() -> dict[str, Any]:
     """What decides the bf16 figures: the vector ISA torch uses and oneDNN's native bf16."""
     return {
