@@ -15,31 +15,20 @@ import torch
 
 from kernels.interface import AttentionBackend
 from kernels.reference import ReferenceBackend
-from kvstore.kv_cache_manager import KVAllocation
 from ragserve.engine.model_runner import ModelRunner
 from ragserve.engine.sequence import Sequence
 from ragserve.models.forward_context import ForwardContext, forward_context
 from ragserve.models.loader import load_model
-from ragserve.sampling_params import SamplingParams
 from tests.model_factory import make_tiny_model
+from tests.sequences import random_sequence
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 32
 
 
 def _sequence(seq_id: int, num_tokens: int, first_block: int) -> Sequence:
-    generator = torch.Generator().manual_seed(seq_id)
     num_blocks = -(-(num_tokens + 1) // BLOCK_SIZE)  # room for one decoded token
-    return Sequence(
-        seq_id=seq_id,
-        request_id=f"request-{seq_id}",
-        index=0,
-        token_ids=torch.randint(3, 120, (num_tokens,), generator=generator).tolist(),
-        num_prompt_tokens=num_tokens,
-        params=SamplingParams(max_tokens=1),
-        kv=KVAllocation(salt=b"", block_table=list(range(first_block, first_block + num_blocks))),
-        detokenizer=None,
-    )
+    return random_sequence(seq_id, num_tokens, list(range(first_block, first_block + num_blocks)))
 
 
 def _run_both_ways(

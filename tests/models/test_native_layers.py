@@ -11,14 +11,13 @@ import torch
 
 from kernels import cpu_decoder_stack
 from kernels.cpu_backend import CpuBackend
-from kvstore.kv_cache_manager import KVAllocation
 from ragserve.engine.model_runner import ModelRunner
 from ragserve.engine.sequence import Sequence
 from ragserve.models.forward_context import ForwardContext, forward_context
 from ragserve.models.loader import load_model
 from ragserve.models.native_layers import run_native_layers, shapes_fit
-from ragserve.sampling_params import SamplingParams
 from tests.model_factory import make_tiny_model
+from tests.sequences import random_sequence
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 64
@@ -27,17 +26,7 @@ SHAPE = {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2}
 
 
 def _sequence(seq_id: int, num_tokens: int, first_block: int) -> Sequence:
-    generator = torch.Generator().manual_seed(seq_id)
-    return Sequence(
-        seq_id=seq_id,
-        request_id=f"request-{seq_id}",
-        index=0,
-        token_ids=torch.randint(3, 120, (num_tokens,), generator=generator).tolist(),
-        num_prompt_tokens=num_tokens,
-        params=SamplingParams(max_tokens=1),
-        kv=KVAllocation(salt=b"", block_table=list(range(first_block, first_block + 4))),
-        detokenizer=None,
-    )
+    return random_sequence(seq_id, num_tokens, list(range(first_block, first_block + 4)))
 
 
 def _step_both_ways(runner: ModelRunner, seqs: list[Sequence], num_new: list[int]) -> bool:
