@@ -17,11 +17,6 @@ from dataclasses import dataclass
 import torch
 
 from kernels import cpu_native
-from kernels.cpu_linear import (
-    AMX_LINEAR_MAX_ROWS,
-    BF16_SMALL_LINEAR_MAX_ROWS,
-    SMALL_LINEAR_MAX_ROWS,
-)
 
 _WEIGHTS = (
     "input_norm",
@@ -83,17 +78,6 @@ class LayerTensors:
     gate_up_bias: torch.Tensor | None
     down: torch.Tensor
     down_bias: torch.Tensor | None
-
-
-def max_rows(dtype: torch.dtype) -> int:
-    """The most rows a step in ``dtype`` may have here: as many as the per-op path multiplies
-    natively (float32 register tiles; bf16 AMX tiles, or one or two rows of ``vdpbf16ps``);
-    0 without those kernels."""
-    if dtype == torch.float32:
-        return SMALL_LINEAR_MAX_ROWS if cpu_native.vector_width() is not None else 0
-    if dtype != torch.bfloat16 or not cpu_native.bf16_dot():
-        return 0
-    return AMX_LINEAR_MAX_ROWS if cpu_native.amx() else BF16_SMALL_LINEAR_MAX_ROWS
 
 
 def _pointer(tensor: torch.Tensor | None, dtype: torch.dtype) -> int | None:

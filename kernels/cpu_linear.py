@@ -79,12 +79,14 @@ BF16_SMALL_LINEAR_MAX_ROWS = 2
 AMX_LINEAR_MAX_ROWS = 32
 
 
-def _max_rows(dtype: torch.dtype) -> int:
+def max_rows(dtype: torch.dtype) -> int:
+    """The most rows of ``dtype`` that :func:`small_linear` multiplies natively here (float32
+    register tiles; bf16 AMX tiles, or one or two rows of ``vdpbf16ps``); 0 without them."""
     if dtype == torch.float32:
-        return SMALL_LINEAR_MAX_ROWS
-    if dtype == torch.bfloat16:
-        return AMX_LINEAR_MAX_ROWS if cpu_native.amx() else BF16_SMALL_LINEAR_MAX_ROWS
-    return 0
+        return SMALL_LINEAR_MAX_ROWS if cpu_native.vector_width() is not None else 0
+    if dtype != torch.bfloat16 or not cpu_native.bf16_dot():
+        return 0
+    return AMX_LINEAR_MAX_ROWS if cpu_native.amx() else BF16_SMALL_LINEAR_MAX_ROWS
 
 
 def small_linear_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -94,7 +96,7 @@ def small_linear_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     BF16_SMALL_LINEAR_MAX_ROWS rows, or AMX_LINEAR_MAX_ROWS where AMX runs."""
     if not (
         x.dim() == 2
-        and 0 < x.shape[0] <= _max_rows(x.dtype)
+        and 0 < x.shape[0] <= max_rows(x.dtype)
         and x.dtype == weight.dtype
         and x.device.type == weight.device.type == "cpu"
         and x.is_contiguous()
@@ -102,7 +104,7 @@ def small_linear_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     ):
         return False
     if x.dtype == torch.bfloat16:
-        return cpu_native.bf16_dot() and x.shape[1] % 32 == 0
+        return x.shape[1] % 32 == 0
     width = cpu_native.vector_width()
     return width is not None and x.shape[1] % width == 0
 

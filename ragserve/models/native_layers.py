@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kernels import cpu_decoder_stack
+from kernels import cpu_decoder_stack, cpu_linear
 from kernels.cpu_backend import CpuBackend
 from kernels.cpu_decoder_stack import LayerTensors
 from ragserve.models.forward_context import OutputRows, get_forward_context
@@ -70,7 +70,7 @@ def run_native_layers(
         or not model.native_shapes
         or rotation.fused
         or embeddings.device.type != "cpu"
-        or not 0 < rows <= cpu_decoder_stack.max_rows(embeddings.dtype)
+        or not 0 < rows <= cpu_linear.max_rows(embeddings.dtype)
     ):
         return None
     context = get_forward_context()

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import cpu_decoder_stack
+from kernels import cpu_linear
 from kernels.cpu_backend import CpuBackend
 from ragserve.engine.model_runner import ModelRunner
 from ragserve.engine.sequence import Sequence
@@ -56,7 +56,7 @@ def _step_both_ways(runner: ModelRunner, seqs: list[Sequence], num_new: list[int
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("arch", ["llama", "llama-bias"])
 def test_native_layers_match_the_per_op_path(tmp_path: Path, arch: str, dtype: torch.dtype) -> None:
-    most = cpu_decoder_stack.max_rows(dtype)
+    most = cpu_linear.max_rows(dtype)
     if most == 0:
         pytest.skip(f"no native {dtype} products on this CPU (bf16: AVX-512 BF16)")
     model = load_model(make_tiny_model(tmp_path, arch, **SHAPE), dtype=dtype).model
