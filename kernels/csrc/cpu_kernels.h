@@ -35,6 +35,8 @@ int ragserve_small_linear(int64_t rows, int64_t n_out, int64_t k_in, const float
                           const float *bias, float *out, int threads);
 int ragserve_small_linear_bf16(int64_t rows, int64_t n_out, int64_t k_in, const uint16_t *x, const uint16_t *w,
                                const uint16_t *bias, uint16_t *out, int threads);
+int ragserve_argmax_rows(int is_bf16, int64_t rows, int64_t cols, const void *x, int64_t stride, int64_t *out,
+                         int threads);
 int ragserve_amx_linear_bf16(int64_t rows, int64_t n_out, int64_t k_in, const uint16_t *x, const uint16_t *w,
                              const uint16_t *bias, uint16_t *out, int threads);
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import cpu_argmax
 from ragserve.outputs import Logprob
 from ragserve.sampling_params import SamplingParams
 
@@ -111,7 +112,7 @@ def sample_on_device(logits: torch.Tensor, requests: list[SampleRequest]) -> Dev
         device = logits.device
         rows = to_device_async(banned_rows, torch.int64, device)
         logits[rows, to_device_async(banned_ids, torch.int64, device)] = float("-inf")
-    tokens = logits.argmax(dim=-1)
+    tokens = cpu_argmax.argmax_rows(logits) if cpu_argmax.usable(logits) else logits.argmax(dim=-1)
     sampled = [row for row, r in enumerate(requests) if not r.params.greedy]
     if sampled:
         rows = to_device_async(sampled, torch.int64, logits.device)
