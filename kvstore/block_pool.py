@@ -49,6 +49,9 @@ class BlockPool:
         self._index: dict[BlockHash, int] = {}
         self._eviction_hooks: list[EvictionHook] = []
         self.num_evictions = 0
+        # One past the highest block ever handed out: a fresh pool hands blocks out in
+        # order, so the blocks from here on have never been written.
+        self.high_water = 0
 
     # -- queries ---------------------------------------------------------------------------
     @property
@@ -128,6 +131,7 @@ class BlockPool:
         for _ in range(count):
             block, _ = self._free.popitem(last=False)
             self._evict(block)
+            self.high_water = max(self.high_water, block + 1)
             self.ref_counts[block] = 1
             blocks.append(block)
         return blocks

@@ -18,6 +18,7 @@ from kvstore.block_pool import BlockPool
 from kvstore.device_cache import KVCacheSpec
 from kvstore.hashing import hash_full_blocks, make_salt
 from kvstore.kv_cache_manager import KVAllocation, KVCacheManager
+from kvstore.pool_prefault import PoolPrefaulter
 from kvstore.segments import Segment, segment_salt
 from ragserve.config import EngineConfig
 from ragserve.devices import resolve_device
@@ -103,6 +104,8 @@ class LLMEngine:
         # NOTE: before the tiers open: a refused cache leaves no worker thread behind.
         backend.check_kv_cache(self.kv_cache)
         self.block_pool = BlockPool(num_blocks)
+        # The OS maps a CPU pool's pages lazily: map them before the steps write them.
+        self.prefaulter = PoolPrefaulter(self.kv_cache) if self.device.type == "cpu" else None
         self.tiers = open_tiers(config, self.kv_cache, self.block_pool)
         self.kv_manager = KVCacheManager(
             self.block_pool,
@@ -157,9 +160,12 @@ class LLMEngine:
         )
 
     def background_work(self) -> None:
-        """Cheap upkeep run before each step and while idle: queue pending disk writes."""
+        """Cheap upkeep run before each step and while idle: queue pending disk writes, and
+        keep the CPU pool's pages mapped ahead of the blocks in use."""
         if self.tiers is not None:
             self.tiers.drain_backlog()
+        if self.prefaulter is not None:
+            self.prefaulter.keep_ahead_of(self.block_pool.high_water)
 
     def shutdown(self) -> None:
         """Abort what is running, then flush queued disk-tier writes and close the tiers."""
@@ -168,6 +174,8 @@ class LLMEngine:
         if self.tiers is not None:
             self.tiers.close()
             self.tiers = None
+        if self.prefaulter is not None:
+            self.prefaulter.close()
 
     def prepare_thread(self) -> None:
         """Build what the calling thread keeps for itself, before it steps the engine.
@@ -492,6 +500,8 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return None
+        if self.prefaulter is not None:
+            self.prefaulter.map_through(self.block_pool.high_water)
         logits = self.runner.execute(batch.seqs, batch.num_new_tokens)
         self.stats.steps += 1
         self._track_kv_utilisation(batch.seqs, batch.num_new_tokens)

@@ -32,6 +32,17 @@ def run_prefill(
     return alloc, cached
 
 
+def test_high_water_marks_the_blocks_ever_handed_out() -> None:
+    pool = BlockPool(8)
+    assert pool.high_water == 0
+    first = pool.allocate(3)
+    assert first == [0, 1, 2] and pool.high_water == 3  # a fresh pool hands blocks out in order
+    pool.release(first)
+    assert pool.allocate(2) == [3, 4] and pool.high_water == 5  # never-used blocks first
+    pool.allocate(3)  # the fresh blocks 5-7
+    assert pool.allocate(2) == [0, 1] and pool.high_water == 8  # then the released ones
+
+
 def test_chain_hash_depends_on_prefix_salt_and_tokens() -> None:
     a = hash_full_blocks(SALT, [1, 2, 3, 4, 5, 6, 7, 8], BLOCK)
     b = hash_full_blocks(SALT, [9, 2, 3, 4, 5, 6, 7, 8], BLOCK)
