@@ -1,4 +1,5 @@
-"""Keep transparent huge pages off a large array whose pages are first written while serving.
+"""``madvise`` for the CPU KV pool, and keeping transparent huge pages off a large array
+whose pages are first written while serving.
 
 NumPy advises the kernel to back every large array with 2 MB pages (``MADV_HUGEPAGE``).
 Where the system's THP defrag setting is ``madvise`` (a common default), the first write
@@ -15,6 +16,7 @@ import ctypes
 import logging
 import mmap
 import sys
+from typing import Any
 
 import numpy as np
 
@@ -23,17 +25,25 @@ logger = logging.getLogger(__name__)
 _MADV_NOHUGEPAGE = 15  # <sys/mman.h> on Linux
 
 
-def advise_small_pages(array: np.ndarray) -> bool:
-    """Ask for 4 KB pages on the whole pages inside ``array``'s memory, before it is
-    touched. False where the platform has no ``madvise`` or refuses (nothing changes then)."""
-    if not sys.platform.startswith("linux") or array.nbytes < mmap.PAGESIZE:
-        return False
+def libc_madvise() -> Any:
+    """The C library's ``madvise(addr, length, advice)`` (errno kept), or None off Linux."""
+    if not sys.platform.startswith("linux"):
+        return None
     try:
         madvise = ctypes.CDLL(None, use_errno=True).madvise
     except (AttributeError, OSError):
-        return False
+        return None
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     madvise.restype = ctypes.c_int
+    return madvise
+
+
+def advise_small_pages(array: np.ndarray) -> bool:
+    """Ask for 4 KB pages on the whole pages inside ``array``'s memory, before it is
+    touched. False where the platform has no ``madvise`` or refuses (nothing changes then)."""
+    madvise = libc_madvise()
+    if madvise is None or array.nbytes < mmap.PAGESIZE:
+        return False
     start = array.ctypes.data
     first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
     end = (start + array.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE

@@ -23,30 +23,18 @@ import ctypes
 import logging
 import mmap
 import os
-import sys
 import threading
 import weakref
-from typing import Any
 
 import torch
+
+from kvstore.page_advice import libc_madvise
 
 logger = logging.getLogger(__name__)
 
 _MADV_POPULATE_WRITE = 23  # <linux/mman.h>, Linux 5.14+
 CHUNK_BYTES = 1 << 20  # mapped per call by the idle thread: bounds how long it holds the mm lock
 AHEAD_BYTES = 512 << 20  # mapped past the high-water mark at most
-
-
-def _madvise() -> Any:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-    except (AttributeError, OSError):
-        return None
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    madvise.restype = ctypes.c_int
-    return madvise
 
 
 class PoolPrefaulter:
@@ -69,7 +57,7 @@ class PoolPrefaulter:
         self._mapped = 0  # blocks [0, mapped) are
         self._closed = False
         self._cond = threading.Condition()
-        self._madvise = _madvise()
+        self._madvise = libc_madvise()
         self._thread: threading.Thread | None = None
         if self._madvise is not None and self._block_bytes > 0:
             self._thread = threading.Thread(
