@@ -475,6 +475,11 @@ class LLMEngine:
         outputs = self._finish(launched)
         return [*self._take_failed(), *outputs]
 
+    def _map_new_blocks(self) -> None:
+        """Map the CPU pool's pages of the blocks this step was given, before it writes them."""
+        if self.prefaulter is not None:
+            self.prefaulter.map_through(self.block_pool.high_water)
+
     def _take_failed(self) -> list[RequestOutput]:
         failed, self._failed = self._failed, []
         return failed
@@ -500,8 +505,7 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return None
-        if self.prefaulter is not None:
-            self.prefaulter.map_through(self.block_pool.high_water)
+        self._map_new_blocks()
         logits = self.runner.execute(batch.seqs, batch.num_new_tokens)
         self.stats.steps += 1
         self._track_kv_utilisation(batch.seqs, batch.num_new_tokens)
@@ -567,6 +571,7 @@ class LLMEngine:
         token_ids = launched.samples.token_ids
         if rows != list(range(len(token_ids))):
             token_ids = token_ids[to_device_async(rows, torch.int64, token_ids.device)]
+        self._map_new_blocks()
         logits = self.runner.execute(seqs, [1] * len(seqs), next_token_ids=token_ids)
         ahead = self._sample(logits, seqs, ahead=1)
         return ahead if ahead.samples is not None else None

@@ -81,7 +81,9 @@ def test_blocks_are_mapped_through_the_high_water_mark_and_keep_their_contents()
 
 def test_the_idle_thread_maps_ahead_of_the_mark_and_no_further() -> None:
     pool = fresh_pool(512)
+    before = set(threading.enumerate())
     prefaulter = PoolPrefaulter(pool, ahead_bytes=8 * SPEC.bytes_per_block)
+    (thread,) = set(threading.enumerate()) - before
     try:
         prefaulter.keep_ahead_of(4)
         assert wait_for(lambda: prefaulter.mapped_blocks == 12)
@@ -92,16 +94,17 @@ def test_the_idle_thread_maps_ahead_of_the_mark_and_no_further() -> None:
         assert all(mapped(pool, block) for block in range(512))
     finally:
         prefaulter.close()
-    assert not any(t.name == "ragserve-kv-prefault" and t.is_alive() for t in threading.enumerate())
+    assert not thread.is_alive()
 
 
 def test_a_pool_dropped_without_close_ends_its_thread() -> None:
     pool = fresh_pool(8)
+    before = set(threading.enumerate())
     PoolPrefaulter(pool, ahead_bytes=0)
-    before = [t for t in threading.enumerate() if t.name == "ragserve-kv-prefault"]
+    (thread,) = set(threading.enumerate()) - before
     del pool
     gc.collect()
-    assert wait_for(lambda: not any(t.is_alive() for t in before), timeout=5.0)
+    assert wait_for(lambda: not thread.is_alive(), timeout=5.0)
 
 
 def test_the_cpu_engine_maps_the_blocks_its_steps_use() -> None:
