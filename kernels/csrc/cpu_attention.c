@@ -366,39 +366,40 @@ static void run_tile(const AttnParams *p, const Operands *ops, const Item *it, W
 }
 
 #if HAVE_AMX
-/* Score j of 16 rows from r of S^T, -inf past each row's last visible key when `masked`. */
-static inline vf masked_score(const Work *w, int64_t kc, int j, int rpad, int r, vi lim, int masked) {
-    vf s = loadu(w->st + (int64_t)j * rpad + r);
+/* Score j of the block's 16 rows from column c of S^T, -inf past each row's last visible key
+ * when `masked`. */
+static inline vf masked_score(const Work *w, int64_t kc, int j, int c, vi lim, int masked) {
+    vf s = loadu(w->st + (int64_t)j * AMX_BLOCK_ROWS + c);
     return masked ? vselect((vi){0} + (int32_t)(kc + j) <= lim, s, splat(-INFINITY)) : s;
 }
 
-/* exp2(scale * s - ref) of 16 rows [r, r + 16) over the chunk's first nk keys (masked past
- * each row's position when `masked`), written as bf16 pairs into pp (zero up to kpad keys)
- * and summed into *sum; returns the rows' largest unscaled score. */
-static inline vf exp_pass(Work *w, int64_t kc, int nk, int kpad, int r, int rpad, vi lim, int masked, float scale,
-                          vf ref, vf *sum) {
+/* exp2(scale * s - ref) of the block's 16 rows from column c over the chunk's first nk keys
+ * (masked past each row's position when `masked`), written as bf16 pairs into pp (zero up to
+ * kpad keys) and summed into *sum; returns the rows' largest unscaled score. */
+static inline vf exp_pass(Work *w, int64_t kc, int nk, int kpad, int c, vi lim, int masked, float scale, vf ref,
+                          vf *sum) {
     vf acc[2] = {splat(0.0f), splat(0.0f)}, top = splat(-INFINITY), zero = splat(0.0f);
     for (int j = 0; j < kpad; j += 2) {
         vf e[2];
         for (int h = 0; h < 2; h++) {
             e[h] = zero;
             if (j + h >= nk) continue;
-            const vf score = masked_score(w, kc, j + h, rpad, r, lim, masked);
+            const vf score = masked_score(w, kc, j + h, c, lim, masked);
             top = vmax(top, score);
             e[h] = (vf)exp2_softmax((__m512)(score * scale - ref));
             if (masked) e[h] = vselect((vi){0} + (int32_t)(kc + j + h) <= lim, e[h], zero);
             acc[h] += e[h];
         }
-        *(vpair *)(w->pp + (int64_t)(j / 2) * rpad + r) = round_pairs(e[0], e[1]);
+        *(vpair *)(w->pp + (int64_t)(j / 2) * AMX_BLOCK_ROWS + c) = round_pairs(e[0], e[1]);
     }
     *sum = acc[0] + acc[1];
     return top;
 }
 
-/* The online softmax of 32 rows [r0, r0 + 32) over the chunk's first nk keys (S^T unscaled in
- * st, masked past each row's position when `masked`): m/l/alpha updated, the probabilities
- * written straight into bf16 pairs pp (zero up to kpad keys). Returns whether any row's
- * reference moved, i.e. whether O^T needs rescaling by alpha.
+/* The online softmax of the row block [r0, r0 + 32) over the chunk's first nk keys (the block's
+ * S^T unscaled in st, masked past each row's position when `masked`): m/l/alpha updated, the
+ * probabilities written straight into the block's bf16 pairs pp (zero up to kpad keys).
+ * Returns whether any row's reference moved, i.e. whether O^T needs rescaling by alpha.
  *
  * NOTE: a row's reference m moves only when the chunk's max passes it by more than
  * LAZY_RESCALE (base 2), so probabilities stay below 2^LAZY_RESCALE, far inside float32's
@@ -407,14 +408,15 @@ static inline vf exp_pass(Work *w, int64_t kc, int nk, int kpad, int r, int rpad
  * reference already take their exponentials against it in one pass over the scores, which
  * finds the max on the way; only if that max moves a reference is the pass run again. */
 #define LAZY_RESCALE 8.0f
-static int block_softmax_pairs(Work *w, int64_t kc, int nk, int kpad, int r0, int rpad, int masked, float scale) {
+static int block_softmax_pairs(Work *w, int64_t kc, int nk, int kpad, int r0, int masked, float scale) {
     int moved = 0;
-    for (int r = r0; r < r0 + 32; r += VL) {
+    for (int c = 0; c < AMX_BLOCK_ROWS; c += VL) {
+        const int r = r0 + c;
         const vi lim = *(const viu *)(w->lim + r);
         vf m = loadu(w->m + r), l = loadu(w->l + r), sum;
         vf alpha = splat(1.0f), mx = splat(-INFINITY);
         const int seen = _mm512_cmp_ps_mask((__m512)m, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ) == 0;
-        if (seen) mx = exp_pass(w, kc, nk, kpad, r, rpad, lim, masked, scale, m, &sum) * scale;
+        if (seen) mx = exp_pass(w, kc, nk, kpad, c, lim, masked, scale, m, &sum) * scale;
         const vi moves = mx > m + LAZY_RESCALE; /* false where both are -inf: nothing seen yet */
         if (!seen || _mm512_test_epi32_mask((__m512i)moves, (__m512i)moves) != 0) {
             if (!seen) {
@@ -422,12 +424,12 @@ static int block_softmax_pairs(Work *w, int64_t kc, int nk, int kpad, int r0, in
                 vf m0 = splat(-INFINITY), m1 = m0, m2 = m0, m3 = m0;
                 int j = 0;
                 for (; j + 4 <= nk; j += 4) {
-                    m0 = vmax(m0, masked_score(w, kc, j, rpad, r, lim, masked));
-                    m1 = vmax(m1, masked_score(w, kc, j + 1, rpad, r, lim, masked));
-                    m2 = vmax(m2, masked_score(w, kc, j + 2, rpad, r, lim, masked));
-                    m3 = vmax(m3, masked_score(w, kc, j + 3, rpad, r, lim, masked));
+                    m0 = vmax(m0, masked_score(w, kc, j, c, lim, masked));
+                    m1 = vmax(m1, masked_score(w, kc, j + 1, c, lim, masked));
+                    m2 = vmax(m2, masked_score(w, kc, j + 2, c, lim, masked));
+                    m3 = vmax(m3, masked_score(w, kc, j + 3, c, lim, masked));
                 }
-                for (; j < nk; j++) m0 = vmax(m0, masked_score(w, kc, j, rpad, r, lim, masked));
+                for (; j < nk; j++) m0 = vmax(m0, masked_score(w, kc, j, c, lim, masked));
                 mx = vmax(vmax(m0, m1), vmax(m2, m3)) * scale;
             }
             const vi move = mx > m + LAZY_RESCALE;
@@ -436,7 +438,7 @@ static int block_softmax_pairs(Work *w, int64_t kc, int nk, int kpad, int r0, in
             alpha = vselect(move, vexp2(m - ref), splat(1.0f));
             moved |= _mm512_test_epi32_mask((__m512i)move, (__m512i)move) != 0;
             m = m_new;
-            exp_pass(w, kc, nk, kpad, r, rpad, lim, masked, scale, ref, &sum);
+            exp_pass(w, kc, nk, kpad, c, lim, masked, scale, ref, &sum);
         }
         storeu(w->m + r, m);
         storeu(w->l + r, l * alpha + sum);
@@ -457,11 +459,10 @@ typedef struct {
     int64_t *job_start; /* [num_seqs + 1]: first job of each sequence */
 } AmxPack;
 
-/* NOTE: V^T rows and the tiles' row-indexed buffers are padded by one cache line, so that
- * the 16 rows of an A or B tile do not all fall into one L1 set (rows 4 KiB apart would:
- * 2,048 keys of V^T, or 256 rows of S^T, thrashed L1 in every tile product). */
+/* NOTE: V^T rows are padded by one cache line, so that the 16 rows of an A tile do not all
+ * fall into one L1 set (rows 4 KiB apart would: 2,048 keys of V^T thrashed L1 in every tile
+ * product). */
 static inline int64_t vt_stride(int64_t kpad) { return kpad + 32; }
-static inline int row_stride(int rpad) { return rpad + 16; }
 
 static inline int amx_tiles(const AttnParams *p, int s) {
     return (p->query_start[s + 1] - p->query_start[s]) * (p->num_heads / p->num_kv_heads) >= VL;
@@ -534,43 +535,83 @@ static void amx_pack_job(const AttnParams *p, const Operands *ops, const AmxPack
     amx_pack_vt(vrow, n, vs, D, (const uint16_t *)ZERO_ROW, pack->vt + pack->v_offset[s] + h * D * vs + j0);
 }
 
+/* A tile's queries for run_tile_amx: Q^T as bf16 pairs, row block by row block
+ * (qp + (r / 32) * (D / 2) * 32 holds block r / 32's [D / 2][32]), zero past `rows`; each
+ * row's last visible key in lim (INT32_MAX for padding), and m/l reset. 16 rows' pairs at a
+ * time go through one 16 x 16 transpose. */
+static void amx_tile_queries(const AttnParams *p, const Operands *ops, const Item *it, Work *w, int rows,
+                             int rpad) {
+    const int D = p->head_dim, group = p->num_heads / p->num_kv_heads;
+    const int32_t q_first = p->query_start[it->seq];
+    const int64_t context = p->seq_lens[it->seq] - (p->query_start[it->seq + 1] - q_first);
+    for (int r0 = 0; r0 < rpad; r0 += 16) {
+        const uint32_t *src[16];
+        for (int i = 0; i < 16; i++) {
+            const int r = r0 + i;
+            src[i] = r < rows ? (const uint32_t *)((const uint16_t *)ops->q +
+                                                   (q_first + it->t0 + r / group) * ops->q_token_stride +
+                                                   (int64_t)(it->kv_head * group + r % group) * D)
+                              : (const uint32_t *)ZERO_ROW;
+            w->lim[r] = r < rows ? (int32_t)(context + it->t0 + r / group) : INT32_MAX;
+        }
+        uint32_t *dst = w->qp + (int64_t)(r0 / AMX_BLOCK_ROWS) * (D / 2) * AMX_BLOCK_ROWS + r0 % AMX_BLOCK_ROWS;
+        for (int i0 = 0; i0 < D / 2; i0 += 16) {
+            __m512i t[16];
+            for (int i = 0; i < 16; i++) t[i] = _mm512_loadu_si512(src[i] + i0);
+            transpose_16x16(t);
+            for (int i = 0; i < 16; i++) _mm512_storeu_si512(dst + (int64_t)(i0 + i) * AMX_BLOCK_ROWS, t[i]);
+        }
+    }
+    for (int r = 0; r < rpad; r += VL) {
+        storeu(w->m + r, splat(-INFINITY));
+        storeu(w->l + r, splat(0.0f));
+    }
+}
+
 /* run_tile's work with both products on AMX tiles (cpu_amx.h) over the packed keys: each
  * 32-row block runs its products and softmax while its scores (32 rows x KC keys) stay in
- * L1. O is kept transposed in ot [D][rs] and turned into w->o [rows][D] at the end. */
+ * L1. A block's Q^T pairs and O^T lie contiguous (rows of 32 elements), and every block
+ * shares one S^T and one P buffer, so that a chunk's pass over the blocks keeps to a few
+ * KiB of each instead of walking strided columns of tile-wide arrays. O^T is turned into
+ * w->o [rows][D] at the end. */
 static void run_tile_amx(const AttnParams *p, const Operands *ops, const AmxPack *pack, const Item *it, Work *w,
                          int rows, int rpad) {
-    const int D = p->head_dim, rs = row_stride(rpad);
+    const int D = p->head_dim, block = D * AMX_BLOCK_ROWS; /* elements of a block's Q^T pairs or O^T */
     const float qscale = p->scale * LOG2E;
     const int64_t kpad = pack->kpad[it->seq], vs = vt_stride(kpad);
     const uint16_t *kb = pack->k + pack->offset[it->seq] + (int64_t)it->kv_head * kpad * D;
     const uint16_t *vt = pack->vt + pack->v_offset[it->seq] + (int64_t)it->kv_head * D * vs;
     float *ot = w->qt;
 
-    tile_queries(p, ops, it, w, rows, rpad, rs, 1);
-    memset(ot, 0, sizeof(float) * (size_t)D * rs);
+    amx_tile_queries(p, ops, it, w, rows, rpad);
+    memset(ot, 0, sizeof(float) * (size_t)D * rpad);
     amx_configure();
     for (int64_t kc = it->k0; kc < it->k1; kc += KC) {
         const int n = (int)(it->k1 - kc < KC ? it->k1 - kc : KC);
-        for (int r0 = 0; r0 < rpad; r0 += 32) {
+        for (int r0 = 0; r0 < rpad; r0 += AMX_BLOCK_ROWS) {
             /* Causal skip: keys past the block's last position need no product. */
-            const int last = r0 + 31 < rows ? r0 + 31 : rows - 1;
+            const int last = r0 + AMX_BLOCK_ROWS - 1 < rows ? r0 + AMX_BLOCK_ROWS - 1 : rows - 1;
             int64_t needed = w->lim[last] - kc + 1;
             const int nk = (int)(needed < 0 ? 0 : (needed > n ? n : needed));
             if (nk == 0) continue;
             const int keys = (nk + 31) / 32 * 32;
-            amx_qk(kb + kc * D, w->qp, w->st, r0, keys, rs, D);
-            if (block_softmax_pairs(w, kc, nk, keys, r0, rs, kc + nk - 1 > w->lim[r0], qscale))
+            float *ob = ot + (int64_t)(r0 / AMX_BLOCK_ROWS) * block;
+            amx_qk(kb + kc * D, w->qp + (int64_t)(r0 / AMX_BLOCK_ROWS) * block / 2, w->st, keys, D);
+            if (block_softmax_pairs(w, kc, nk, keys, r0, kc + nk - 1 > w->lim[r0], qscale))
                 for (int d = 0; d < D; d++)
-                    for (int r = r0; r < r0 + 32; r += VL)
-                        storeu(ot + (int64_t)d * rs + r, loadu(ot + (int64_t)d * rs + r) * loadu(w->alpha + r));
-            amx_pv(vt + kc, vs, w->pp, ot, r0, keys, rs, D);
+                    for (int c = 0; c < AMX_BLOCK_ROWS; c += VL) {
+                        float *o = ob + d * AMX_BLOCK_ROWS + c;
+                        storeu(o, loadu(o) * loadu(w->alpha + r0 + c));
+                    }
+            amx_pv(vt + kc, vs, w->pp, ob, keys, D);
         }
     }
     _tile_release();
     for (int r0 = 0; r0 < rpad; r0 += 16)
         for (int d0 = 0; d0 < D; d0 += 16) {
+            const float *ob = ot + (int64_t)(r0 / AMX_BLOCK_ROWS) * block + r0 % AMX_BLOCK_ROWS;
             __m512i t[16];
-            for (int i = 0; i < 16; i++) t[i] = _mm512_loadu_si512(ot + (int64_t)(d0 + i) * rs + r0);
+            for (int i = 0; i < 16; i++) t[i] = _mm512_loadu_si512(ob + (d0 + i) * AMX_BLOCK_ROWS);
             transpose_16x16(t);
             for (int i = 0; i < 16; i++) _mm512_storeu_si512(w->o + (int64_t)(r0 + i) * D + d0, t[i]);
         }
