@@ -5,11 +5,11 @@ the CPU has them (``csrc/cpu_amx_linear.c``).
 
 A decode step multiplies one token by every weight matrix, so it streams all the weights
 from memory once per step. ``F.linear`` on a plain bf16 weight reads them at ~14 GB/s on a
-2-core AVX-512 BF16 EPYC; the same product over a prepacked weight reads at ~18 GB/s (30
-SmolLM2-135M layers: 15.4 -> 11.5 ms; its 49152 x 576 LM head: 3.7 -> 2.5 ms). Results are
-bit-identical to ``F.linear`` (both are oneDNN inner products; only the weight layout differs).
-Long prefill chunks (``PACKED_MAX_ROWS``) multiply from the plain weight, which oneDNN's AMX
-kernels run faster than the decode-shaped packing.
+2-core AVX-512 BF16 EPYC; the same product over a prepacked weight read at ~18 GB/s (30
+SmolLM2-135M layers: 15.4 -> 11.5 ms; its 49152 x 576 LM head: 3.7 -> 2.5 ms). Prefill
+chunks gain too: ``F.linear`` reorders the plain weight into the blocked layout at every
+call, the packed copy is in it already. Results are bit-identical to ``F.linear`` at every
+row count measured (see ``_PACK_BATCH_HINT``).
 
 A packed weight is a copy: it costs the weight's size again in memory and goes stale when
 the plain weight changes, so whoever writes weights packs again afterwards."""
@@ -20,9 +20,14 @@ import torch
 
 from kernels import cpu_native
 
-# NOTE: oneDNN picks the blocked layout for a batch size; 1 is the decode step, the case
-# whose speed is bound by reading the weights. Larger batches run correctly on it too.
-_DECODE_BATCH_HINT = 1
+# NOTE: oneDNN picks the blocked layout for a batch size. A prefill chunk's is the one that
+# F.linear reorders the plain weight into at every call, so products over it are
+# bit-identical to F.linear's whatever the rows (a decode-shaped layout, batch size 1, gave
+# other roundings from 33 rows on), and on 2 AMX cores it ran SmolLM2's projections at least
+# as fast as the plain weight or the decode-shaped layout at 64 to 2,048 rows (2,048: 6.1
+# against 6.6-6.9 and 7.0-7.8 ms a layer, interleaved); with oneDNN held to AVX-512 BF16
+# (``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16``), as fast as the decode-shaped one at 1 to 32 rows.
+_PACK_BATCH_HINT = 2048
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -47,18 +52,7 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
             f"cannot prepack a {weight.dtype} weight of shape {tuple(weight.shape)} on "
             f"{weight.device}: only 2-D bfloat16 CPU weights with oneDNN bf16 support"
         )
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _DECODE_BATCH_HINT)
-
-
-# NOTE: from about this many rows on (long prefill chunks) oneDNN multiplies faster from the
-# plain weight than from the decode-shaped packing: 2.1-2.5 against 1.7-1.9 TFLOP/s at 1,536
-# to 2,048 rows of SmolLM2's projections on 2 AMX cores; below it the packing is as fast or faster.
-PACKED_MAX_ROWS = 1535
-
-
-def use_packed(x: torch.Tensor) -> bool:
-    """Whether ``x``'s rows go through the packed weight (decode steps, short chunks)."""
-    return x.numel() <= PACKED_MAX_ROWS * x.shape[-1]
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_BATCH_HINT)
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

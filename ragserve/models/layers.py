@@ -20,7 +20,6 @@ from kernels.cpu_linear import (
     packed_linear,
     small_linear,
     small_linear_usable,
-    use_packed,
 )
 
 
@@ -86,7 +85,7 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if small_linear_usable(x, self.weight):
             return small_linear(x, self.weight, self.bias)
-        if self._packed is not None and x.dtype == self.weight.dtype and use_packed(x):
+        if self._packed is not None and x.dtype == self.weight.dtype:
             return packed_linear(x, self._packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 

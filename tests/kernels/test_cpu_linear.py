@@ -13,14 +13,12 @@ from kernels import cpu_native
 from kernels.cpu_linear import (
     AMX_LINEAR_MAX_ROWS,
     BF16_SMALL_LINEAR_MAX_ROWS,
-    PACKED_MAX_ROWS,
     SMALL_LINEAR_MAX_ROWS,
     can_pack,
     pack_weight,
     packed_linear,
     small_linear,
     small_linear_usable,
-    use_packed,
 )
 from ragserve.models.layers import Linear
 from ragserve.models.llama import LlamaForCausalLM
@@ -34,33 +32,31 @@ needs_bf16_onednn = pytest.mark.skipif(
 
 
 @needs_bf16_onednn
-@pytest.mark.parametrize("rows", [1, 5, 33])
+@pytest.mark.parametrize("rows", [1, 5, 33, 200, 1536, 2100])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_packed_linear_is_bit_identical_to_linear(rows: int, with_bias: bool) -> None:
+    # SmolLM2's qkv projection: real widths, where a decode-shaped packing rounded differently.
     generator = torch.Generator().manual_seed(rows)
-    weight = torch.randn(96, 64, generator=generator).to(torch.bfloat16)
-    bias = torch.randn(96, generator=generator).to(torch.bfloat16) if with_bias else None
-    x = torch.randn(2, rows, 64, generator=generator).to(torch.bfloat16)
+    weight = torch.randn(960, 576, generator=generator).to(torch.bfloat16)
+    bias = torch.randn(960, generator=generator).to(torch.bfloat16) if with_bias else None
+    x = torch.randn(rows, 576, generator=generator).to(torch.bfloat16)
     out = packed_linear(x, pack_weight(weight), bias)
-    assert out.shape == (2, rows, 96) and out.dtype == torch.bfloat16
+    assert out.shape == (rows, 960) and out.dtype == torch.bfloat16
     assert torch.equal(out, F.linear(x, weight, bias))
+    assert torch.equal(packed_linear(x.view(1, rows, 576), pack_weight(weight), bias)[0], out)
 
 
-def test_long_chunks_take_the_plain_weight_and_get_the_same_numbers() -> None:
-    x = torch.empty(2, PACKED_MAX_ROWS // 2, 64, dtype=torch.bfloat16)
-    assert use_packed(x[0]) and use_packed(x)
-    assert not use_packed(torch.empty(PACKED_MAX_ROWS + 1, 64, dtype=torch.bfloat16))
-    if not can_pack(x):
-        return
-    layer = Linear(64, 48, bias=True, device=torch.device("cpu"), dtype=torch.bfloat16)
+@needs_bf16_onednn
+def test_a_packed_layer_gives_every_chunk_length_the_same_numbers() -> None:
+    layer = Linear(576, 48, bias=True, device=torch.device("cpu"), dtype=torch.bfloat16)
     generator = torch.Generator().manual_seed(3)
-    layer.weight.copy_(torch.randn(48, 64, generator=generator))
+    layer.weight.copy_(torch.randn(48, 576, generator=generator))
     layer.bias.copy_(torch.randn(48, generator=generator))  # type: ignore[union-attr]
     layer.pack_for_cpu()
-    rows = torch.randn(PACKED_MAX_ROWS + 9, 64, generator=generator).to(torch.bfloat16)
+    rows = torch.randn(2100, 576, generator=generator).to(torch.bfloat16)
     expected = F.linear(rows, layer.weight, layer.bias)
-    assert torch.equal(layer(rows), expected)
-    assert torch.equal(layer(rows[:7]), expected[:7])
+    for length in (2100, 1536, 200, 33, 7):
+        assert torch.equal(layer(rows[:length]), expected[:length])
 
 
 def test_only_bf16_cpu_weights_are_packed() -> None:
