@@ -576,7 +576,7 @@ static void amx_tile_queries(const AttnParams *p, const Operands *ops, const Ite
  * w->o [rows][D] at the end. */
 static void run_tile_amx(const AttnParams *p, const Operands *ops, const AmxPack *pack, const Item *it, Work *w,
                          int rows, int rpad) {
-    const int D = p->head_dim, block = D * AMX_BLOCK_ROWS; /* elements of a block's Q^T pairs or O^T */
+    const int D = p->head_dim, block = D * AMX_BLOCK_ROWS; /* floats of a block's O^T; its Q^T, half as many pairs */
     const float qscale = p->scale * LOG2E;
     const int64_t kpad = pack->kpad[it->seq], vs = vt_stride(kpad);
     const uint16_t *kb = pack->k + pack->offset[it->seq] + (int64_t)it->kv_head * kpad * D;
