@@ -23,9 +23,10 @@ from kernels import cpu_native
 # NOTE: oneDNN picks the blocked layout for a batch size. A prefill chunk's is the one that
 # F.linear reorders the plain weight into at every call, so products over it are
 # bit-identical to F.linear's whatever the rows (a decode-shaped layout, batch size 1, gave
-# other roundings from 33 rows on), and on 2 AMX cores it ran SmolLM2's projections at least
-# as fast as the plain weight or the decode-shaped layout at 64 to 2,048 rows (2,048: 6.1
-# against 6.6-6.9 and 7.0-7.8 ms a layer, interleaved); with oneDNN held to AVX-512 BF16
+# other roundings from 33 rows on). On 2 AMX cores it ran SmolLM2's projections at least as
+# fast as the plain weight or the decode-shaped layout at 64 to 2,048 rows (30 layers at
+# 2,048 rows: 185-187 against 189-192 and 206-208 ms, interleaved; 0.75-0.8x the
+# decode-shaped layout's time at 256-1,024); with oneDNN held to AVX-512 BF16
 # (``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16``), as fast as the decode-shaped one at 1 to 32 rows.
 _PACK_BATCH_HINT = 2048
 
