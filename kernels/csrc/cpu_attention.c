@@ -240,11 +240,11 @@ static inline int visible(const Work *w, int64_t kc, int n, int r) {
     return keys < 0 ? 0 : (keys > n ? n : (int)keys);
 }
 
-/* A tile's queries: Q^T scaled into qt [D][stride] (float32 products) or as bf16 pairs into
- * qp [D / 2][stride] (pair products), zero in the padding rows up to rpad; each row's last
+/* A tile's queries: Q^T scaled into qt [D][rpad] (float32 products) or as bf16 pairs into
+ * qp [D / 2][rpad] (pair products), zero in the padding rows up to rpad; each row's last
  * visible key in lim (INT32_MAX for padding), and m/l reset. */
 static void tile_queries(const AttnParams *p, const Operands *ops, const Item *it, Work *w, int rows, int rpad,
-                         int stride, int dot) {
+                         int dot) {
     const int D = p->head_dim, group = p->num_heads / p->num_kv_heads;
     const int32_t q_first = p->query_start[it->seq];
     const int64_t context = p->seq_lens[it->seq] - (p->query_start[it->seq + 1] - q_first);
@@ -256,12 +256,12 @@ static void tile_queries(const AttnParams *p, const Operands *ops, const Item *i
             const uint16_t *src = (const uint16_t *)ops->q + (q_first + it->t0 + r / group) * ops->q_token_stride +
                                   (int64_t)(it->kv_head * group + r % group) * D;
             for (int i = 0; i < D / 2; i++)
-                pairs[(int64_t)i * stride] = r < rows ? (uint32_t)src[2 * i] | (uint32_t)src[2 * i + 1] << 16 : 0u;
+                pairs[(int64_t)i * rpad] = r < rows ? (uint32_t)src[2 * i] | (uint32_t)src[2 * i + 1] << 16 : 0u;
             w->lim[r] = r < rows ? (int32_t)(context + it->t0 + r / group) : INT32_MAX;
             continue;
         }
         if (r >= rows) {
-            for (int d = 0; d < D; d++) column[(int64_t)d * stride] = 0.0f;
+            for (int d = 0; d < D; d++) column[(int64_t)d * rpad] = 0.0f;
             w->lim[r] = INT32_MAX;
             continue;
         }
@@ -269,10 +269,10 @@ static void tile_queries(const AttnParams *p, const Operands *ops, const Item *i
                            (int64_t)(it->kv_head * group + r % group) * D;
         if (p->is_bf16) {
             const uint16_t *src = (const uint16_t *)ops->q + at;
-            for (int d = 0; d < D; d++) column[(int64_t)d * stride] = qscale * bf16_to_f32(src[d]);
+            for (int d = 0; d < D; d++) column[(int64_t)d * rpad] = qscale * bf16_to_f32(src[d]);
         } else {
             const float *src = (const float *)ops->q + at;
-            for (int d = 0; d < D; d++) column[(int64_t)d * stride] = qscale * src[d];
+            for (int d = 0; d < D; d++) column[(int64_t)d * rpad] = qscale * src[d];
         }
         w->lim[r] = (int32_t)(context + it->t0 + r / group);
     }
@@ -289,7 +289,7 @@ static void run_tile(const AttnParams *p, const Operands *ops, const Item *it, W
     const int32_t *table = p->block_tables + (int64_t)it->seq * p->table_stride;
     const int dot = HAVE_BF16_DOT && p->is_bf16;
 
-    tile_queries(p, ops, it, w, rows, rpad, rpad, dot);
+    tile_queries(p, ops, it, w, rows, rpad, dot);
     memset(w->o, 0, sizeof(float) * (size_t)rows * D);
 
     for (int64_t kc = it->k0; kc < it->k1; kc += KC) {
