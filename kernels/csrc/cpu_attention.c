@@ -240,33 +240,46 @@ static inline int visible(const Work *w, int64_t kc, int n, int r) {
     return keys < 0 ? 0 : (keys > n ? n : (int)keys);
 }
 
+/* Element offset in q of a tile's row r (r < the tile's rows). */
+static inline int64_t query_offset(const AttnParams *p, const Operands *ops, const Item *it, int r) {
+    const int group = p->num_heads / p->num_kv_heads;
+    return (p->query_start[it->seq] + it->t0 + r / group) * ops->q_token_stride +
+           (int64_t)(it->kv_head * group + r % group) * p->head_dim;
+}
+
+/* Each of a tile's rows' last visible key in lim (INT32_MAX for padding up to rpad), and the
+ * online softmax's m/l reset. */
+static void start_tile_rows(const AttnParams *p, const Item *it, Work *w, int rows, int rpad) {
+    const int group = p->num_heads / p->num_kv_heads;
+    const int64_t context = p->seq_lens[it->seq] - (p->query_start[it->seq + 1] - p->query_start[it->seq]);
+    for (int r = 0; r < rpad; r++) w->lim[r] = r < rows ? (int32_t)(context + it->t0 + r / group) : INT32_MAX;
+    for (int r = 0; r < rpad; r += VL) {
+        storeu(w->m + r, splat(-INFINITY));
+        storeu(w->l + r, splat(0.0f));
+    }
+}
+
 /* A tile's queries: Q^T scaled into qt [D][rpad] (float32 products) or as bf16 pairs into
  * qp [D / 2][rpad] (pair products), zero in the padding rows up to rpad; each row's last
  * visible key in lim (INT32_MAX for padding), and m/l reset. */
 static void tile_queries(const AttnParams *p, const Operands *ops, const Item *it, Work *w, int rows, int rpad,
                          int dot) {
-    const int D = p->head_dim, group = p->num_heads / p->num_kv_heads;
-    const int32_t q_first = p->query_start[it->seq];
-    const int64_t context = p->seq_lens[it->seq] - (p->query_start[it->seq + 1] - q_first);
+    const int D = p->head_dim;
     const float qscale = p->scale * LOG2E;
     for (int r = 0; r < rpad; r++) {
         float *column = w->qt + r;
         if (dot) {
             uint32_t *pairs = w->qp + r;
-            const uint16_t *src = (const uint16_t *)ops->q + (q_first + it->t0 + r / group) * ops->q_token_stride +
-                                  (int64_t)(it->kv_head * group + r % group) * D;
+            const uint16_t *src = r < rows ? (const uint16_t *)ops->q + query_offset(p, ops, it, r) : NULL;
             for (int i = 0; i < D / 2; i++)
                 pairs[(int64_t)i * rpad] = r < rows ? (uint32_t)src[2 * i] | (uint32_t)src[2 * i + 1] << 16 : 0u;
-            w->lim[r] = r < rows ? (int32_t)(context + it->t0 + r / group) : INT32_MAX;
             continue;
         }
         if (r >= rows) {
             for (int d = 0; d < D; d++) column[(int64_t)d * rpad] = 0.0f;
-            w->lim[r] = INT32_MAX;
             continue;
         }
-        const int64_t at = (q_first + it->t0 + r / group) * ops->q_token_stride +
-                           (int64_t)(it->kv_head * group + r % group) * D;
+        const int64_t at = query_offset(p, ops, it, r);
         if (p->is_bf16) {
             const uint16_t *src = (const uint16_t *)ops->q + at;
             for (int d = 0; d < D; d++) column[(int64_t)d * rpad] = qscale * bf16_to_f32(src[d]);
@@ -274,12 +287,8 @@ static void tile_queries(const AttnParams *p, const Operands *ops, const Item *i
             const float *src = (const float *)ops->q + at;
             for (int d = 0; d < D; d++) column[(int64_t)d * rpad] = qscale * src[d];
         }
-        w->lim[r] = (int32_t)(context + it->t0 + r / group);
     }
-    for (int r = 0; r < rpad; r += VL) {
-        storeu(w->m + r, splat(-INFINITY));
-        storeu(w->l + r, splat(0.0f));
-    }
+    start_tile_rows(p, it, w, rows, rpad);
 }
 
 static void run_tile(const AttnParams *p, const Operands *ops, const Item *it, Work *w, int rows,
@@ -541,19 +550,12 @@ static void amx_pack_job(const AttnParams *p, const Operands *ops, const AmxPack
  * time go through one 16 x 16 transpose. */
 static void amx_tile_queries(const AttnParams *p, const Operands *ops, const Item *it, Work *w, int rows,
                              int rpad) {
-    const int D = p->head_dim, group = p->num_heads / p->num_kv_heads;
-    const int32_t q_first = p->query_start[it->seq];
-    const int64_t context = p->seq_lens[it->seq] - (p->query_start[it->seq + 1] - q_first);
+    const int D = p->head_dim;
     for (int r0 = 0; r0 < rpad; r0 += 16) {
         const uint32_t *src[16];
-        for (int i = 0; i < 16; i++) {
-            const int r = r0 + i;
-            src[i] = r < rows ? (const uint32_t *)((const uint16_t *)ops->q +
-                                                   (q_first + it->t0 + r / group) * ops->q_token_stride +
-                                                   (int64_t)(it->kv_head * group + r % group) * D)
-                              : (const uint32_t *)ZERO_ROW;
-            w->lim[r] = r < rows ? (int32_t)(context + it->t0 + r / group) : INT32_MAX;
-        }
+        for (int i = 0; i < 16; i++)
+            src[i] = r0 + i < rows ? (const uint32_t *)((const uint16_t *)ops->q + query_offset(p, ops, it, r0 + i))
+                                   : (const uint32_t *)ZERO_ROW;
         uint32_t *dst = w->qp + (int64_t)(r0 / AMX_BLOCK_ROWS) * (D / 2) * AMX_BLOCK_ROWS + r0 % AMX_BLOCK_ROWS;
         for (int i0 = 0; i0 < D / 2; i0 += 16) {
             __m512i t[16];
@@ -562,10 +564,7 @@ static void amx_tile_queries(const AttnParams *p, const Operands *ops, const Ite
             for (int i = 0; i < 16; i++) _mm512_storeu_si512(dst + (int64_t)(i0 + i) * AMX_BLOCK_ROWS, t[i]);
         }
     }
-    for (int r = 0; r < rpad; r += VL) {
-        storeu(w->m + r, splat(-INFINITY));
-        storeu(w->l + r, splat(0.0f));
-    }
+    start_tile_rows(p, it, w, rows, rpad);
 }
 
 /* run_tile's work with both products on AMX tiles (cpu_amx.h) over the packed keys: each
