@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels import cpu_native
-from kernels.cpu_decode_attention import attend_decode
+from kernels.cpu_decode_attention import attend_decode_heads
 from kernels.cpu_paged_attention import (
     ContextPlan,
     GatherWorkspace,
@@ -210,7 +210,7 @@ class CpuBackend(AttentionBackend):
         if step is None or step.meta is not meta:
             step = self._torch_step = _plan_torch(meta, kv_layer.shape[2], query.dtype)
         if step.decode is not None and step.decode_rows is None:
-            return self._decode(query, kv_layer, step.decode, scale)
+            return attend_decode_heads(query, kv_layer, step.decode, scale, self._workspace)
         output = torch.empty_like(query)
         start = 0
         for seq, (query_len, seq_len) in enumerate(
@@ -236,17 +236,10 @@ class CpuBackend(AttentionBackend):
                 )
         if step.decode is not None:
             assert step.decode_rows is not None
-            output[step.decode_rows] = self._decode(
-                query[step.decode_rows], kv_layer, step.decode, scale
+            output[step.decode_rows] = attend_decode_heads(
+                query[step.decode_rows], kv_layer, step.decode, scale, self._workspace
             )
         return output
-
-    def _decode(
-        self, query: torch.Tensor, kv_layer: torch.Tensor, plan: ContextPlan, scale: float
-    ) -> torch.Tensor:
-        n, heads, dim = query.shape
-        grouped = query.view(n, kv_layer.shape[3], heads // kv_layer.shape[3], dim)
-        return attend_decode(grouped, kv_layer, plan, scale, self._workspace).reshape(n, heads, dim)
 
 
 def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:

@@ -137,10 +137,21 @@ def decode_attention(
 
     ``plan`` (from ``plan_decode``) saves re-planning when many layers share one step.
     """
-    n, heads, dim = query.shape
-    kv_heads = kv_layer.shape[3]
     if plan is None:
         plan = plan_decode(block_tables, seq_lens, kv_layer.shape[2], query.dtype)
+    return attend_decode_heads(query, kv_layer, plan, scale, workspace)
+
+
+def attend_decode_heads(
+    query: torch.Tensor,  # [n, heads, dim]: one new token per sequence
+    kv_layer: torch.Tensor,
+    plan: ContextPlan,
+    scale: float,
+    workspace: GatherWorkspace,
+) -> torch.Tensor:
+    """:func:`attend_decode` of ``[n, heads, dim]`` queries planned by ``plan_decode``."""
+    n, heads, dim = query.shape
+    kv_heads = kv_layer.shape[3]
     # NOTE: one query token per sequence: a kv head's query heads are its "query rows".
     grouped = query.view(n, kv_heads, heads // kv_heads, dim)
     return attend_decode(grouped, kv_layer, plan, scale, workspace).reshape(n, heads, dim)

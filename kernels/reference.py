@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.cpu_decode_attention import attend_decode
+from kernels.cpu_decode_attention import attend_decode_heads
 from kernels.cpu_paged_attention import (
     ContextPlan,
     GatherWorkspace,
@@ -85,7 +85,7 @@ class ReferenceBackend(AttentionBackend):
 
         kv_heads = kv_layer.shape[3]
         if plan.decode is not None and plan.decode_rows is None:
-            return self._decode(query, kv_layer, plan.decode, scale)
+            return attend_decode_heads(query, kv_layer, plan.decode, scale, self._workspace)
         output = torch.empty_like(query)
         for chunk in plan.prefills:
             q = query[chunk.rows]
@@ -100,19 +100,10 @@ class ReferenceBackend(AttentionBackend):
                 output[chunk.rows] = ungroup_output(out[0], q.shape[0])
         if plan.decode is not None:
             assert plan.decode_rows is not None
-            output[plan.decode_rows] = self._decode(
-                query[plan.decode_rows], kv_layer, plan.decode, scale
+            output[plan.decode_rows] = attend_decode_heads(
+                query[plan.decode_rows], kv_layer, plan.decode, scale, self._workspace
             )
         return output
-
-    def _decode(
-        self, query: torch.Tensor, kv_layer: torch.Tensor, plan: ContextPlan, scale: float
-    ) -> torch.Tensor:
-        n, heads, dim = query.shape
-        kv_heads = kv_layer.shape[3]
-        # NOTE: one query token per sequence: a kv head's query heads are its "query rows".
-        grouped = query.view(n, kv_heads, heads // kv_heads, dim)
-        return attend_decode(grouped, kv_layer, plan, scale, self._workspace).reshape(n, heads, dim)
 
     @staticmethod
     def _make_plan(
