@@ -215,9 +215,10 @@ def bench_decode_tuning(rows: Rows) -> None:
     configs = [
         AttentionConfig(16, 32, 4, 3), AttentionConfig(16, 64, 4, 2), AttentionConfig(16, 64, 4, 3),
         AttentionConfig(16, 64, 4, 4), AttentionConfig(16, 128, 4, 2), AttentionConfig(16, 128, 4, 3),
-        AttentionConfig(16, 64, 2, 3), AttentionConfig(16, 128, 8, 3),
+        AttentionConfig(16, 64, 2, 2), AttentionConfig(16, 64, 2, 3), AttentionConfig(16, 128, 8, 3),
     ]  # fmt: skip
     for seqs, splits, label in (
+        ([(575, 1)] * 256, 1, "B=256 ctx=576"),  # the throughput benchmark's decodes
         ([(8191, 1)] * 64, 1, "B=64 ctx=8k"),
         ([(32767, 1)], 64, "B=1 ctx=32k split64"),
         ([(131071, 1)] * 4, 16, "B=4 ctx=128k split16"),
