@@ -28,6 +28,8 @@ from kernels.fp8_kv import SCALE_BYTES, quantize_slots
 from kernels.interface import AttentionMetadata, write_kv
 from kernels.triton_attention import (
     DECODE_CONFIG,
+    FP8_DECODE_CONFIG,
+    FP8_MANY_DECODES_CONFIG,
     PREFILL_CONFIG,
     AttentionConfig,
     choose_num_splits,
@@ -363,6 +365,38 @@ def bench_kv_write(rows: Rows) -> None:
         print(f"tokens={tokens:5d} triton={t_triton:7.1f}us torch={t_torch:7.1f}us", flush=True)
 
 
+def bench_many_decodes(rows: Rows) -> None:
+    """Decode tile shapes by batch size, bf16 and 8-bit caches: where the 8-bit cache's
+    shape for large batches (``FP8_MANY_DECODES_CONFIG``) pays."""
+    print("\n== decode batches: the default tile shape and the large batches' ==", flush=True)
+    pools = {
+        "bf16": Pool(256 * 4096 + 256 * 16, fp8=False),
+        "fp8": Pool(256 * 4096 + 256 * 16, fp8=True),
+    }
+    shapes = {
+        "bf16": {"default": DECODE_CONFIG, "many": FP8_MANY_DECODES_CONFIG},
+        "fp8": {"default": FP8_DECODE_CONFIG, "many": FP8_MANY_DECODES_CONFIG},
+    }
+    for batch in (64, 128, 256):
+        for ctx in (576, 1024, 2048, 4096):
+            seqs = [(ctx - 1, 1)] * batch
+            line = f"B={batch:3d} ctx={ctx:5d}"
+            for name, pool in pools.items():
+                times = {
+                    label: graph_us(attention_fn(pool, seqs, config=config))
+                    for label, config in shapes[name].items()
+                }
+                rows.append({"section": "many_decodes", "cache": name, "batch": batch,
+                             "ctx": ctx, **{f"{k}_us": v for k, v in times.items()}})  # fmt: skip
+                line += (
+                    f"  {name}: default {times['default']:7.1f}us many {times['many']:7.1f}us"
+                    f" ({times['default'] / times['many']:.2f}x)"
+                )
+            print(line, flush=True)
+    del pools
+    torch.cuda.empty_cache()
+
+
 def bench_fp8_kv(rows: Rows) -> None:
     """Decode, chunks over cached context and KV writes over a bf16 and an FP8 cache."""
     print("\n== FP8 KV cache against bf16: decode, prefill over context, KV write ==", flush=True)
@@ -469,6 +503,7 @@ SECTIONS: dict[str, Callable[[Rows], None]] = {
     "kv_write": bench_kv_write,
     "block_copy": bench_block_copy,
     "fp8_kv": bench_fp8_kv,
+    "many_decodes": bench_many_decodes,
 }
 
 

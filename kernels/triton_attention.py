@@ -98,6 +98,12 @@ PREFILL_CONFIG = AttentionConfig(block_m=64, tile_n=64, num_warps=4, num_stages=
 # NVIDIA H200 (BENCHMARKS.md, FP8 KV cache): against 64-token tiles, decode 1.15-1.55x
 # faster (batch 64 at 8k: 800 -> 520 us), chunks 1.1-1.3x. int8 caches take the same.
 FP8_DECODE_CONFIG = AttentionConfig(block_m=16, tile_n=128, num_warps=4, num_stages=2)
+# NOTE: a large decode batch is many more programs than the GPU holds at once: two warps on
+# 64-token tiles keep more of them resident. Measured on an NVIDIA H100 (BENCHMARKS.md, FP8
+# KV cache): batch 256 over 576 to 4,096 tokens 1.07-1.25x faster (19 programs per
+# multiprocessor); batch 64 (5 per multiprocessor) 0.68-0.90x, so only from 16.
+FP8_MANY_DECODES_CONFIG = AttentionConfig(block_m=16, tile_n=64, num_warps=2, num_stages=2)
+FP8_MANY_DECODES_PROGRAMS_PER_SM = 16
 FP8_PREFILL_CONFIG = AttentionConfig(block_m=64, tile_n=128, num_warps=4, num_stages=2)
 # NOTE: fp32 dots run on FMA units, not tensor cores; small tiles keep them out of
 # spills. fp32 serves as the test oracle's precision, not for speed.
@@ -105,14 +111,22 @@ FP32_CONFIG = AttentionConfig(block_m=16, tile_n=32, num_warps=4, num_stages=1)
 
 
 def default_config(
-    max_query_len: int, group: int, dtype: torch.dtype, quantized: bool = False
+    max_query_len: int,
+    group: int,
+    dtype: torch.dtype,
+    quantized: bool = False,
+    decode_programs_per_sm: float = 0.0,
 ) -> AttentionConfig:
     """Small tiles when every sequence fits a 16-row tile (decodes), big ones otherwise;
-    over an 8-bit cache (fp8 or int8), twice the context tokens per step."""
+    over an 8-bit cache (fp8 or int8), twice the context tokens per step, except for
+    decode batches of ``FP8_MANY_DECODES_PROGRAMS_PER_SM`` programs per multiprocessor."""
     if dtype == torch.float32:
         return FP32_CONFIG
     if max_query_len * group <= DECODE_CONFIG.block_m:
-        return FP8_DECODE_CONFIG if quantized else DECODE_CONFIG
+        if not quantized:
+            return DECODE_CONFIG
+        many = decode_programs_per_sm >= FP8_MANY_DECODES_PROGRAMS_PER_SM
+        return FP8_MANY_DECODES_CONFIG if many else FP8_DECODE_CONFIG
     return FP8_PREFILL_CONFIG if quantized else PREFILL_CONFIG
 
 
@@ -482,7 +496,13 @@ def paged_attention(
         return out
 
     group = num_heads // num_kv_heads
-    config = config or default_config(max_query_len, group, query.dtype, quantized)
+    if config is None:
+        # NOTE: the decode configs share block_m, so a decode's program count is known first
+        decode_programs = (num_tokens // (DECODE_CONFIG.block_m // group) + num_seqs) * num_kv_heads
+        config = default_config(
+            max_query_len, group, query.dtype, quantized,
+            decode_programs / _num_sms(query.device),
+        )  # fmt: skip
     block_m = max(config.block_m, triton.next_power_of_2(group))
     block_q = block_m // group
     num_q_blocks = num_tokens // block_q + num_seqs

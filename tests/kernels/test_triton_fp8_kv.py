@@ -19,7 +19,15 @@ from kernels.fp8_kv import FP8_DTYPE, FP8_MAX, dequantize_slots, quantize_slots
 from kernels.interface import write_kv
 from kernels.reference import ReferenceBackend
 from kernels.registry import QUANTIZED_KV_BACKENDS, choose_backend_name
-from kernels.triton_attention import paged_attention
+from kernels.triton_attention import (
+    DECODE_CONFIG,
+    FP8_DECODE_CONFIG,
+    FP8_MANY_DECODES_CONFIG,
+    FP8_MANY_DECODES_PROGRAMS_PER_SM,
+    FP8_PREFILL_CONFIG,
+    default_config,
+    paged_attention,
+)
 from kernels.triton_backend import TritonBackend
 from kernels.triton_kv_write import (
     _e4m3_codes,
@@ -270,6 +278,34 @@ def test_half_precision_over_8bit_close_to_fp32_reference(
     assert rel_error(out, ref_out) < 1e-2
 
 
+@FORMATS
+@pytest.mark.parametrize("magnitude", [1e-4, 1e4, None], ids=["tiny", "huge", "mixed"])
+def test_half_precision_over_8bit_keeps_values_of_any_magnitude(
+    magnitude: float | None, storage: torch.dtype
+) -> None:
+    """Values far from 1 (scales below fp16's normal range, or dequantized rows near its
+    top) lose no precision in the fp16 dots; ``None``: each token's own magnitude."""
+    seqs = [(300, 1), (150, 1), (40, 3)]
+    batch = Batch(seqs, 4, 2, 64, 16, dtype=torch.float16, seed=11)
+    gen = torch.Generator().manual_seed(11)
+    tokens = batch.cache.shape[0] * batch.cache.shape[3]
+    if magnitude is None:  # 1e-4 to 1e4, token by token
+        factors = 10.0 ** (torch.rand(tokens, generator=gen) * 8 - 4)
+    else:
+        factors = torch.full((tokens,), magnitude)
+    factors = factors.view(batch.cache.shape[0], 1, batch.cache.shape[3], 1, 1).to(DEVICE)
+    values = batch.cache[:, :, 1].float() * factors
+    batch.cache[:, :, 1] = values.clamp(-6e4, 6e4).to(batch.cache.dtype)
+    batch.value.mul_(magnitude or 1.0)
+    batch.cache = quantize_slots(batch.cache, storage)
+    ref_out, _ = reference_fp8(batch)
+    out = TritonBackend(None, None, None).forward(
+        batch.query, batch.key, batch.value, batch.layer(), batch.meta, batch.scale
+    )
+    assert out.isfinite().all()
+    assert rel_error(out, ref_out) < 3e-3  # 1e-3 at most, measured
+
+
 @pytest.mark.gpu  # cuDNN/flash through SDPA
 @FORMATS
 @pytest.mark.parametrize("fp8_chunk_limit", [None, 2048])
@@ -323,3 +359,13 @@ def test_8bit_backend_selection() -> None:
     assert set(QUANTIZED_KV_BACKENDS) == {"triton", "reference"}
     for storage in (torch.uint8, torch.int8):
         TritonBackend().check_kv_cache(torch.zeros((2, 1, 2, 4, 1, 20), dtype=storage))
+
+
+def test_large_8bit_decode_batches_take_their_own_tile_shape() -> None:
+    """Many programs per multiprocessor: two warps on 64-token tiles; bf16 keeps its own."""
+    group, dtype = 4, torch.bfloat16
+    many = FP8_MANY_DECODES_PROGRAMS_PER_SM
+    assert default_config(1, group, dtype, True, many) == FP8_MANY_DECODES_CONFIG
+    assert default_config(1, group, dtype, True, many - 1) == FP8_DECODE_CONFIG
+    assert default_config(1, group, dtype, False, many) == DECODE_CONFIG
+    assert default_config(64, group, dtype, True, many) == FP8_PREFILL_CONFIG
