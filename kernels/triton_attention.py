@@ -101,7 +101,8 @@ FP8_DECODE_CONFIG = AttentionConfig(block_m=16, tile_n=128, num_warps=4, num_sta
 # NOTE: a large decode batch is many more programs than the GPU holds at once: two warps on
 # 64-token tiles keep more of them resident. Measured on an NVIDIA H100 (BENCHMARKS.md, FP8
 # KV cache): batch 256 over 576 to 4,096 tokens 1.07-1.25x faster (19 programs per
-# multiprocessor); batch 64 (5 per multiprocessor) 0.68-0.90x, so only from 16.
+# multiprocessor); batch 64 (5 per multiprocessor) 0.68-0.90x, so only from 16. int8
+# caches take it too (not measured apart).
 FP8_MANY_DECODES_CONFIG = AttentionConfig(block_m=16, tile_n=64, num_warps=2, num_stages=2)
 FP8_MANY_DECODES_PROGRAMS_PER_SM = 16
 FP8_PREFILL_CONFIG = AttentionConfig(block_m=64, tile_n=128, num_warps=4, num_stages=2)
@@ -498,7 +499,8 @@ def paged_attention(
     group = num_heads // num_kv_heads
     if config is None:
         # NOTE: the decode configs share block_m, so a decode's program count is known first
-        decode_programs = (num_tokens // (DECODE_CONFIG.block_m // group) + num_seqs) * num_kv_heads
+        decode_block_q = max(DECODE_CONFIG.block_m, triton.next_power_of_2(group)) // group
+        decode_programs = (num_tokens // decode_block_q + num_seqs) * num_kv_heads
         config = default_config(
             max_query_len, group, query.dtype, quantized,
             decode_programs / _num_sms(query.device),

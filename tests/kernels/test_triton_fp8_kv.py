@@ -369,3 +369,14 @@ def test_large_8bit_decode_batches_take_their_own_tile_shape() -> None:
     assert default_config(1, group, dtype, True, many - 1) == FP8_DECODE_CONFIG
     assert default_config(1, group, dtype, False, many) == DECODE_CONFIG
     assert default_config(64, group, dtype, True, many) == FP8_PREFILL_CONFIG
+
+
+@FORMATS
+def test_8bit_decodes_of_a_group_wider_than_a_tile(storage: torch.dtype) -> None:
+    """32 query heads on one KV head: more rows than a decode tile's 16."""
+    batch = fp8_batch([(20, 1), (7, 1)], 32, 1, 16, 16, dtype=torch.float16, storage=storage)
+    ref_out, _ = reference_fp8(batch)
+    out = TritonBackend(None, None, None).forward(
+        batch.query, batch.key, batch.value, batch.layer(), batch.meta, batch.scale
+    )
+    assert rel_error(out, ref_out) < 3e-3
