@@ -497,21 +497,20 @@ def paged_attention(
         return out
 
     group = num_heads // num_kv_heads
+    num_sms = _num_sms(query.device)
     if config is None:
         # NOTE: the decode configs share block_m, so a decode's program count is known first
         decode_block_q = max(DECODE_CONFIG.block_m, triton.next_power_of_2(group)) // group
         decode_programs = (num_tokens // decode_block_q + num_seqs) * num_kv_heads
         config = default_config(
             max_query_len, group, query.dtype, quantized,
-            decode_programs / _num_sms(query.device),
+            decode_programs / num_sms,
         )  # fmt: skip
     block_m = max(config.block_m, triton.next_power_of_2(group))
     block_q = block_m // group
     num_q_blocks = num_tokens // block_q + num_seqs
     if num_splits is None:
-        num_splits = choose_num_splits(
-            num_q_blocks * num_kv_heads, max_seq_len, _num_sms(query.device)
-        )
+        num_splits = choose_num_splits(num_q_blocks * num_kv_heads, max_seq_len, num_sms)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
