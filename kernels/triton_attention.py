@@ -441,6 +441,14 @@ def _num_sms(device: torch.device) -> int:
     return 4  # NOTE: the CPU interpreter: small, so tests exercise split-K too
 
 
+def _q_blocks(
+    config: AttentionConfig, group: int, num_tokens: int, num_seqs: int
+) -> tuple[int, int]:
+    """Rows per q-block (a whole GQA group at least) and the grid's q-block count."""
+    block_m = max(config.block_m, triton.next_power_of_2(group))
+    return block_m, num_tokens // (block_m // group) + num_seqs
+
+
 def paged_attention(
     query: torch.Tensor,
     kv_layer: torch.Tensor,
@@ -500,15 +508,12 @@ def paged_attention(
     num_sms = _num_sms(query.device)
     if config is None:
         # NOTE: the decode configs share block_m, so a decode's program count is known first
-        decode_block_q = max(DECODE_CONFIG.block_m, triton.next_power_of_2(group)) // group
-        decode_programs = (num_tokens // decode_block_q + num_seqs) * num_kv_heads
+        decode_programs = _q_blocks(DECODE_CONFIG, group, num_tokens, num_seqs)[1] * num_kv_heads
         config = default_config(
-            max_query_len, group, query.dtype, quantized,
-            decode_programs / num_sms,
-        )  # fmt: skip
-    block_m = max(config.block_m, triton.next_power_of_2(group))
+            max_query_len, group, query.dtype, quantized, decode_programs / num_sms
+        )
+    block_m, num_q_blocks = _q_blocks(config, group, num_tokens, num_seqs)
     block_q = block_m // group
-    num_q_blocks = num_tokens // block_q + num_seqs
     if num_splits is None:
         num_splits = choose_num_splits(num_q_blocks * num_kv_heads, max_seq_len, num_sms)
     if num_splits < 1:

@@ -79,6 +79,13 @@ def reference_fp8(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     return out, cache
 
 
+def all_triton_forward(batch: Batch) -> torch.Tensor:
+    """The Triton backend's output with every chunk in the paged kernel (no SDPA)."""
+    return TritonBackend(None, None, None).forward(
+        batch.query, batch.key, batch.value, batch.layer(), batch.meta, batch.scale
+    )
+
+
 @triton.jit
 def _codes_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -184,9 +191,7 @@ def test_backend_over_8bit_matches_reference_over_8bit(case: int, storage: torch
     seqs, heads, kv_heads, head_dim, block_size = CASES[case]
     batch = fp8_batch(seqs, heads, kv_heads, head_dim, block_size, seed=case, storage=storage)
     ref_out, ref_cache = reference_fp8(batch)
-    out = TritonBackend(None, None, None).forward(
-        batch.query, batch.key, batch.value, batch.layer(), batch.meta, batch.scale
-    )
+    out = all_triton_forward(batch)
     assert torch.equal(batch.cache, ref_cache), "8-bit KV write differs from the reference"
     torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-4)
 
@@ -271,9 +276,7 @@ def test_half_precision_over_8bit_close_to_fp32_reference(
         seqs, heads, kv_heads, head_dim, block_size, dtype=dtype, seed=7 + case, storage=storage
     )
     ref_out, _ = reference_fp8(batch)
-    out = TritonBackend(None, None, None).forward(
-        batch.query, batch.key, batch.value, batch.layer(), batch.meta, batch.scale
-    )
+    out = all_triton_forward(batch)
     assert out.dtype == dtype and not out.isnan().any()
     assert rel_error(out, ref_out) < 1e-2
 
@@ -299,9 +302,7 @@ def test_half_precision_over_8bit_keeps_values_of_any_magnitude(
     batch.value.mul_(magnitude or 1.0)
     batch.cache = quantize_slots(batch.cache, storage)
     ref_out, _ = reference_fp8(batch)
-    out = TritonBackend(None, None, None).forward(
-        batch.query, batch.key, batch.value, batch.layer(), batch.meta, batch.scale
-    )
+    out = all_triton_forward(batch)
     assert out.isfinite().all()
     assert rel_error(out, ref_out) < 3e-3  # 1e-3 at most, measured
 
@@ -376,7 +377,5 @@ def test_8bit_decodes_of_a_group_wider_than_a_tile(storage: torch.dtype) -> None
     """32 query heads on one KV head: more rows than a decode tile's 16."""
     batch = fp8_batch([(20, 1), (7, 1)], 32, 1, 16, 16, dtype=torch.float16, storage=storage)
     ref_out, _ = reference_fp8(batch)
-    out = TritonBackend(None, None, None).forward(
-        batch.query, batch.key, batch.value, batch.layer(), batch.meta, batch.scale
-    )
+    out = all_triton_forward(batch)
     assert rel_error(out, ref_out) < 3e-3
