@@ -138,6 +138,7 @@ SMALL_CASES = [
     ([(0, 19)], 4, 4, 16, 16),  # one whole prompt, MHA
     ([(47, 1), (16, 1), (100, 1)], 8, 2, 32, 16),  # pure decode, GQA 4
     ([(5, 40), (64, 1)], 4, 1, 128, 16),  # MQA, head_dim 128, chunk across tiles
+    ([(20, 1), (7, 1), (33, 7), (0, 5)], 4, 2, 32, 16),  # the scheduler's order: decodes first
 ]
 LARGE_CASES = [
     ([(0, 1000), (3000, 1), (1500, 517), (17, 1), (4095, 1)], 32, 8, 128, 16),
@@ -145,6 +146,7 @@ LARGE_CASES = [
     ([(0, 1)] + [(1000 + 37 * i, 1) for i in range(63)], 32, 8, 128, 16),
     ([(2000, 64), (9000, 1)], 28, 4, 128, 64),  # GQA 7, block size 64
     ([(300, 9)], 8, 8, 96, 16),  # head_dim not a power of two
+    ([(3000, 1), (17, 1), (4095, 1), (1500, 517), (0, 1000)], 32, 8, 128, 16),  # decodes first
 ]
 CASES = LARGE_CASES if CUDA else SMALL_CASES
 
