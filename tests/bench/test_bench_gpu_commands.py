@@ -22,6 +22,7 @@ from ragserve.bench.shapes import (
     generate_flops,
     prefill_flops,
 )
+from ragserve.bench.tiers import REPEATS
 from ragserve.cli import main
 from ragserve.models.llama import ModelShape
 
@@ -195,6 +196,9 @@ def test_tiers_report_bytes_rates_and_references(tmp_path: Path) -> None:
     cpu = tiers["CPU tier"]
     assert cpu["blocks_moved"] == doc_blocks and cpu["cached_tokens"] == doc_blocks * 16
     assert cpu["bytes_moved"] == result["document_kv_bytes"] and cpu["gbps"] > 0
+    for warm in (tiers["device tier"], cpu):  # each restore timed REPEATS times: the median
+        assert len(warm["ttft_s_runs"]) == REPEATS
+        assert warm["ttft_s"] == sorted(warm["ttft_s_runs"])[REPEATS // 2]
     disk = next(v for k, v in tiers.items() if k.startswith("disk tier"))
     assert disk["blocks_moved"] == doc_blocks and disk["gbps"] > 0
     refs = result["references"]
