@@ -11,14 +11,29 @@ chunks gain too: ``F.linear`` reorders the plain weight into the blocked layout 
 call, the packed copy is in it already. Results are bit-identical to ``F.linear`` at every
 row count measured (see ``_PACK_BATCH_HINT``).
 
-A packed weight is a copy: it costs the weight's size again in memory and goes stale when
-the plain weight changes, so whoever writes weights packs again afterwards."""
+Where the CPU has no AMX and oneDNN multiplies float32 faster than bf16 (timed once per
+process, :func:`float32_products_faster`), bf16 products of many rows (prefill chunks) run
+in float32 over a float32 copy of the weight (:func:`wide_linear`): on a Xeon with
+AVX-512 BF16 and no AMX, oneDNN's bf16 path ran at about 0.6x its float32 rate.
+
+A packed or widened weight is a copy: it costs the weight's size again (twice, widened) in
+memory and goes stale when the plain weight changes, so whoever writes weights packs again
+afterwards."""
 
 from __future__ import annotations
 
+import functools
+import logging
+import math
+import os
+import time
+
 import torch
+import torch.nn.functional as F
 
 from kernels import cpu_native
+
+logger = logging.getLogger(__name__)
 
 # NOTE: oneDNN picks the blocked layout for a batch size. A prefill chunk's is the one that
 # F.linear reorders the plain weight into at every call, so products over it are
@@ -59,6 +74,79 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x [..., in]`` in bf16, ``packed`` from :func:`pack_weight`."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+# NOTE: measured on a 2-core Xeon with AVX-512 BF16 and no AMX, all four projections of
+# SmolLM2's 30 layers: at 2,048 rows 3.15 s over the packed bf16 weight against 1.97 s as
+# float32 products of a float32 copy (the rows widened, the result rounded once to bf16);
+# 0.40 against 0.25 s at 256 rows, 109 against 102 ms at 64. At 32 rows and fewer the
+# packed bf16 weight is as fast or faster (56 against 69 ms at 32, 16 against 26 at 3):
+# those products are bound by reading the weights, and the copy is twice the bytes.
+WIDE_MIN_ROWS = 33
+# NOTE: a model keeps float32 copies only while they take at most this much memory (a 0.5B
+# model's projections); larger models keep their long bf16 products in bf16.
+WIDE_MAX_BYTES = 2 * 2**30
+
+
+ENV_WIDE = "RAGSERVE_CPU_BF16_WIDE"
+
+
+@functools.cache
+def float32_products_faster() -> bool:
+    """Whether a bf16 prefill-sized product (256 rows through a SmolLM2 MLP projection) runs
+    faster as :func:`wide_linear` than over the packed bf16 weight here, best of 5 each,
+    interleaved (about 50 ms, once per process). ``RAGSERVE_CPU_BF16_WIDE=1`` or ``0``
+    decides instead."""
+    forced = os.environ.get(ENV_WIDE, "")
+    if forced:
+        return forced != "0"
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 576, generator=generator).bfloat16()
+    weight = torch.randn(1536, 576, generator=generator).bfloat16()
+    packed = pack_weight(weight) if can_pack(weight) else None
+    wide = widen_weight(weight)
+
+    def bf16() -> torch.Tensor:
+        return F.linear(x, weight) if packed is None else packed_linear(x, packed, None)
+
+    best = {"bf16": math.inf, "float32": math.inf}
+    for _ in range(6):  # NOTE: the first round warms both up and counts too
+        for name, product in (("bf16", bf16), ("float32", lambda: wide_linear(x, wide, None))):
+            started = time.perf_counter()
+            product()
+            best[name] = min(best[name], time.perf_counter() - started)
+    faster = best["float32"] < best["bf16"]
+    logger.info(
+        "bf16 products of %d+ rows run %s (256 rows: bf16 %.2f ms, float32 %.2f ms)",
+        WIDE_MIN_ROWS, "in float32" if faster else "in bf16", best["bf16"] * 1e3,
+        best["float32"] * 1e3,
+    )  # fmt: skip
+    return faster
+
+
+def widens(weight: torch.Tensor) -> bool:
+    """True for a 2-D bf16 CPU weight where the CPU has no AMX and float32 products are the
+    faster (:func:`float32_products_faster`): its products of ``WIDE_MIN_ROWS`` rows or more
+    run in float32 (:func:`wide_linear`)."""
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.bfloat16
+        and weight.dim() == 2
+        and not cpu_native.amx()
+        and float32_products_faster()
+    )
+
+
+def widen_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The float32 copy of ``weight`` that :func:`wide_linear` multiplies by (exact)."""
+    return weight.detach().float()
+
+
+def wide_linear(x: torch.Tensor, wide: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ weight.T + bias`` for bf16 ``x [..., in]``, summed in float32 over ``wide`` (from
+    :func:`widen_weight`) and rounded once to bf16."""
+    out = F.linear(x.float(), wide, None if bias is None else bias.float())
+    return out.to(x.dtype)
 
 
 # NOTE: as csrc/cpu_small_linear.c's SMALL_LINEAR_MAX_ROWS. From about this many rows on,

@@ -187,6 +187,7 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
     library.ragserve_decoder_stack.restype = ctypes.c_int
     library.ragserve_vector_width.restype = ctypes.c_int
     library.ragserve_bf16_dot.restype = ctypes.c_int
+    library.ragserve_bf16_dot_tiles.restype = ctypes.c_int
     library.ragserve_amx.restype = ctypes.c_int
     return library
 
@@ -239,8 +240,19 @@ def _build_flag(name: str) -> bool:
 
 
 def bf16_dot() -> bool:
-    """Whether bf16 attention tiles multiply bf16 pairs (a build for AVX-512 BF16)."""
+    """Whether the build multiplies bf16 pairs (AVX-512 BF16): bf16 decodes' attention and
+    products of one or two rows."""
     return _build_flag("bf16_dot")
+
+
+ENV_BF16_DOT_TILES = "RAGSERVE_CPU_BF16_DOT_TILES"
+
+
+def bf16_dot_tiles() -> bool:
+    """Whether bf16 prefill tiles (without AMX) multiply bf16 pairs rather than float32 FMAs
+    over widened K/V: ``RAGSERVE_CPU_BF16_DOT_TILES=1`` or ``0``, else whichever a
+    one-off timing on this CPU finds faster (``csrc/cpu_attention.c``)."""
+    return _build_flag("bf16_dot_tiles")
 
 
 ENV_AMX = "RAGSERVE_CPU_AMX"

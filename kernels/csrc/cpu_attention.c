@@ -31,6 +31,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <omp.h>
 
 #include "cpu_kernels.h"
@@ -291,12 +292,76 @@ static void tile_queries(const AttnParams *p, const Operands *ops, const Item *i
     start_tile_rows(p, it, w, rows, rpad);
 }
 
+static double seconds_now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+/* 1 when bf16 pair products (vdpbf16ps) beat widening K to float32 for FMAs on this CPU:
+ * one chunk's Q . K^T both ways on synthetic rows, best of 7 rounds each. Which wins
+ * depends on the core: pairs took a 2,048-token SmolLM2 prefill layer from 30 to 17 ms on
+ * one AVX-512 BF16 CPU, and from 27 to 43 ms on another (a Xeon without AMX), where
+ * vdpbf16ps does no more multiply-adds a cycle than two FMA ports. */
+static int pairs_beat_fmas(void) {
+#if HAVE_BF16_DOT
+    enum { D = 64, ROWS = 2 * NV * VL, KEYS = KC, REPS = 16 };
+    static uint16_t kh[KEYS * D] __attribute__((aligned(64)));
+    static float kf[KEYS * D] __attribute__((aligned(64)));
+    static float qt[D * ROWS] __attribute__((aligned(64)));
+    static uint32_t qp[(D / 2) * ROWS] __attribute__((aligned(64)));
+    static float st[(KEYS + RBK) * ROWS] __attribute__((aligned(64)));
+    const float *krow[KEYS];
+    const uint16_t *khrow[KEYS];
+    int keys[ROWS / (NV * VL)];
+    for (int i = 0; i < KEYS * D; i++) kh[i] = (uint16_t)(0x3c00 + (i & 0xff)); /* ~[0.0078, 0.0156) */
+    for (int i = 0; i < D * ROWS; i++) qt[i] = 0.01f * (float)(i & 7);
+    for (int i = 0; i < (D / 2) * ROWS; i++) qp[i] = 0x3c003c00u + (uint32_t)(i & 7);
+    for (int j = 0; j < KEYS; j++) {
+        krow[j] = kf + (int64_t)j * D;
+        khrow[j] = kh + (int64_t)j * D;
+    }
+    for (int b = 0; b < ROWS / (NV * VL); b++) keys[b] = KEYS;
+    double fmas = 1e30, pairs = 1e30;
+    for (int round = 0; round < 7; round++) {
+        double t0 = seconds_now();
+        for (int rep = 0; rep < REPS; rep++) {
+            for (int i = 0; i < KEYS * D; i += VL) storeu(kf + i, load_bf16(kh + i));
+            qk_tile(krow, qt, st, keys, ROWS, D);
+        }
+        double t1 = seconds_now();
+        for (int rep = 0; rep < REPS; rep++) qk_tile_dot(khrow, qp, st, keys, ROWS, D, 1.0f);
+        double t2 = seconds_now();
+        fmas = t1 - t0 < fmas ? t1 - t0 : fmas;
+        pairs = t2 - t1 < pairs ? t2 - t1 : pairs;
+    }
+    return pairs < fmas;
+#else
+    return 0;
+#endif
+}
+
+/* 1 when bf16 prefill tiles multiply bf16 pairs, 0 when they widen K/V to float32 for
+ * FMAs: RAGSERVE_CPU_BF16_DOT_TILES=1 or 0, else whichever pairs_beat_fmas() finds faster.
+ * Decodes, bound by reading K/V, keep the pairs. Decided once, before threads start. */
+static int bf16_dot_tiles(void) {
+    static int state = 0; /* 0: not decided yet, 1: pairs, -1: float32 FMAs */
+    if (state == 0) {
+        const char *env = getenv("RAGSERVE_CPU_BF16_DOT_TILES");
+        int on = env != NULL && env[0] != '\0' ? strcmp(env, "0") != 0 : pairs_beat_fmas();
+        state = on ? 1 : -1;
+    }
+    return state > 0;
+}
+
+int ragserve_bf16_dot_tiles(void) { return HAVE_BF16_DOT && bf16_dot_tiles(); }
+
 static void run_tile(const AttnParams *p, const Operands *ops, const Item *it, Work *w, int rows,
                      int rpad) {
     const int D = p->head_dim;
     const int64_t context = p->seq_lens[it->seq] - (p->query_start[it->seq + 1] - p->query_start[it->seq]);
     const int32_t *table = p->block_tables + (int64_t)it->seq * p->table_stride;
-    const int dot = HAVE_BF16_DOT && p->is_bf16;
+    const int dot = HAVE_BF16_DOT && p->is_bf16 && bf16_dot_tiles();
 
     tile_queries(p, ops, it, w, rows, rpad, dot);
     memset(w->o, 0, sizeof(float) * (size_t)rows * D);
@@ -1153,6 +1218,7 @@ int ragserve_paged_attention(const AttnParams *p, const void *q, int64_t q_token
     qsort(order, (size_t)num_items, sizeof(Item), by_cost_desc);
 
     const int amx = p->is_bf16 && amx_usable();
+    (void)bf16_dot_tiles(); /* read before the threads start */
 #if HAVE_AMX
     AmxPack pack = {0};
     if (amx && amx_plan_pack(p, &pack) != 0) {

@@ -84,8 +84,13 @@ def _decode_step_s(
 def floors(
     shape: ModelShape, workload: Workload, dtype: str, ceilings: dict[str, float]
 ) -> dict[str, Any]:
-    """The least time each timed figure could take here; throughput also as tok/s."""
-    gflops, gbps = ceilings[f"matmul_gflops_{dtype}"], ceilings["read_gbps"]
+    """The least time each timed figure could take here; throughput also as tok/s.
+
+    bf16 work counts at the faster of the bf16 and float32 matmul rates: bf16 values
+    multiply exactly in float32, and where the CPU has no AMX float32 is the faster rate
+    (ragserve's long bf16 products run there, ``kernels/cpu_linear.py``)."""
+    gflops = max(ceilings[f"matmul_gflops_{dtype}"], ceilings["matmul_gflops_float32"])
+    gbps = ceilings["read_gbps"]
     torch_dtype = DTYPES[dtype]
     w = workload
 

@@ -15,11 +15,15 @@ from torch import nn
 
 from kernels import cpu_layer_ops
 from kernels.cpu_linear import (
+    WIDE_MIN_ROWS,
     can_pack,
     pack_weight,
     packed_linear,
     small_linear,
     small_linear_usable,
+    wide_linear,
+    widen_weight,
+    widens,
 )
 
 
@@ -74,17 +78,27 @@ class Linear(nn.Module):
             else None
         )
         self._packed: torch.Tensor | None = None
+        self._wide: torch.Tensor | None = None
 
-    def pack_for_cpu(self) -> None:
-        """Prepack the weight when it can be (bf16 on the CPU), else drop any old packing.
+    def pack_for_cpu(self, widen: bool = True) -> None:
+        """Prepack the weight when it can be (bf16 on the CPU), and, with ``widen``, keep a
+        float32 copy for long products where this CPU runs them faster so
+        (``kernels/cpu_linear.py``); else drop any old copies.
 
-        Call again after every change to ``weight``: the packed copy does not follow it.
+        Call again after every change to ``weight``: the copies do not follow it.
         """
         self._packed = pack_weight(self.weight) if can_pack(self.weight) else None
+        self._wide = widen_weight(self.weight) if widen and widens(self.weight) else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if small_linear_usable(x, self.weight):
             return small_linear(x, self.weight, self.bias)
+        if (
+            self._wide is not None
+            and x.dtype == self.weight.dtype
+            and x.numel() >= WIDE_MIN_ROWS * self.in_features
+        ):
+            return wide_linear(x, self._wide, self.bias)
         if self._packed is not None and x.dtype == self.weight.dtype:
             return packed_linear(x, self._packed, self.bias)
         return F.linear(x, self.weight, self.bias)

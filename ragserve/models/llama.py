@@ -20,6 +20,7 @@ quantized (``_quantizes_input``).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -31,11 +32,13 @@ from torch import nn
 from kernels import cpu_layer_ops
 from kernels.cpu_decoder_stack import StackWeights
 from kernels.cpu_linear import (
+    WIDE_MAX_BYTES,
     can_pack,
     pack_weight,
     packed_linear,
     small_linear,
     small_linear_usable,
+    widens,
 )
 from ragserve.models.forward_context import OutputRows, get_forward_context
 from ragserve.models.fp8_linear import Fp8Linear, QuantizedRows
@@ -58,6 +61,8 @@ _FUSED_SHARDS = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -499,11 +504,19 @@ class LlamaForCausalLM(nn.Module):
 
         Packing is a no-op for other dtypes and devices. ``load_weights`` calls it; call it
         again after writing weights any other way. Costs one extra copy of those weights in
-        memory.
+        memory, and where long bf16 products run in float32 a float32 copy of the
+        projections too, unless that would pass ``WIDE_MAX_BYTES``.
         """
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.pack_for_cpu()
+        linears = [module for module in self.modules() if isinstance(module, Linear)]
+        wide_bytes = 4 * sum(module.weight.numel() for module in linears)
+        widen = wide_bytes <= WIDE_MAX_BYTES
+        if not widen and any(widens(module.weight) for module in linears):
+            logger.info(
+                "long bf16 products stay in bf16: float32 copies of the projections would "
+                "take %.1f GiB (more than %.1f)", wide_bytes / 2**30, WIDE_MAX_BYTES / 2**30,
+            )  # fmt: skip
+        for module in linears:
+            module.pack_for_cpu(widen)
         self.model.native_weights = None  # gathered again from the weights as they are now
         tied = self.model.embed_tokens.weight if self.lm_head is None else None
         self._packed_tied_head = pack_weight(tied) if tied is not None and can_pack(tied) else None

@@ -16,10 +16,11 @@ from typing import Any
 import pytest
 
 from ragserve.bench.cpu_engines import make_variants, tree_rss_bytes
-from ragserve.bench.cpu_floors import best_ceilings
+from ragserve.bench.cpu_floors import best_ceilings, floors
 from ragserve.bench.cpu_report import summarize
 from ragserve.bench.cpu_workload import Workload, phase_specs
 from ragserve.cli import main
+from ragserve.models.llama import ModelShape
 
 TIME_FIGURES = (
     "ttft_64_s",
@@ -172,3 +173,17 @@ def test_floors_come_from_the_quietest_ceilings() -> None:
     quiet = {"matmul_gflops_bfloat16": 2005.0, "read_gbps": 15.0}
     assert best_ceilings(busy, quiet) == {"matmul_gflops_bfloat16": 2005.0, "read_gbps": 25.7}
     assert best_ceilings(busy) == busy
+
+
+def test_bf16_floors_take_the_faster_matmul_rate() -> None:
+    """bf16 values multiply exactly in float32: where float32 is the faster rate (a CPU
+    without AMX), bf16 prefill's floor is the float32 one, and the decode floors' bytes stay
+    bf16's."""
+    shape, workload = ModelShape(30, 9, 3, 64, 576, 1536, 49152), Workload()  # SmolLM2-135M
+    slow_bf16 = {"matmul_gflops_bfloat16": 150.0, "matmul_gflops_float32": 300.0, "read_gbps": 20.0}
+    fast_bf16 = {**slow_bf16, "matmul_gflops_bfloat16": 600.0}
+    as_float32 = floors(shape, workload, "float32", slow_bf16)
+    slow, fast = (floors(shape, workload, "bfloat16", c) for c in (slow_bf16, fast_bf16))
+    assert slow["ttft_s"] == as_float32["ttft_s"]
+    assert fast["ttft_s"]["2048"] == pytest.approx(slow["ttft_s"]["2048"] / 2)
+    assert slow["throughput_s"] < as_float32["throughput_s"]  # half the bytes per decode step

@@ -3,6 +3,9 @@ the same numbers as ``F.linear``; packed weights are packed again after every lo
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,11 +17,13 @@ from kernels.cpu_linear import (
     AMX_LINEAR_MAX_ROWS,
     BF16_SMALL_LINEAR_MAX_ROWS,
     SMALL_LINEAR_MAX_ROWS,
+    WIDE_MIN_ROWS,
     can_pack,
     pack_weight,
     packed_linear,
     small_linear,
     small_linear_usable,
+    widens,
 )
 from ragserve.models.layers import Linear
 from ragserve.models.llama import LlamaForCausalLM
@@ -48,27 +53,36 @@ def test_packed_linear_is_bit_identical_to_linear(rows: int, with_bias: bool) ->
 
 @needs_bf16_onednn
 def test_a_packed_layer_gives_every_chunk_length_the_same_numbers() -> None:
+    """Chunks of ``WIDE_MIN_ROWS`` rows or more: bf16's product, or float32's rounded once
+    where this CPU widens; fewer rows: bf16's product."""
     layer = Linear(576, 48, bias=True, device=torch.device("cpu"), dtype=torch.bfloat16)
     generator = torch.Generator().manual_seed(3)
     layer.weight.copy_(torch.randn(48, 576, generator=generator))
     layer.bias.copy_(torch.randn(48, generator=generator))  # type: ignore[union-attr]
     layer.pack_for_cpu()
     rows = torch.randn(2100, 576, generator=generator).to(torch.bfloat16)
-    expected = F.linear(rows, layer.weight, layer.bias)
-    for length in (2100, 1536, 200, 33, 7):
-        assert torch.equal(layer(rows[:length]), expected[:length])
+    in_bf16 = F.linear(rows, layer.weight, layer.bias)
+    wide = F.linear(rows.float(), layer.weight.float(), layer.bias.float()).bfloat16()  # type: ignore[union-attr]
+    long_chunks = wide if widens(layer.weight) else in_bf16
+    for length in (2100, 1536, 200, WIDE_MIN_ROWS):
+        assert torch.equal(layer(rows[:length]), long_chunks[:length])
+    assert torch.equal(layer(rows[:7]), in_bf16[:7])
 
 
-def test_only_bf16_cpu_weights_are_packed() -> None:
-    weight = torch.randn(8, 4)
-    assert not can_pack(weight)
-    with pytest.raises(ValueError, match="float32"):
-        pack_weight(weight)
-    layer = Linear(4, 8, bias=False, device=torch.device("cpu"), dtype=torch.float32)
-    layer.weight.copy_(weight)
-    layer.pack_for_cpu()
-    x = torch.randn(3, 4)
-    assert torch.equal(layer(x), F.linear(x, weight))
+@pytest.mark.parametrize("forced", ["0", "1"])
+def test_long_bf16_products_widen_where_asked_and_never_on_amx(forced: str) -> None:
+    """``RAGSERVE_CPU_BF16_WIDE`` overrides the one-off timing; AMX always keeps bf16; only
+    2-D bf16 weights widen."""
+    env = dict(os.environ, RAGSERVE_CPU_BF16_WIDE=forced)
+    code = (
+        "import torch; from kernels.cpu_linear import widens; "
+        "w = torch.zeros(8, 64, dtype=torch.bfloat16); "
+        "print(widens(w), widens(w.float()), widens(w[None]))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    assert result.stdout.split() == [str(forced == "1" and not cpu_native.amx()), "False", "False"]
 
 
 @needs_bf16_onednn

@@ -90,7 +90,7 @@ def test_bf16_tiles_multiply_on_amx_where_the_cpu_has_it() -> None:
 
 
 def test_amx_can_be_turned_off(tmp_path: Path) -> None:
-    """RAGSERVE_CPU_AMX=0 keeps bf16 tiles on the pair products, whatever the CPU."""
+    """RAGSERVE_CPU_AMX=0 keeps bf16 tiles off AMX, whatever the CPU."""
     if cpu_native.load() is None:
         pytest.skip("no native kernels")
     env = dict(os.environ, RAGSERVE_CPU_AMX="0", RAGSERVE_KERNEL_CACHE=str(cpu_native.cache_dir()))
@@ -101,12 +101,21 @@ def test_amx_can_be_turned_off(tmp_path: Path) -> None:
     assert result.stdout.strip() == "False"
 
 
-def test_pair_products_still_match_the_reference_where_amx_runs() -> None:
-    """On an AMX machine the bf16 pair-product tiles (what CPUs without AMX run) are checked too,
-    in a process that turns AMX off."""
-    if not cpu_native.amx():
-        pytest.skip("without AMX the pair products are what every bf16 test runs")
-    env = dict(os.environ, RAGSERVE_CPU_AMX="0")
+@pytest.mark.parametrize("pairs", ["0", "1"])
+def test_every_bf16_tile_path_matches_the_reference(pairs: str) -> None:
+    """bf16 prefill tiles run on AMX, on bf16 pair products or on float32 FMAs over widened
+    K/V, as the CPU allows and a one-off timing picks; every bf16 test runs the one this
+    process picked, and a process with AMX off and the choice forced checks the others."""
+    if not cpu_native.bf16_dot():
+        pytest.skip("without AVX-512 BF16, tiles always widen to float32")
+    if not cpu_native.amx() and cpu_native.bf16_dot_tiles() == (pairs == "1"):
+        pytest.skip("what every bf16 test in this process runs")
+    env = dict(os.environ, RAGSERVE_CPU_AMX="0", RAGSERVE_CPU_BF16_DOT_TILES=pairs)
+    code = "from kernels import cpu_native; print(cpu_native.bf16_dot_tiles())"
+    forced = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    assert forced.stdout.strip() == str(pairs == "1")
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-o", "addopts="]
     command += [
         str(Path(__file__).with_name("test_cpu_backend.py")),
