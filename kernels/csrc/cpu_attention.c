@@ -300,9 +300,9 @@ static double seconds_now(void) {
 
 /* 1 when bf16 pair products (vdpbf16ps) beat widening K to float32 for FMAs on this CPU:
  * one chunk's Q . K^T both ways on synthetic rows, best of 7 rounds each. Which wins
- * depends on the core: pairs took a 2,048-token SmolLM2 prefill layer from 30 to 17 ms on
- * one AVX-512 BF16 CPU, and from 27 to 43 ms on another (a Xeon without AMX), where
- * vdpbf16ps does no more multiply-adds a cycle than two FMA ports. */
+ * depends on the core: one SmolLM2 layer's 2,048-token prefill took 17 ms with pairs
+ * against 30 with FMAs on one AVX-512 BF16 CPU, and 43 against 27 on another (a Xeon
+ * without AMX, where vdpbf16ps does no more multiply-adds a cycle than two FMA ports). */
 static int pairs_beat_fmas(void) {
 #if HAVE_BF16_DOT
     enum { D = 64, ROWS = 2 * NV * VL, KEYS = KC, REPS = 16 };
@@ -1218,7 +1218,7 @@ int ragserve_paged_attention(const AttnParams *p, const void *q, int64_t q_token
     qsort(order, (size_t)num_items, sizeof(Item), by_cost_desc);
 
     const int amx = p->is_bf16 && amx_usable();
-    (void)bf16_dot_tiles(); /* read before the threads start */
+    if (p->is_bf16) (void)bf16_dot_tiles(); /* decided before the threads start */
 #if HAVE_AMX
     AmxPack pack = {0};
     if (amx && amx_plan_pack(p, &pack) != 0) {

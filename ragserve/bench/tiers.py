@@ -195,6 +195,8 @@ class _Run:
         vocab = llm.info.model_shape.vocab_size
         if not self.doc:
             self.doc = random_prompts(1, self.args.doc_tokens, vocab, seed=11)[0]
+            # NOTE: one question per phase (cold, device, CPU, persist, disk), and
+            # REPEATS - 1 more for each of the two warm tiers.
             self.questions = random_prompts(
                 5 + 2 * (REPEATS - 1), self.args.question_tokens, vocab, seed=12
             )
