@@ -16,6 +16,7 @@ from kernels import cpu_native
 from kernels.cpu_linear import (
     AMX_LINEAR_MAX_ROWS,
     BF16_SMALL_LINEAR_MAX_ROWS,
+    ENV_WIDE,
     SMALL_LINEAR_MAX_ROWS,
     WIDE_MIN_ROWS,
     can_pack,
@@ -73,7 +74,7 @@ def test_a_packed_layer_gives_every_chunk_length_the_same_numbers() -> None:
 def test_long_bf16_products_widen_where_asked_and_never_on_amx(forced: str) -> None:
     """``RAGSERVE_CPU_BF16_WIDE`` overrides the one-off timing; AMX always keeps bf16; only
     2-D bf16 weights widen."""
-    env = dict(os.environ, RAGSERVE_CPU_BF16_WIDE=forced)
+    env = {**os.environ, ENV_WIDE: forced}
     code = (
         "import torch; from kernels.cpu_linear import widens; "
         "w = torch.zeros(8, 64, dtype=torch.bfloat16); "

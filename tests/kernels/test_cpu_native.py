@@ -110,7 +110,7 @@ def test_every_bf16_tile_path_matches_the_reference(pairs: str) -> None:
         pytest.skip("without AVX-512 BF16, tiles always widen to float32")
     if not cpu_native.amx() and cpu_native.bf16_dot_tiles() == (pairs == "1"):
         pytest.skip("what every bf16 test in this process runs")
-    env = dict(os.environ, RAGSERVE_CPU_AMX="0", RAGSERVE_CPU_BF16_DOT_TILES=pairs)
+    env = {**os.environ, cpu_native.ENV_AMX: "0", cpu_native.ENV_BF16_DOT_TILES: pairs}
     code = "from kernels import cpu_native; print(cpu_native.bf16_dot_tiles())"
     forced = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
