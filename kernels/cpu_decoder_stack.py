@@ -83,7 +83,10 @@ class LayerTensors:
 def _pointer(tensor: torch.Tensor | None, dtype: torch.dtype) -> int | None:
     if tensor is None:
         return None
-    assert tensor.is_contiguous() and tensor.dtype == dtype
+    # NOTE: float32 projections are stored transposed, as the native float32 products read
+    # them (kernels/cpu_linear.py); bf16 ones, norms and biases as they are.
+    stored = tensor.t() if tensor.dim() == 2 and dtype == torch.float32 else tensor
+    assert stored.is_contiguous() and tensor.dtype == dtype
     return tensor.data_ptr()
 
 

@@ -1,7 +1,7 @@
 """Linear layers on the CPU: bfloat16 weights prepacked once into oneDNN's blocked layout,
-and products of a few rows (decode steps) through native kernels: float32 up to 64 rows and
-bf16 one or two rows (``csrc/cpu_small_linear.c``), bf16 up to 32 rows on AMX tiles where
-the CPU has them (``csrc/cpu_amx_linear.c``).
+float32 weights laid out transposed, and products of a few rows (decode steps) through
+native kernels: float32 up to 64 rows and bf16 one or two rows (``csrc/cpu_small_linear.c``),
+bf16 up to 32 rows on AMX tiles where the CPU has them (``csrc/cpu_amx_linear.c``).
 
 A decode step multiplies one token by every weight matrix, so it streams all the weights
 from memory once per step. ``F.linear`` on a plain bf16 weight reads them at ~14 GB/s on a
@@ -10,6 +10,11 @@ SmolLM2-135M layers: 15.4 -> 11.5 ms; its 49152 x 576 LM head: 3.7 -> 2.5 ms). P
 chunks gain too: ``F.linear`` reorders the plain weight into the blocked layout at every
 call, the packed copy is in it already. Results are bit-identical to ``F.linear`` at every
 row count measured (see ``_PACK_BATCH_HINT``).
+
+float32 weights keep their values and shape but are stored transposed (:func:`lay_out_float32`,
+``weight.t()`` contiguous): the native products of a few rows read a panel of outputs'
+weights as contiguous runs, and MKL multiplies prefill chunks over that layout as fast or
+faster, bit-identically to the plain layout (see :func:`lays_out_float32`'s note).
 
 Where the CPU has no AMX and oneDNN multiplies float32 faster than bf16 (timed once per
 process, :func:`float32_products_faster`), bf16 products of many rows (prefill chunks) run
@@ -154,6 +159,32 @@ def wide_linear(x: torch.Tensor, wide: torch.Tensor, bias: torch.Tensor | None) 
 SMALL_LINEAR_MAX_ROWS = 64
 
 
+# NOTE: on 2 AVX-512 cores (a Xeon without AMX), MKL's products over the transposed float32
+# weight were bit-identical to the plain weight's at 64 to 2,048 rows of SmolLM2's shapes,
+# and as fast or faster (2,048 rows: 254-322 against 209-305 GFLOP/s; 64 rows: 202-219
+# against 178-193).
+def lays_out_float32(weight: torch.Tensor) -> bool:
+    """True for a 2-D float32 CPU weight: it is stored transposed (:func:`lay_out_float32`)."""
+    return weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
+
+
+def empty_weight(
+    out_features: int, in_features: int, *, device: torch.device, dtype: torch.dtype
+) -> torch.Tensor:
+    """An uninitialised ``[out_features, in_features]`` weight, stored transposed where
+    :func:`lays_out_float32` (so that loading writes it in place in that layout)."""
+    weight = torch.empty(out_features, in_features, device=device, dtype=dtype)
+    if lays_out_float32(weight):
+        weight = torch.empty(in_features, out_features, device=device, dtype=dtype).t()
+    return weight
+
+
+def lay_out_float32(weight: torch.Tensor) -> torch.Tensor:
+    """``weight [out, in]`` with the same values, stored transposed: ``result.t()`` is
+    contiguous, as :func:`small_linear` reads float32 weights."""
+    return weight.t().contiguous().t()
+
+
 # NOTE: as csrc/cpu_small_linear.c's BF16_SMALL_LINEAR_MAX_ROWS: one or two bf16 rows
 # (decode steps of one or two sequences) stream the weights with vdpbf16ps.
 BF16_SMALL_LINEAR_MAX_ROWS = 2
@@ -164,7 +195,7 @@ AMX_LINEAR_MAX_ROWS = 32
 
 def max_rows(dtype: torch.dtype) -> int:
     """The most rows of ``dtype`` that :func:`small_linear` multiplies natively here (float32
-    register tiles; bf16 AMX tiles, or one or two rows of ``vdpbf16ps``); 0 without them."""
+    outer-product tiles; bf16 AMX tiles, or one or two rows of ``vdpbf16ps``); 0 without them."""
     if dtype == torch.float32:
         return SMALL_LINEAR_MAX_ROWS if cpu_native.vector_width() is not None else 0
     if dtype != torch.bfloat16 or not cpu_native.bf16_dot():
@@ -173,28 +204,28 @@ def max_rows(dtype: torch.dtype) -> int:
 
 
 def small_linear_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """True for ``x [rows, in]`` and ``weight [out, in]``, both contiguous CPU tensors, with
-    the native kernels built: float32 up to SMALL_LINEAR_MAX_ROWS rows (``in`` a multiple of
-    the vector width); bf16 on AVX-512 BF16 builds (``in`` a multiple of 32), up to
-    BF16_SMALL_LINEAR_MAX_ROWS rows, or AMX_LINEAR_MAX_ROWS where AMX runs."""
+    """True for contiguous CPU rows ``x [rows, in]`` and a CPU ``weight [out, in]`` of their
+    dtype, with the native kernels built: float32 up to SMALL_LINEAR_MAX_ROWS rows over a
+    weight stored transposed (:func:`lay_out_float32`); bf16 on AVX-512 BF16 builds (``in``
+    a multiple of 32, the weight contiguous), up to BF16_SMALL_LINEAR_MAX_ROWS rows, or
+    AMX_LINEAR_MAX_ROWS where AMX runs."""
     if not (
         x.dim() == 2
+        and weight.dim() == 2
         and 0 < x.shape[0] <= max_rows(x.dtype)
         and x.dtype == weight.dtype
         and x.device.type == weight.device.type == "cpu"
         and x.is_contiguous()
-        and weight.is_contiguous()
     ):
         return False
     if x.dtype == torch.bfloat16:
-        return x.shape[1] % 32 == 0
-    width = cpu_native.vector_width()
-    return width is not None and x.shape[1] % width == 0
+        return weight.is_contiguous() and x.shape[1] % 32 == 0
+    return weight.t().is_contiguous()
 
 
 def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ weight.T + bias`` for inputs :func:`small_linear_usable` accepts, in their dtype:
-    float32 at 1.3x to 3x ``F.linear``'s rate at decode batches, each row's result the same
+    float32 at 1.2x to 2x ``F.linear``'s rate at decode batches, each row's result the same
     whatever the other rows are; bf16 summed in float32 and rounded once (see the C file)."""
     library = cpu_native.load()
     assert library is not None

@@ -31,7 +31,7 @@ int ragserve_silu_mul(int is_bf16, int64_t rows, int64_t inter, const void *gate
                       int threads);
 void ragserve_rotary(int is_bf16, int64_t tokens, int heads, int head_dim, const void *src, int64_t src_stride,
                      const void *cos, const void *sin, void *dst, int64_t dst_stride, int threads);
-int ragserve_small_linear(int64_t rows, int64_t n_out, int64_t k_in, const float *x, const float *w,
+int ragserve_small_linear(int64_t rows, int64_t n_out, int64_t k_in, const float *x, const float *wt,
                           const float *bias, float *out, int threads);
 int ragserve_small_linear_bf16(int64_t rows, int64_t n_out, int64_t k_in, const uint16_t *x, const uint16_t *w,
                                const uint16_t *bias, uint16_t *out, int threads);

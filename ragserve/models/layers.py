@@ -17,6 +17,9 @@ from kernels import cpu_layer_ops
 from kernels.cpu_linear import (
     WIDE_MIN_ROWS,
     can_pack,
+    empty_weight,
+    lay_out_float32,
+    lays_out_float32,
     pack_weight,
     packed_linear,
     small_linear,
@@ -53,8 +56,9 @@ def fused_fp8_ops() -> ModuleType:
 class Linear(nn.Module):
     """``y = x @ weight.T + bias`` with ``weight`` of shape ``[out_features, in_features]``.
 
-    After :meth:`pack_for_cpu`, bf16 CPU weights run from a prepacked oneDNN copy
-    (``kernels/cpu_linear.py``); the plain ``weight`` stays the source of truth.
+    float32 CPU weights are stored transposed (``weight.t()`` contiguous), as the native
+    products of a few rows read them. After :meth:`pack_for_cpu`, bf16 CPU weights run from a
+    prepacked oneDNN copy (``kernels/cpu_linear.py``); ``weight`` stays the source of truth.
     """
 
     def __init__(
@@ -70,7 +74,8 @@ class Linear(nn.Module):
         self.in_features = in_features
         self.out_features = out_features
         self.weight = nn.Parameter(
-            torch.empty(out_features, in_features, device=device, dtype=dtype), requires_grad=False
+            empty_weight(out_features, in_features, device=device, dtype=dtype),
+            requires_grad=False,
         )
         self.bias = (
             nn.Parameter(torch.empty(out_features, device=device, dtype=dtype), requires_grad=False)
@@ -83,10 +88,13 @@ class Linear(nn.Module):
     def pack_for_cpu(self, widen: bool = True) -> None:
         """Prepack the weight when it can be (bf16 on the CPU), and, with ``widen``, keep a
         float32 copy for long products where this CPU runs them faster so
-        (``kernels/cpu_linear.py``); else drop any old copies.
+        (``kernels/cpu_linear.py``); else drop any old copies. A float32 CPU weight given a
+        plain layout (``weight.data = ...``) is stored transposed again.
 
         Call again after every change to ``weight``: the copies do not follow it.
         """
+        if lays_out_float32(self.weight) and not self.weight.t().is_contiguous():
+            self.weight.data = lay_out_float32(self.weight.data)
         self._packed = pack_weight(self.weight) if can_pack(self.weight) else None
         self._wide = widen_weight(self.weight) if widen and widens(self.weight) else None
 

@@ -34,6 +34,9 @@ from kernels.cpu_decoder_stack import StackWeights
 from kernels.cpu_linear import (
     WIDE_MAX_BYTES,
     can_pack,
+    lay_out_float32,
+    lays_out_float32,
+    max_rows,
     pack_weight,
     packed_linear,
     small_linear,
@@ -448,8 +451,10 @@ class LlamaForCausalLM(nn.Module):
                 device=device,
                 dtype=dtype,
             )
-        # A oneDNN copy of the tied embedding for the LM head; see pack_cpu_weights.
+        # Copies of the tied embedding for the LM head on the CPU, see pack_cpu_weights:
+        # oneDNN's (bf16), stored transposed for the native products of a few rows (float32).
         self._packed_tied_head: torch.Tensor | None = None
+        self._transposed_tied_head: torch.Tensor | None = None
 
     @property
     def num_layers(self) -> int:
@@ -492,8 +497,9 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is not None:
             return self.lm_head(hidden).float()
         weight = self.model.embed_tokens.weight
-        if small_linear_usable(hidden, weight):
-            return small_linear(hidden, weight, None).float()
+        small = self._transposed_tied_head if self._transposed_tied_head is not None else weight
+        if small_linear_usable(hidden, small):
+            return small_linear(hidden, small, None).float()
         if self._packed_tied_head is not None and hidden.dtype == weight.dtype:
             return packed_linear(hidden, self._packed_tied_head, None).float()
         return F.linear(hidden, weight).float()
@@ -505,7 +511,9 @@ class LlamaForCausalLM(nn.Module):
         Packing is a no-op for other dtypes and devices. ``load_weights`` calls it; call it
         again after writing weights any other way. Costs one extra copy of those weights in
         memory, and where long bf16 products run in float32 a float32 copy of the
-        projections too, unless that would pass ``WIDE_MAX_BYTES``.
+        projections too, unless that would pass ``WIDE_MAX_BYTES``. A float32 model whose
+        LM head is its embedding keeps a transposed copy of it for the native products of a
+        few rows (the projections are stored transposed already, see ``Linear``).
         """
         linears = [module for module in self.modules() if isinstance(module, Linear)]
         wide_bytes = 4 * sum(module.weight.numel() for module in linears)
@@ -520,6 +528,11 @@ class LlamaForCausalLM(nn.Module):
         self.model.native_weights = None  # gathered again from the weights as they are now
         tied = self.model.embed_tokens.weight if self.lm_head is None else None
         self._packed_tied_head = pack_weight(tied) if tied is not None and can_pack(tied) else None
+        self._transposed_tied_head = (
+            lay_out_float32(tied)
+            if tied is not None and lays_out_float32(tied) and max_rows(tied.dtype) > 0
+            else None
+        )
 
     def set_rope_frequency_factors(self, factors: torch.Tensor) -> None:
         """Divide the rotary inverse frequencies by ``factors`` (GGUF ``rope_freqs``)."""

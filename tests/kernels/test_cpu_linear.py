@@ -1,5 +1,6 @@
-"""CPU linears: prepacked bf16 weights and the native float32 products of a few rows give
-the same numbers as ``F.linear``; packed weights are packed again after every load."""
+"""CPU linears: prepacked bf16 weights and the native float32 products of a few rows (over
+weights stored transposed) give the same numbers as ``F.linear``; packed weights are packed
+again after every load."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from kernels.cpu_linear import (
     SMALL_LINEAR_MAX_ROWS,
     WIDE_MIN_ROWS,
     can_pack,
+    lay_out_float32,
     pack_weight,
     packed_linear,
     small_linear,
@@ -121,22 +123,25 @@ def test_loaded_bf16_model_is_packed_and_unchanged(tmp_path: Path, arch: str) ->
 
 
 needs_native = pytest.mark.skipif(
-    not small_linear_usable(torch.zeros(1, 64), torch.zeros(8, 64)),
+    not small_linear_usable(torch.zeros(1, 64), lay_out_float32(torch.zeros(8, 64))),
     reason="native CPU kernels unavailable",
 )
 
 
 @needs_native
-@pytest.mark.parametrize("rows", [1, 2, 4, 5, 8, 31, SMALL_LINEAR_MAX_ROWS])
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 8, 9, 31, SMALL_LINEAR_MAX_ROWS])
 @pytest.mark.parametrize("out_features", [1, 13, 96, 1000])
+@pytest.mark.parametrize("in_features", [7, 192])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_small_linear_matches_linear_in_float32(
-    rows: int, out_features: int, with_bias: bool
+    rows: int, out_features: int, in_features: int, with_bias: bool
 ) -> None:
-    generator = torch.Generator().manual_seed(rows * out_features)
-    weight = torch.randn(out_features, 192, generator=generator)
+    """Tiles of every row count, panels full and partial (13, 1000: not whole panels), any
+    inner size."""
+    generator = torch.Generator().manual_seed(rows * out_features + in_features)
+    weight = lay_out_float32(torch.randn(out_features, in_features, generator=generator))
     bias = torch.randn(out_features, generator=generator) if with_bias else None
-    x = torch.randn(rows, 192, generator=generator)
+    x = torch.randn(rows, in_features, generator=generator)
     out = small_linear(x, weight, bias)
     expected = F.linear(x, weight, bias)
     assert out.shape == expected.shape and out.dtype == torch.float32
@@ -148,26 +153,48 @@ def test_small_linear_matches_linear_in_float32(
 
 @needs_native
 def test_a_rows_result_does_not_depend_on_the_rest_of_the_batch() -> None:
-    """Streamed (up to 4 rows) and tiled (more) products add in the same order, so a decode
-    step gives each sequence the same bits whatever else runs with it."""
+    """Tiles of any row count, first or later over a panel, add in the same order, so a
+    decode step gives each sequence the same bits whatever else runs with it."""
     generator = torch.Generator().manual_seed(7)
-    weight = torch.randn(100, 576, generator=generator)  # 100: a partial weight tile
+    # 100: a partial panel
+    weight = lay_out_float32(torch.randn(100, 576, generator=generator))
     bias = torch.randn(100, generator=generator)
     batch = torch.randn(SMALL_LINEAR_MAX_ROWS, 576, generator=generator)
     alone = torch.cat([small_linear(batch[i : i + 1], weight, bias) for i in range(len(batch))])
-    for rows in (2, 4, 5, 7, 32, SMALL_LINEAR_MAX_ROWS):
+    for rows in (2, 4, 5, 7, 9, 32, SMALL_LINEAR_MAX_ROWS):
         assert torch.equal(small_linear(batch[:rows], weight, bias), alone[:rows]), rows
 
 
 @needs_native
+@pytest.mark.parametrize("arch", ["llama", "llama-tied"])
+def test_loaded_float32_model_stores_weights_transposed(tmp_path: Path, arch: str) -> None:
+    """Projections are loaded in place in the transposed layout; a tied LM head keeps a
+    transposed copy for decode steps, and its logits match ``F.linear``'s row by row."""
+    model = load_model(make_tiny_model(tmp_path, arch), device="cpu", dtype="float32").model
+    assert isinstance(model, LlamaForCausalLM)
+    assert all(m.weight.t().is_contiguous() for m in model.modules() if isinstance(m, Linear))
+    assert (model._transposed_tied_head is not None) == (arch == "llama-tied")
+    head = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    hidden = torch.randn(5, model.shape.hidden_size)
+    logits = model.compute_logits(hidden)
+    torch.testing.assert_close(logits, F.linear(hidden, head), rtol=1e-5, atol=1e-5)
+    alone = torch.cat([model.compute_logits(hidden[i : i + 1]) for i in range(5)])
+    assert torch.equal(logits, alone)
+
+
+@needs_native
 def test_small_linear_takes_only_few_contiguous_float32_rows() -> None:
-    weight = torch.randn(16, 64)
+    plain = torch.randn(16, 64)
+    weight = lay_out_float32(plain)
+    assert torch.equal(weight, plain) and weight.t().is_contiguous()
     assert small_linear_usable(torch.randn(SMALL_LINEAR_MAX_ROWS, 64), weight)
+    assert small_linear_usable(torch.randn(1, 60), lay_out_float32(torch.randn(16, 60)))
     # prefill chunks: MKL's blocked GEMM is as fast
     assert not small_linear_usable(torch.randn(SMALL_LINEAR_MAX_ROWS + 1, 64), weight)
     assert not small_linear_usable(torch.randn(64, 2).t()[:1], weight)  # strided rows
-    assert not small_linear_usable(torch.randn(1, 60), torch.randn(16, 60))  # not whole vectors
-    bf16 = weight.bfloat16()
+    assert not small_linear_usable(torch.randn(1, 64), plain)  # float32 weights: transposed
+    assert not small_linear_usable(torch.randn(1, 64), weight[1:9])  # not the whole weight
+    bf16 = plain.bfloat16()
     assert small_linear_usable(torch.randn(1, 64).bfloat16(), bf16) == cpu_native.bf16_dot()
     bf16_rows = AMX_LINEAR_MAX_ROWS if cpu_native.amx() else BF16_SMALL_LINEAR_MAX_ROWS
     assert small_linear_usable(torch.randn(bf16_rows, 64).bfloat16(), bf16) == cpu_native.bf16_dot()
@@ -223,8 +250,14 @@ def test_amx_linear_rows_do_not_depend_on_their_batch() -> None:
 @needs_native
 def test_linear_layer_matches_f_linear_on_both_paths() -> None:
     layer = Linear(64, 24, bias=True, device=torch.device("cpu"), dtype=torch.float32)
+    assert layer.weight.t().is_contiguous()  # float32 CPU weights are stored transposed
     torch.nn.init.normal_(layer.weight)
     torch.nn.init.normal_(layer.bias)
-    for rows in (1, 9, SMALL_LINEAR_MAX_ROWS + 1):  # streamed, tiled, F.linear
+    for rows in (1, 9, SMALL_LINEAR_MAX_ROWS + 1):  # one tile, two, F.linear
         x = torch.randn(rows, 64)
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+    layer.weight.data = torch.randn(24, 64)  # a plain layout, as whoever writes weights may
+    layer.pack_for_cpu()
+    assert layer.weight.t().is_contiguous()
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
