@@ -114,7 +114,8 @@ def test_rows_of_a_block_major_tensor_load_in_parallel(tmp_path: Path) -> None:
 def test_lru_eviction_keeps_capacity(tmp_path: Path) -> None:
     size = record_size()
     capacity = 5 * size + size // 2
-    with DiskTier(SHAPE, torch.float32, capacity, tmp_path) as tier:
+    writers = 2
+    with DiskTier(SHAPE, torch.float32, capacity, tmp_path, num_writers=writers) as tier:
         fill(tier, range(5))
         assert tier.load_into(make_meta(0), torch.empty(SHAPE))  # 0 becomes most recent
         fill(tier, [5, 6])
@@ -122,7 +123,9 @@ def test_lru_eviction_keeps_capacity(tmp_path: Path) -> None:
         assert tier.contains(make_meta(0)) and not tier.contains(make_meta(1))
         for index in range(7, 60):  # a workload far larger than the capacity
             tier.put(make_meta(index), random_block(torch.float32, index))
-            assert disk_usage(tmp_path) <= capacity + size
+            # NOTE: a writer unlinks the record it evicted after its reservation is made,
+            # so each may leave one on disk a moment longer.
+            assert disk_usage(tmp_path) <= capacity + writers * size
         tier.flush()
         assert disk_usage(tmp_path) <= capacity
         stats = tier.metrics()
