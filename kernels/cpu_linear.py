@@ -11,10 +11,11 @@ chunks gain too: ``F.linear`` reorders the plain weight into the blocked layout 
 call, the packed copy is in it already. Results are bit-identical to ``F.linear`` at every
 row count measured (see ``_PACK_BATCH_HINT``).
 
-float32 weights keep their values and shape but are stored transposed (:func:`lay_out_float32`,
-``weight.t()`` contiguous): the native products of a few rows read a panel of outputs'
-weights as contiguous runs, and MKL multiplies prefill chunks over that layout as fast or
-faster, bit-identically to the plain layout (see :func:`lays_out_float32`'s note).
+float32 weights keep their values and shape but are stored transposed
+(:func:`store_transposed`: ``weight.t()`` contiguous): the native products of a few rows
+read a panel of outputs' weights as contiguous runs, and MKL multiplies prefill chunks over
+that layout as fast or faster, bit-identically to the plain layout (see
+:func:`kept_transposed`'s note).
 
 Where the CPU has no AMX and oneDNN multiplies float32 faster than bf16 (timed once per
 process, :func:`float32_products_faster`), bf16 products of many rows (prefill chunks) run
@@ -163,8 +164,8 @@ SMALL_LINEAR_MAX_ROWS = 64
 # weight were bit-identical to the plain weight's at 64 to 2,048 rows of SmolLM2's shapes,
 # and as fast or faster (2,048 rows: 254-322 against 209-305 GFLOP/s; 64 rows: 202-219
 # against 178-193).
-def lays_out_float32(weight: torch.Tensor) -> bool:
-    """True for a 2-D float32 CPU weight: it is stored transposed (:func:`lay_out_float32`)."""
+def kept_transposed(weight: torch.Tensor) -> bool:
+    """True for a 2-D float32 CPU weight: it is stored transposed (:func:`store_transposed`)."""
     return weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
 
 
@@ -172,14 +173,14 @@ def empty_weight(
     out_features: int, in_features: int, *, device: torch.device, dtype: torch.dtype
 ) -> torch.Tensor:
     """An uninitialised ``[out_features, in_features]`` weight, stored transposed where
-    :func:`lays_out_float32` (so that loading writes it in place in that layout)."""
+    :func:`kept_transposed` (so that loading writes it in place in that layout)."""
     weight = torch.empty(out_features, in_features, device=device, dtype=dtype)
-    if lays_out_float32(weight):
+    if kept_transposed(weight):
         weight = torch.empty(in_features, out_features, device=device, dtype=dtype).t()
     return weight
 
 
-def lay_out_float32(weight: torch.Tensor) -> torch.Tensor:
+def store_transposed(weight: torch.Tensor) -> torch.Tensor:
     """``weight [out, in]`` with the same values, stored transposed: ``result.t()`` is
     contiguous, as :func:`small_linear` reads float32 weights."""
     return weight.t().contiguous().t()
@@ -206,7 +207,7 @@ def max_rows(dtype: torch.dtype) -> int:
 def small_linear_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """True for contiguous CPU rows ``x [rows, in]`` and a CPU ``weight [out, in]`` of their
     dtype, with the native kernels built: float32 up to SMALL_LINEAR_MAX_ROWS rows over a
-    weight stored transposed (:func:`lay_out_float32`); bf16 on AVX-512 BF16 builds (``in``
+    weight stored transposed (:func:`store_transposed`); bf16 on AVX-512 BF16 builds (``in``
     a multiple of 32, the weight contiguous), up to BF16_SMALL_LINEAR_MAX_ROWS rows, or
     AMX_LINEAR_MAX_ROWS where AMX runs."""
     if not (

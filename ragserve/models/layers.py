@@ -18,12 +18,12 @@ from kernels.cpu_linear import (
     WIDE_MIN_ROWS,
     can_pack,
     empty_weight,
-    lay_out_float32,
-    lays_out_float32,
+    kept_transposed,
     pack_weight,
     packed_linear,
     small_linear,
     small_linear_usable,
+    store_transposed,
     wide_linear,
     widen_weight,
     widens,
@@ -93,8 +93,8 @@ class Linear(nn.Module):
 
         Call again after every change to ``weight``: the copies do not follow it.
         """
-        if lays_out_float32(self.weight) and not self.weight.t().is_contiguous():
-            self.weight.data = lay_out_float32(self.weight.data)
+        if kept_transposed(self.weight) and not self.weight.t().is_contiguous():
+            self.weight.data = store_transposed(self.weight.data)
         self._packed = pack_weight(self.weight) if can_pack(self.weight) else None
         self._wide = widen_weight(self.weight) if widen and widens(self.weight) else None
 

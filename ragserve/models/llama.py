@@ -34,13 +34,13 @@ from kernels.cpu_decoder_stack import StackWeights
 from kernels.cpu_linear import (
     WIDE_MAX_BYTES,
     can_pack,
-    lay_out_float32,
-    lays_out_float32,
+    kept_transposed,
     max_rows,
     pack_weight,
     packed_linear,
     small_linear,
     small_linear_usable,
+    store_transposed,
     widens,
 )
 from ragserve.models.forward_context import OutputRows, get_forward_context
@@ -529,8 +529,8 @@ class LlamaForCausalLM(nn.Module):
         tied = self.model.embed_tokens.weight if self.lm_head is None else None
         self._packed_tied_head = pack_weight(tied) if tied is not None and can_pack(tied) else None
         self._transposed_tied_head = (
-            lay_out_float32(tied)
-            if tied is not None and lays_out_float32(tied) and max_rows(tied.dtype) > 0
+            store_transposed(tied)
+            if tied is not None and kept_transposed(tied) and max_rows(tied.dtype) > 0
             else None
         )
 

@@ -21,11 +21,11 @@ from kernels.cpu_linear import (
     SMALL_LINEAR_MAX_ROWS,
     WIDE_MIN_ROWS,
     can_pack,
-    lay_out_float32,
     pack_weight,
     packed_linear,
     small_linear,
     small_linear_usable,
+    store_transposed,
     widens,
 )
 from ragserve.models.layers import Linear
@@ -123,7 +123,7 @@ def test_loaded_bf16_model_is_packed_and_unchanged(tmp_path: Path, arch: str) ->
 
 
 needs_native = pytest.mark.skipif(
-    not small_linear_usable(torch.zeros(1, 64), lay_out_float32(torch.zeros(8, 64))),
+    not small_linear_usable(torch.zeros(1, 64), store_transposed(torch.zeros(8, 64))),
     reason="native CPU kernels unavailable",
 )
 
@@ -139,7 +139,7 @@ def test_small_linear_matches_linear_in_float32(
     """Tiles of every row count, panels full and partial (13, 1000: not whole panels), any
     inner size."""
     generator = torch.Generator().manual_seed(rows * out_features + in_features)
-    weight = lay_out_float32(torch.randn(out_features, in_features, generator=generator))
+    weight = store_transposed(torch.randn(out_features, in_features, generator=generator))
     bias = torch.randn(out_features, generator=generator) if with_bias else None
     x = torch.randn(rows, in_features, generator=generator)
     out = small_linear(x, weight, bias)
@@ -157,7 +157,7 @@ def test_a_rows_result_does_not_depend_on_the_rest_of_the_batch() -> None:
     decode step gives each sequence the same bits whatever else runs with it."""
     generator = torch.Generator().manual_seed(7)
     # 100: a partial panel
-    weight = lay_out_float32(torch.randn(100, 576, generator=generator))
+    weight = store_transposed(torch.randn(100, 576, generator=generator))
     bias = torch.randn(100, generator=generator)
     batch = torch.randn(SMALL_LINEAR_MAX_ROWS, 576, generator=generator)
     alone = torch.cat([small_linear(batch[i : i + 1], weight, bias) for i in range(len(batch))])
@@ -185,10 +185,10 @@ def test_loaded_float32_model_stores_weights_transposed(tmp_path: Path, arch: st
 @needs_native
 def test_small_linear_takes_only_few_contiguous_float32_rows() -> None:
     plain = torch.randn(16, 64)
-    weight = lay_out_float32(plain)
+    weight = store_transposed(plain)
     assert torch.equal(weight, plain) and weight.t().is_contiguous()
     assert small_linear_usable(torch.randn(SMALL_LINEAR_MAX_ROWS, 64), weight)
-    assert small_linear_usable(torch.randn(1, 60), lay_out_float32(torch.randn(16, 60)))
+    assert small_linear_usable(torch.randn(1, 60), store_transposed(torch.randn(16, 60)))
     # prefill chunks: MKL's blocked GEMM is as fast
     assert not small_linear_usable(torch.randn(SMALL_LINEAR_MAX_ROWS + 1, 64), weight)
     assert not small_linear_usable(torch.randn(64, 2).t()[:1], weight)  # strided rows
