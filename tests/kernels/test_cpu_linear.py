@@ -131,13 +131,13 @@ needs_native = pytest.mark.skipif(
 @needs_native
 @pytest.mark.parametrize("rows", [1, 2, 4, 5, 8, 9, 31, SMALL_LINEAR_MAX_ROWS])
 @pytest.mark.parametrize("out_features", [1, 13, 96, 1000])
-@pytest.mark.parametrize("in_features", [7, 192])
+@pytest.mark.parametrize("in_features", [7, 192, 200])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_small_linear_matches_linear_in_float32(
     rows: int, out_features: int, in_features: int, with_bias: bool
 ) -> None:
-    """Tiles of every row count, panels full and partial (13, 1000: not whole panels), any
-    inner size."""
+    """Streamed rows (up to 4) and tiles of every row count, panels full and partial (13,
+    1000: not whole panels), any inner size (7, 200: steps of weight rows and a remainder)."""
     generator = torch.Generator().manual_seed(rows * out_features + in_features)
     weight = store_transposed(torch.randn(out_features, in_features, generator=generator))
     bias = torch.randn(out_features, generator=generator) if with_bias else None
@@ -153,13 +153,13 @@ def test_small_linear_matches_linear_in_float32(
 
 @needs_native
 def test_a_rows_result_does_not_depend_on_the_rest_of_the_batch() -> None:
-    """Tiles of any row count, first or later over a panel, add in the same order, so a
-    decode step gives each sequence the same bits whatever else runs with it."""
+    """Streamed rows and tiles of any row count, first or later over a panel, add in the same
+    order, so a decode step gives each sequence the same bits whatever else runs with it."""
     generator = torch.Generator().manual_seed(7)
-    # 100: a partial panel
-    weight = store_transposed(torch.randn(100, 576, generator=generator))
+    # 100: a partial panel; 580: steps of weight rows and a remainder
+    weight = store_transposed(torch.randn(100, 580, generator=generator))
     bias = torch.randn(100, generator=generator)
-    batch = torch.randn(SMALL_LINEAR_MAX_ROWS, 576, generator=generator)
+    batch = torch.randn(SMALL_LINEAR_MAX_ROWS, 580, generator=generator)
     alone = torch.cat([small_linear(batch[i : i + 1], weight, bias) for i in range(len(batch))])
     for rows in (2, 4, 5, 7, 9, 32, SMALL_LINEAR_MAX_ROWS):
         assert torch.equal(small_linear(batch[:rows], weight, bias), alone[:rows]), rows
