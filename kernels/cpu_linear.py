@@ -226,8 +226,9 @@ def small_linear_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ weight.T + bias`` for inputs :func:`small_linear_usable` accepts, in their dtype:
-    float32 at 1.2x to 2x ``F.linear``'s rate at decode batches, each row's result the same
-    whatever the other rows are; bf16 summed in float32 and rounded once (see the C file)."""
+    float32 at ``F.linear``'s rate or up to 1.2x it at decode batches, each row's result the
+    same whatever the other rows are; bf16 summed in float32 and rounded once (see the C
+    file)."""
     library = cpu_native.load()
     assert library is not None
     rows, k_in = x.shape
