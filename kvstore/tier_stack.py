@@ -309,6 +309,12 @@ class TierStack:
         return {tier.name: tier.purge(fingerprint, hashes) for tier in self.tiers}
 
     # -- lifetime ---------------------------------------------------------------------------
+    def flush_shared(self) -> None:
+        """Wait until the shared tiers have sent what they accepted. Safe from any thread:
+        it only waits on their write queues."""
+        for tier in self._shared:
+            tier.flush()
+
     def flush(self) -> None:
         """Wait until every tier has stored what it accepted (queued disk and remote writes)."""
         for tier in self.tiers:

@@ -216,6 +216,18 @@ class AsyncEngine:
         except asyncio.TimeoutError:  # NOTE: not the builtin on Python 3.10
             raise EngineDeadError(f"the engine did not answer within {timeout:.0f} s") from None
 
+    async def flush_shared_tiers(self, timeout: float) -> bool:
+        """Wait, off the engine thread, until the shared KV tiers have sent the blocks queued
+        so far (other replicas read them there); False if that took over ``timeout`` s."""
+        tiers = self.engine.tiers
+        if tiers is None:
+            return True
+        try:
+            await asyncio.wait_for(asyncio.to_thread(tiers.flush_shared), timeout)
+        except asyncio.TimeoutError:  # NOTE: not the builtin on Python 3.10
+            return False
+        return True
+
     async def snapshot(self, timeout: float | None = CALL_TIMEOUT_S) -> EngineSnapshot:
         """``LLMEngine.snapshot`` read on the engine thread; EngineDeadError as for ``call``."""
         return await self.call(LLMEngine.snapshot, timeout)

@@ -69,6 +69,9 @@ from ragserve.server.tenant_limits import DocumentLimits, check_documents, check
 
 logger = logging.getLogger(__name__)
 
+# NOTE: the longest a shared document waits for its blocks to reach the shared store.
+PUBLISH_WAIT_S = 10.0
+
 
 class DocumentService(DocumentPersistence):
     """Owns every tenant's documents and their ingestion tasks. Event-loop only.
@@ -351,6 +354,7 @@ class DocumentService(DocumentPersistence):
             pinned = await self.engine.pin_prefix(
                 doc.pin_id, doc.prefix_ids, doc.namespace, self.limits.tenant_pin_share
             )
+            await self._publish_blocks(doc.id)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the document records why; the server goes on
@@ -377,6 +381,17 @@ class DocumentService(DocumentPersistence):
             await self._settle_directory(doc)
             if doc.version:
                 await self._settle(doc)
+
+    async def _publish_blocks(self, doc_id: str) -> None:
+        """Hold a document back from ``ready`` until its blocks have reached the shared KV
+        store, if there is one, so that another replica answers it from the store at once
+        (the writes are queued as the blocks are computed; under load they can land seconds
+        later)."""
+        if not await self.engine.flush_shared_tiers(PUBLISH_WAIT_S):
+            logger.warning(
+                "document %s: its blocks were still being written to the shared KV store "
+                "after %.0f s; marked ready anyway", doc_id, PUBLISH_WAIT_S,
+            )  # fmt: skip
 
     async def update(self, namespace: str, doc_id: str, patch: DocumentPatch) -> RegisteredDocument:
         """PATCH: change the expiry and/or the metadata; the row is rewritten before return."""
