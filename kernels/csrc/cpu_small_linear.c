@@ -18,8 +18,9 @@
  * 1.2-1.6x.
  *
  * Every output is one sum in one order, whatever the row count: a fused multiply-add per k
- * from k = 0, then the bias (scalar fmaf at the edge of a span rounds as a vector lane). So a row's result does not depend on the other rows of the
- * batch; it differs from MKL's only in the last bits (another order of float32 additions).
+ * from k = 0, then the bias (scalar fmaf at the edge of a span rounds as a vector lane). So
+ * a row's result does not depend on the other rows of the batch; it differs from MKL's only
+ * in the last bits (another order of float32 additions).
  * Against the dot-product tiles this replaced (the weight as stored, lanes over K, summed
  * across at the end), SmolLM2's 30 layers with their weights streamed from memory ran in
  * 0.6-0.9x the time at 32 rows and 0.65-0.75x at 64 on 2 AVX-512 cores (a Xeon without AMX),
