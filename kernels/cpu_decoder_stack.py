@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels import cpu_native
+from kernels.cpu_linear import kept_transposed
 
 _WEIGHTS = (
     "input_norm",
@@ -84,8 +85,8 @@ def _pointer(tensor: torch.Tensor | None, dtype: torch.dtype) -> int | None:
     if tensor is None:
         return None
     # NOTE: float32 projections are stored transposed, as the native float32 products read
-    # them (kernels/cpu_linear.py); bf16 ones, norms and biases as they are.
-    stored = tensor.t() if tensor.dim() == 2 and dtype == torch.float32 else tensor
+    # them; bf16 ones, norms and biases as they are.
+    stored = tensor.t() if kept_transposed(tensor) else tensor
     assert stored.is_contiguous() and tensor.dtype == dtype
     return tensor.data_ptr()
 

@@ -166,7 +166,11 @@ SMALL_LINEAR_MAX_ROWS = 64
 # against 178-193).
 def kept_transposed(weight: torch.Tensor) -> bool:
     """True for a 2-D float32 CPU weight: it is stored transposed (:func:`store_transposed`)."""
-    return weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
+    return weight.dim() == 2 and _transposes(weight.device, weight.dtype)
+
+
+def _transposes(device: torch.device | str, dtype: torch.dtype) -> bool:
+    return torch.device(device).type == "cpu" and dtype == torch.float32
 
 
 def empty_weight(
@@ -174,10 +178,9 @@ def empty_weight(
 ) -> torch.Tensor:
     """An uninitialised ``[out_features, in_features]`` weight, stored transposed where
     :func:`kept_transposed` (so that loading writes it in place in that layout)."""
-    weight = torch.empty(out_features, in_features, device=device, dtype=dtype)
-    if kept_transposed(weight):
-        weight = torch.empty(in_features, out_features, device=device, dtype=dtype).t()
-    return weight
+    if _transposes(device, dtype):
+        return torch.empty(in_features, out_features, device=device, dtype=dtype).t()
+    return torch.empty(out_features, in_features, device=device, dtype=dtype)
 
 
 def store_transposed(weight: torch.Tensor) -> torch.Tensor:

@@ -193,8 +193,10 @@ int ragserve_small_linear(int64_t rows, int64_t n_out, int64_t k_in, const float
             const int64_t first = panels * me / team, last = panels * (me + 1) / team;
             const int64_t end = last * PANEL < n_out ? last * PANEL : n_out;
             if (stream)
-                for (int64_t n0 = first * PANEL; n0 < end; n0 += SPAN)
-                    stream_span(rows, n_out, k_in, x, wt, bias, out, n0, (int)(end - n0 < SPAN ? end - n0 : SPAN), pack);
+                for (int64_t n0 = first * PANEL; n0 < end; n0 += SPAN) {
+                    const int nb = end - n0 < SPAN ? (int)(end - n0) : SPAN;
+                    stream_span(rows, n_out, k_in, x, wt, bias, out, n0, nb, pack);
+                }
             else
                 for (int64_t p = first; p < last; p++) {
                     const int64_t n0 = p * PANEL;
