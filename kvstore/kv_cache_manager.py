@@ -10,7 +10,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvstore.block_pool import BlockIdentity, BlockPool
-from kvstore.hashing import ROOT_PARENT, BlockHash, hash_full_blocks
+from kvstore.hashing import ROOT_PARENT, BlockHash, BlockHashMemo, hash_full_blocks
 from kvstore.purge import PurgeCounts, doomed_blocks, first_doomed
 from kvstore.tier import BlockMeta, salt_fingerprint
 from kvstore.tier_stack import TierStack
@@ -74,6 +74,8 @@ class KVCacheManager:
         # the same prefix waits for them instead of computing them twice.
         self._pending: dict[BlockHash, KVAllocation] = {}
         self._loads_left = self.max_loads_per_step
+        # Runs of block hashes seen lately: a new question on a long document re-hashes it.
+        self.hash_memo = BlockHashMemo()
 
     @property
     def max_loads_per_step(self) -> int:
@@ -98,7 +100,7 @@ class KVCacheManager:
             return
         parent = alloc.block_hashes[-1] if known else ROOT_PARENT
         alloc.block_hashes += hash_full_blocks(
-            alloc.salt, token_ids, self.block_size, parent=parent, start_block=known
+            alloc.salt, token_ids, self.block_size, parent, known, self.hash_memo
         )
 
     def _identity(self, alloc: KVAllocation, token_ids: Sequence[int], index: int) -> BlockIdentity:
