@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from ragserve.bench.common import load_transformers_model, time_request, write_json
 from ragserve.bench.rag_quality import BlendEmulator, score
@@ -192,15 +193,23 @@ def quality(
     model = load_transformers_model(directory, "auto", torch.float32, device)
     model.config._attn_implementation = "eager"  # NOTE: custom 4D masks
     emulator = BlendEmulator(model, config.block_size)
-    refs = [emulator.reference(q, args.answer_tokens) for q in questions]
+    rules = ("leading", "deviation")
+    # NOTE: one step per forward pass: the references, each (rule, ratio) pass, the bf16 ones
+    bar = tqdm(total=len(questions) * (2 + len(rules) * len(ratios)), desc="blend quality")
+    refs = []
+    for q in questions:
+        refs.append(emulator.reference(q, args.answer_tokens))
+        bar.update()
     out: dict[str, Any] = {"questions": len(questions)}
     rows: list[list[Any]] = []
-    for rule in ("leading", "deviation"):
+    for rule in rules:
         for ratio in ratios:
-            scores = [
-                score(ref, emulator.blended(q, emulator.select(q, ratio, rule, ref), ref))
-                for q, ref in zip(questions, refs, strict=True)
-            ]
+            scores = []
+            for q, ref in zip(questions, refs, strict=True):
+                scores.append(
+                    score(ref, emulator.blended(q, emulator.select(q, ratio, rule, ref), ref))
+                )
+                bar.update()
             exact = sum(s.exact for s in scores) / len(scores)
             kl = sum(s.kl for s in scores) / len(scores)
             out[f"{rule} r={ratio:g}"] = {
@@ -212,9 +221,11 @@ def quality(
             rows.append([rule, ratio, exact, kl])
     del model
     half = load_transformers_model(directory, "auto", torch.bfloat16, device)
-    scores = [
-        score(ref, _logprobs(half, q, ref.answer)) for q, ref in zip(questions, refs, strict=True)
-    ]
+    scores = []
+    for q, ref in zip(questions, refs, strict=True):
+        scores.append(score(ref, _logprobs(half, q, ref.answer)))
+        bar.update()
+    bar.close()
     bf16 = {
         "exact_match": sum(s.exact for s in scores) / len(scores),
         "kl": sum(s.kl for s in scores) / len(scores),
