@@ -1,7 +1,7 @@
 """``ragserve bench rag``: questions over 4 to 8 documents from a pool, each in a fresh
 random order: full prefill vs prefix caching vs blend at several recompute ratios (TTFT,
 prompt tokens computed, greedy answers equal to full prefill's), and blend quality against
-full prefill (teacher-forced KL of the first answer tokens) for two selection rules, with
+full prefill (teacher-forced KL over the answer, up to its end) for two selection rules, with
 bf16-vs-float32 rounding as the yardstick of noise.
 """
 
@@ -233,8 +233,8 @@ def quality(
     out["bf16 full prefill"] = bf16
     rows.append(["bf16 full prefill", None, bf16["exact_match"], bf16["kl"]])
     print_table(
-        f"blend quality vs float32 full prefill, {len(questions)} questions, first "
-        f"{args.answer_tokens} answer tokens teacher-forced",
+        f"blend quality vs float32 full prefill, {len(questions)} questions, answers of at "
+        f"most {args.answer_tokens} tokens teacher-forced",
         ["selection", "r", "greedy exact match", "mean KL"],
         rows,
     )

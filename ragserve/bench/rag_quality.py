@@ -6,7 +6,10 @@ segment (computed after the template alone) with keys rotated to the new positio
 selected set of tokens recomputed with attention over everything before them (the stale
 KV of a recomputed token is masked out, its fresh KV used instead). One forward pass over
 the recomputed tokens, the question and the full-prefill answer gives the next-token
-distributions of the first answer tokens.
+distributions of the answer's tokens: the full prefill's greedy answer up to and including
+its end-of-turn token, at most ``answer_len`` tokens. (Forcing the answer past its end
+scored tokens the model was made to write after it had finished: there the reference
+itself is no greedy choice, and near-uniform distributions swamp the KL.)
 
 Selection rules compared at the same token budget (``ceil(r * len)`` per blended document):
 ``leading`` recomputes each document's first tokens (what the engine does: it keeps
@@ -55,7 +58,6 @@ class BlendEmulator:
             input_ids=ids,
             attention_mask=torch.ones_like(ids),
             max_new_tokens=answer_len,
-            min_new_tokens=answer_len,
             do_sample=False,
             output_logits=True,
             return_dict_in_generate=True,
