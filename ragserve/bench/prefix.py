@@ -36,14 +36,22 @@ def _timed(fn: Any, *args: Any) -> float:
     return time.perf_counter() - started
 
 
-def hashing_ms_per_1k_tokens(num_tokens: int = 131072, block_size: int = 16) -> float:
-    """Cost of hashing a long prompt's blocks (best of five), in ms per 1k tokens."""
-    from kvstore.hashing import hash_full_blocks, make_salt
+def hashing_ms_per_1k_tokens(num_tokens: int = 131072, block_size: int = 16) -> dict[str, float]:
+    """Cost of hashing a long prompt's blocks (best of five), in ms per 1k tokens: the
+    first time, and again through a memo that has seen them (a new question on the same
+    document, as the engine hashes it)."""
+    from kvstore.hashing import ROOT_PARENT, BlockHashMemo, hash_full_blocks, make_salt
 
     salt = make_salt("bench", block_size, "float32")
     tokens = list(range(num_tokens))
-    best = min(_timed(hash_full_blocks, salt, tokens, block_size) for _ in range(5))
-    return best * 1000 / (num_tokens / 1000)
+    memo = BlockHashMemo()
+    hash_full_blocks(salt, tokens, block_size, ROOT_PARENT, 0, memo)
+    first = min(_timed(hash_full_blocks, salt, tokens, block_size) for _ in range(5))
+    again = min(
+        _timed(hash_full_blocks, salt, tokens, block_size, ROOT_PARENT, 0, memo) for _ in range(5)
+    )
+    per_1k = 1000 / (num_tokens / 1000)
+    return {"first": first * per_1k, "again": again * per_1k}
 
 
 def run(args: argparse.Namespace, config: Any) -> int:
@@ -116,7 +124,8 @@ def run(args: argparse.Namespace, config: Any) -> int:
     results["speedup_cached_vs_uncached_sequential"] = seq_plain / seq_cached
     results["speedup_cached_vs_uncached_concurrent"] = conc_plain / conc_cached
     results["warm_ttft_over_question_only"] = warm_ttft / question_only
-    results["hash_ms_per_1k_tokens_at_128k"] = hashing_ms_per_1k_tokens()
+    hashing = hashing_ms_per_1k_tokens()
+    results["hash_ms_per_1k_tokens_at_128k"] = hashing
     results["dtype"] = str(info.dtype).removeprefix("torch.")
     print_table(
         f"prefix ({results['dtype']}): {args.num_questions} questions x {args.question_tokens} tokens on a "
@@ -137,7 +146,7 @@ def run(args: argparse.Namespace, config: Any) -> int:
         f"\ncaching speed-up: {seq_plain / seq_cached:.1f}x sequential, "
         f"{conc_plain / conc_cached:.1f}x concurrent; cached TTFT / question-only TTFT "
         f"{warm_ttft / question_only:.2f}; block hashing of a 128k-token prompt "
-        f"{results['hash_ms_per_1k_tokens_at_128k']:.3f} ms per 1k tokens"
+        f"{hashing['first']:.3f} ms per 1k tokens, {hashing['again']:.3f} again"
     )
     print(
         f"one cached question, {args.output_len} new tokens: {split.token_times_s[-1]:.3f} s "
