@@ -49,7 +49,8 @@ class BlockHashMemo:
     for 128k tokens, about 10 ms of per-block Python on a 2-core CPU, before the prefix
     can be matched. A run seen before costs one digest over its bytes. A digest collision
     could only return another run's hashes, which the block pool's identity check (salt,
-    parent, token ids) turns into a miss, as for any hash collision.
+    parent, token ids) turns into a miss, as for any hash collision. The default bound,
+    1,024 runs, covers 4M tokens of prompts in about 15 MB.
     """
 
     def __init__(self, max_runs: int = 1024) -> None:
@@ -100,11 +101,9 @@ def hash_full_blocks(
     data = token_bytes(token_ids[start_block * block_size :])
     stride = block_size * 4
     hashes: list[BlockHash] = []
-    offset = 0
     if memo is not None:
         run = MEMO_RUN_BLOCKS * stride
-        for offset in range(0, len(data) - run + 1, run):
-            hashes += memo.chain(salt, parent, data[offset : offset + run], stride)
+        for start in range(0, len(data) - run + 1, run):
+            hashes += memo.chain(salt, parent, data[start : start + run], stride)
             parent = hashes[-1]
-        offset = len(hashes) * stride
-    return hashes + _chain(salt, parent, data[offset:], stride)
+    return hashes + _chain(salt, parent, data[len(hashes) * stride :], stride)
