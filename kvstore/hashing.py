@@ -46,7 +46,7 @@ class BlockHashMemo:
     (salt, parent hash, digest of the run's token ids); least recently used dropped first.
 
     Every question on a long document hashes the document's blocks again: 8,192 of them
-    for 128k tokens, about 10 ms of per-block Python on a 2-core CPU, before the prefix
+    for 128k tokens, 5-10 ms of per-block Python on a 2-core CPU, before the prefix
     can be matched. A run seen before costs one digest over its bytes. A digest collision
     could only return another run's hashes, which the block pool's identity check (salt,
     parent, token ids) turns into a miss, as for any hash collision. The default bound,
