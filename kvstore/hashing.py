@@ -31,7 +31,10 @@ def hash_block(salt: bytes, parent: BlockHash, token_bytes: bytes) -> BlockHash:
     return xxhash.xxh3_128_digest(salt + parent + token_bytes)
 
 
-def token_bytes(token_ids: Sequence[int]) -> bytes:
+def token_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
+    """Little-endian int32 bytes of the ids: a list's or an integer array's."""
+    if isinstance(token_ids, np.ndarray):
+        return token_ids.astype("<i4").tobytes()
     # NOTE: fromiter reads a list of ints 1.4x faster than asarray (131k ids: 2.9 ms).
     return np.fromiter(token_ids, dtype="<i4", count=len(token_ids)).tobytes()
 
@@ -86,7 +89,7 @@ def _chain(salt: bytes, parent: BlockHash, data: bytes, stride: int) -> list[Blo
 
 def hash_full_blocks(
     salt: bytes,
-    token_ids: Sequence[int],
+    token_ids: Sequence[int] | np.ndarray,
     block_size: int,
     parent: BlockHash = ROOT_PARENT,
     start_block: int = 0,

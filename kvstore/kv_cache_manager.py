@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from kvstore.block_pool import BlockIdentity, BlockPool
 from kvstore.hashing import ROOT_PARENT, BlockHash, BlockHashMemo, hash_full_blocks
 from kvstore.purge import PurgeCounts, doomed_blocks, first_doomed
@@ -19,6 +21,10 @@ from kvstore.tier_stack import TierStack
 # a Llama-3.1-8B-shaped cache): a 128k-token document streams in over 16 steps, and other
 # sequences decode between them.
 DEFAULT_MAX_LOAD_BYTES_PER_STEP = 1 << 30
+# NOTE: tier loads are verified and queued this many blocks at a time: the first copies
+# start after 64 blocks' bookkeeping, not after a whole step's (1,024 blocks
+# of an FP8 cache), and the later batches' bookkeeping runs while earlier copies do.
+LOAD_BATCH_BLOCKS = 64
 
 
 @dataclass(eq=False)
@@ -91,8 +97,9 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def update_hashes(self, alloc: KVAllocation, token_ids: Sequence[int]) -> None:
-        """Extend ``alloc.block_hashes`` with the blocks that ``token_ids`` now fill."""
+    def update_hashes(self, alloc: KVAllocation, token_ids: Sequence[int] | np.ndarray) -> None:
+        """Extend ``alloc.block_hashes`` with the blocks that ``token_ids`` (the sequence's
+        ids: a list, or an integer array of them) now fill."""
         if not self.enable_prefix_caching:
             return
         known = len(alloc.block_hashes)
@@ -143,7 +150,7 @@ class KVCacheManager:
             if index == limit:
                 break
             identity = self._identity(alloc, token_ids, index)
-            stop = min(limit, index + self._loads_left)
+            stop = min(limit, index + self._loads_left, index + LOAD_BATCH_BLOCKS)
             loaded = self._load_run(alloc, token_ids, identity, index, stop)
             if not loaded:
                 break

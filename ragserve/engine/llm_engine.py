@@ -10,6 +10,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from kernels.fp8_kv import kv_format
@@ -245,7 +246,7 @@ class LLMEngine:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self.tokenize(prompt)
-        self._validate(token_ids, params)
+        id_array = self._validate(token_ids, params)
         blend = BlendRequest.make(
             self.config, self.salt_for(namespace), token_ids, documents, kv_reuse, recompute_ratio
         )
@@ -281,7 +282,7 @@ class LLMEngine:
                 blend=blend.plan() if blend is not None else None,
             )
             self._next_seq_id += 1
-            self.kv_manager.update_hashes(seq.kv, seq.token_ids)
+            self.kv_manager.update_hashes(seq.kv, id_array)
             seqs.append(seq)
         self._requests[request_id] = EngineRequest(request_id, text, token_ids, params, seqs, now)
         for seq in seqs:
@@ -321,7 +322,12 @@ class LLMEngine:
     def _fresh_seed(self) -> int:
         return (self.config.seed * 1_000_003 + self._next_seq_id) & 0x7FFF_FFFF_FFFF_FFFF
 
-    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
+    def _validate(self, token_ids: list[int], params: SamplingParams) -> np.ndarray:
+        """Check the request; returns the prompt's ids as an int64 array.
+
+        NOTE: the array serves the range check here and the block hashes after: each pass
+        over a 131k-token list in Python costs about 2 ms, on every question on a document.
+        """
         if not token_ids:
             raise ValueError("the prompt is empty: it needs at least one token")
         if len(token_ids) >= self.max_model_len:
@@ -330,7 +336,11 @@ class LLMEngine:
                 f"{self.max_model_len} (which must leave room for at least one new token)"
             )
         vocab = self.loaded.model.shape.vocab_size
-        if min(token_ids) < 0 or max(token_ids) >= vocab:
+        try:
+            ids = np.fromiter(token_ids, dtype=np.int64, count=len(token_ids))
+        except OverflowError:
+            ids = None
+        if ids is None or ids.min() < 0 or ids.max() >= vocab:
             bad = [t for t in token_ids if not 0 <= t < vocab]
             raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         if params.stop_strings and self.tokenizer is None:
@@ -352,6 +362,7 @@ class LLMEngine:
                 f"{self.num_kv_blocks} blocks of {self.config.block_size} tokens; "
                 "lower max_tokens or raise kv_cache_gib"
             )
+        return ids
 
     def _max_new_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
         room = self.max_model_len - num_prompt_tokens

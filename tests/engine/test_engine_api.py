@@ -157,8 +157,9 @@ def test_bad_prompts_are_clear_errors_and_leave_nothing_behind(llm: LLM) -> None
         llm.generate("", use_tqdm=False)
     with pytest.raises(ValueError, match=r"600 tokens but max_model_len is 512"):
         llm.generate([[5] * 600], use_tqdm=False)
-    with pytest.raises(ValueError, match="outside the vocabulary"):
-        llm.generate([[1, 10**9]], use_tqdm=False)
+    for ids in ([1, 10**9], [1, -3], [1, 2**64]):  # 2**64 overflows any machine integer
+        with pytest.raises(ValueError, match=rf"\[{ids[1]}\] are outside the vocabulary"):
+            llm.generate([ids], use_tqdm=False)
     with pytest.raises(ValueError, match="integers only"):
         llm.generate([[1, 2.5]], use_tqdm=False)  # type: ignore[list-item]
     with pytest.raises(ValueError, match="2 sampling params for 1 prompts"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from kvstore.hashing import (
@@ -43,6 +44,19 @@ def test_a_continued_chain_equals_the_whole_chain() -> None:
     head = hash_full_blocks(SALT, tokens[: BLOCK * 7], BLOCK, memo=memo)
     tail = hash_full_blocks(SALT, tokens, BLOCK, head[-1], len(head), memo)
     assert head + tail == whole
+
+
+@pytest.mark.parametrize("dtype", [np.int64, np.int32])
+def test_an_integer_array_hashes_as_its_list(dtype: type) -> None:
+    """The engine hashes a prompt from the int64 array its validation built."""
+    tokens = _tokens(BLOCK * 9 + 3, seed=5)
+    array = np.array(tokens, dtype=dtype)
+    assert hash_full_blocks(SALT, array, BLOCK) == hash_full_blocks(SALT, tokens, BLOCK)
+    head = hash_full_blocks(SALT, tokens[: BLOCK * 2], BLOCK)
+    assert (
+        hash_full_blocks(SALT, array, BLOCK, head[-1], 2)
+        == hash_full_blocks(SALT, tokens, BLOCK)[2:]
+    )
 
 
 def test_a_run_is_reused_only_under_the_same_salt_and_parent() -> None:

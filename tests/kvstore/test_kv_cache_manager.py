@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from kvstore import kv_cache_manager
 from kvstore.kv_cache_manager import KVAllocation, KVCacheManager
 from kvstore.tier import salt_fingerprint
 from tests.kvstore.tier_blocks import bit_equal
@@ -119,6 +120,38 @@ def test_load_budget_bounds_blocks_per_call() -> None:
     assert rig.manager.max_loads_per_step == 1
     with pytest.raises(ValueError, match="max_load_bytes_per_step must be >= 1"):
         KVCacheManager(rig.pool, BS, True, tiers=rig.stack, max_load_bytes_per_step=0)
+
+
+def test_a_step_loads_its_budget_in_batches_within_one_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Loads are queued a batch at a time (so the first copies start early), and one call
+    still takes the whole budget, batch after batch, in the chain's order."""
+    monkeypatch.setattr(kv_cache_manager, "LOAD_BATCH_BLOCKS", 3)
+    rig = TieredCache(48, cpu_slots=48)
+    long_tokens = list(range(20 * BS + 1))
+    kv = rig.compute(long_tokens)
+    rig.evict_to_tiers()
+    rig.manager.max_load_bytes_per_step = 16 * rig.stack.block_nbytes
+    batches: list[int] = []
+    load_many = rig.stack.load_many
+
+    def recorded(identities, blocks, served=None):  # type: ignore[no-untyped-def]
+        batches.append(len(identities))
+        return load_many(identities, blocks, served)
+
+    monkeypatch.setattr(rig.stack, "load_many", recorded)
+    alloc = rig.alloc(long_tokens)
+    rig.manager.begin_step()
+    assert rig.manager.match_prefix(alloc, long_tokens, 0) == 16 * BS
+    assert batches == [3, 3, 3, 3, 3, 1]
+    for index, block in enumerate(alloc.block_table):
+        assert bit_equal(rig.cache[block], kv[index])
+    rig.manager.begin_step()
+    assert rig.manager.match_prefix(alloc, long_tokens, 16 * BS) == 20 * BS
+    rig.pool.check_invariants([alloc.block_table])
+    rig.manager.free(alloc)
+    assert rig.pool.num_free == rig.pool.num_blocks
 
 
 def test_the_load_budget_is_shared_by_every_sequence_of_a_step() -> None:
