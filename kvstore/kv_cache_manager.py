@@ -186,7 +186,9 @@ class KVCacheManager:
         if not run:
             return 0
         # NOTE: allocating may evict cached device blocks (demoting them), never live ones.
-        blocks = self.pool.allocate(len(run))
+        # Sorted: a freed sequence's blocks come back tail first, and in ascending order the
+        # rows of a run of slots follow each other, so a tier copies them as one.
+        blocks = sorted(self.pool.allocate(len(run)))
         loaded = self.tiers.load_many(run, blocks, served=alloc.loaded_blocks)
         self.pool.release(blocks[loaded:])
         for block, identity in zip(blocks[:loaded], run, strict=False):

@@ -154,6 +154,26 @@ def test_a_step_loads_its_budget_in_batches_within_one_call(
     assert rig.pool.num_free == rig.pool.num_blocks
 
 
+def test_a_document_loaded_again_is_copied_in_runs(tokens: list[int]) -> None:
+    """A freed sequence's blocks return to the free list tail first; a load takes them in
+    ascending order, so a document in consecutive slots comes back in a copy or two (the
+    block its last, partial block held splits the rows), not one per block, however often
+    it went down and up."""
+    rig = TieredCache(11, cpu_slots=16)  # the pool holds the document and no more
+    kv = rig.compute(tokens)
+    for _ in range(3):
+        rig.evict_to_tiers()
+        before = rig.tier("cpu").metrics()
+        alloc, computed, _ = load_all(rig, tokens)
+        after = rig.tier("cpu").metrics()
+        assert computed == 10 * BS and after.load_count - before.load_count == 10
+        assert after.load_copies - before.load_copies <= 2
+        for index, block in enumerate(alloc.block_table):
+            assert bit_equal(rig.cache[block], kv[index])
+        rig.manager.free(alloc)
+    rig.pool.check_invariants()
+
+
 def test_the_load_budget_is_shared_by_every_sequence_of_a_step() -> None:
     rig = TieredCache(48, cpu_slots=48)
     first, second = list(range(10 * BS + 1)), list(range(500, 500 + 10 * BS + 1))
