@@ -56,6 +56,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--copy-gib", type=float, default=1.0, help="size of the pinned copy reference"
     )
+    parser.add_argument(
+        "--skip-disk",
+        action="store_true",
+        help="time the device and CPU tiers only (the disk phases recompute the document "
+        "and write it out: most of the run)",
+    )
     parser.add_argument("--out", default="bench-results/tiers.json")
 
 
@@ -433,8 +439,8 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
             ("disk reference", lambda: bench.disk_reference(files)),
             ("disk tier", lambda: bench.disk(tier_gib, files)),
         ):
-            if name != "device and CPU tiers" and not bench.doc:
-                break  # the first engine did not start: nothing else can run
+            if name != "device and CPU tiers" and (not bench.doc or args.skip_disk):
+                break  # the first engine did not start (nothing else can run), or no disk
             try:
                 phase()
                 # NOTE: after the phase returns, so its engine is unreferenced: the next

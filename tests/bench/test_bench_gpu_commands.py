@@ -214,6 +214,16 @@ def test_tiers_report_bytes_rates_and_references(tmp_path: Path) -> None:
     assert not any((tmp_path / "disk").iterdir())  # records removed after the run
 
 
+def test_tiers_without_the_disk_phases(tmp_path: Path) -> None:
+    disk = tmp_path / "disk"
+    code, result = _bench(tmp_path, "tiers", "--doc-tokens", "160", "--question-tokens", "4",
+                          "--disk-dir", str(disk), "--skip-disk")  # fmt: skip
+    assert code == 0 and result["errors"] == []
+    assert set(result["tiers"]) == {"cold (computed)", "device tier", "CPU tier"}
+    assert result["tiers"]["CPU tier"]["blocks_moved"] == 160 // 16
+    assert "disk_read_gbps" not in result["references"] and not any(disk.iterdir())
+
+
 def test_tiers_refuse_a_tier_smaller_than_the_document(tmp_path: Path) -> None:
     out = tmp_path / "t.json"
     code = main(
