@@ -27,6 +27,7 @@ from ragserve.cluster.metrics_merge import merged_replica_lines, router_lines
 from ragserve.cluster.router import Router
 from ragserve.cluster.settings import ClusterSettings, report_keys
 from ragserve.server.errors import error_body
+from ragserve.timeouts import within
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +87,7 @@ class Forwarder:
 
     async def _learn(self, index: int, timeout: float | None) -> bool:
         try:
-            found = await asyncio.wait_for(self._lookup(index), timeout)
+            found = await within(self._lookup(index), timeout)
         except Exception as exc:  # NOTE: restarting, or Ray not answering: try again later
             logger.info("replica %d: no address yet (%s)", index, type(exc).__name__)
             return False

@@ -23,6 +23,7 @@ from ragserve.engine.engine_info import EngineInfo, EngineSnapshot, KVModel
 from ragserve.engine.llm_engine import LLMEngine
 from ragserve.outputs import RequestOutput
 from ragserve.sampling_params import SamplingParams
+from ragserve.timeouts import within
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -212,7 +213,7 @@ class AsyncEngine:
 
         self._commands.put(run)
         try:
-            return await asyncio.wait_for(future, timeout)
+            return await within(future, timeout)
         except asyncio.TimeoutError:  # NOTE: not the builtin on Python 3.10
             raise EngineDeadError(f"the engine did not answer within {timeout:.0f} s") from None
 
@@ -223,7 +224,7 @@ class AsyncEngine:
         if tiers is None:
             return True
         try:
-            await asyncio.wait_for(asyncio.to_thread(tiers.flush_shared), timeout)
+            await within(asyncio.to_thread(tiers.flush_shared), timeout)
         except asyncio.TimeoutError:  # NOTE: not the builtin on Python 3.10
             return False
         return True

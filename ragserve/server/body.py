@@ -15,6 +15,7 @@ from pydantic import BaseModel
 
 from ragserve.server.errors import APIError, bad_request
 from ragserve.server.state import CONFIG
+from ragserve.timeouts import within
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 T = TypeVar("T")
@@ -38,7 +39,7 @@ async def within_body_timeout(request: web.Request, reading: Awaitable[T]) -> T:
     body whose framing is broken (chunk sizes, a multipart header) is a 400."""
     timeout = request.app[CONFIG].body_timeout
     try:
-        return await asyncio.wait_for(reading, timeout)
+        return await within(reading, timeout)
     except asyncio.TimeoutError:
         raise APIError(
             408,

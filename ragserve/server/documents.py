@@ -373,6 +373,10 @@ class DocumentService(DocumentPersistence):
                 admission.release(ticket)
         if self.shared is None and self.store is None:  # NOTE: no row to settle: no lock
             return
+        if self._docs.get((doc.namespace, doc.id)) is not doc:
+            # NOTE: removed: the remover holds the lock and waits for this task to end, so
+            # waiting for the lock here (had its cancellation been lost) would wait forever.
+            return
         # NOTE: under the lock, so after the upload's own write of the row (whose version
         # the settle names) and in turn with a PATCH's. A row this server has neither
         # written nor read yet (a restored document's, version 0) is settled by the watch
