@@ -1,11 +1,12 @@
 """The device block pool: ref counts, the LRU free list, and the prefix-cache index.
 
 Invariants (checked by ``check_invariants`` in tests):
-- a block is on the free list exactly when its ref count is 0;
+- a block is free (on the empty stack or the cached list) exactly when its ref count is 0;
 - a block's ref count equals the number of live block tables holding it;
 - the index maps a hash to a block whose stored identity (salt, parent, tokens) is that hash's;
-- a free block may stay in the index (a cached block) until its room is needed: the free
-  list is also the evictor, least recently released first.
+- a free block may stay in the index (a cached block) until its room is needed: the cached
+  list is also the evictor, least recently released first; a free block holding nothing
+  is on the empty stack, and allocations take those first.
 """
 
 from __future__ import annotations
@@ -44,8 +45,11 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
         self.identities: list[BlockIdentity | None] = [None] * num_blocks
-        # NOTE: insertion order is eviction order; re-appending moves a block to the MRU end.
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        # Free blocks that hold cached KV: insertion order is eviction order.
+        self._cached: OrderedDict[int, None] = OrderedDict()
+        # Free blocks that hold nothing, taken before any cached one is evicted; last freed
+        # first (on the CPU its pages are mapped and warm), then never used ones from 0 up.
+        self._empty: list[int] = list(range(num_blocks - 1, -1, -1))
         self._index: dict[BlockHash, int] = {}
         self._eviction_hooks: list[EvictionHook] = []
         self.num_evictions = 0
@@ -57,11 +61,11 @@ class BlockPool:
     @property
     def num_free(self) -> int:
         """Blocks that can be allocated now (cached-but-unused ones included)."""
-        return len(self._free)
+        return len(self._empty) + len(self._cached)
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free
 
     @property
     def num_cached(self) -> int:
@@ -95,7 +99,7 @@ class BlockPool:
         8,192 blocks, and a lookup and a share per block took 2.5x as long.
         """
         index, identities = self._index, self.identities
-        ref_counts, free = self.ref_counts, self._free
+        ref_counts, free = self.ref_counts, self._cached
         parent = block_hashes[start - 1] if start else ROOT_PARENT
         blocks: list[int] = []
         for position in range(start, stop):
@@ -124,31 +128,45 @@ class BlockPool:
         self._eviction_hooks.append(hook)
 
     def allocate(self, count: int) -> list[int]:
-        """Take ``count`` blocks (ref count 1 each), evicting the least recently used."""
-        if count > len(self._free):
-            raise NoFreeBlocksError(f"asked for {count} blocks, {len(self._free)} free")
-        blocks = []
-        for _ in range(count):
-            block, _ = self._free.popitem(last=False)
+        """Take ``count`` blocks (ref count 1 each): empty ones first, then cached ones,
+        evicting the least recently used."""
+        if count > self.num_free:
+            raise NoFreeBlocksError(f"asked for {count} blocks, {self.num_free} free")
+        taken = min(count, len(self._empty))
+        blocks = self._empty[len(self._empty) - taken :][::-1]
+        del self._empty[len(self._empty) - taken :]
+        for _ in range(count - taken):
+            block, _ = self._cached.popitem(last=False)
             self._evict(block)
-            self.high_water = max(self.high_water, block + 1)
-            self.ref_counts[block] = 1
             blocks.append(block)
+        for block in blocks:
+            self.ref_counts[block] = 1
+        self.high_water = max(self.high_water, max(blocks, default=-1) + 1)
         return blocks
 
     def share(self, block: int) -> None:
         """Add a reference to a (cached) block, taking it off the free list if it was free."""
         if self.ref_counts[block] == 0:
-            del self._free[block]
+            self._take_free(block)
         self.ref_counts[block] += 1
 
+    def _take_free(self, block: int) -> None:
+        if block in self._cached:
+            del self._cached[block]
+        else:
+            self._empty.remove(block)  # NOTE: rare: the blocks shared are cached ones
+
     def release(self, blocks: Iterable[int]) -> None:
-        """Drop one reference from each block; blocks reaching 0 become free (MRU end)."""
+        """Drop one reference from each block; blocks reaching 0 become free: cached ones
+        at the MRU end of the cached list, the others on top of the empty stack."""
         for block in blocks:
             assert self.ref_counts[block] > 0, f"block {block} released more often than held"
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
-                self._free[block] = None
+                if self.identities[block] is None:
+                    self._empty.append(block)
+                else:
+                    self._cached[block] = None
 
     def register(self, block: int, identity: BlockIdentity) -> bool:
         """Index a full, computed block under its hash. False if another block holds it."""
@@ -170,6 +188,9 @@ class BlockPool:
         if block is None:
             return False
         self.identities[block] = None
+        if block in self._cached:
+            del self._cached[block]
+            self._empty.append(block)
         return True
 
     def cached_links(self, salt: bytes) -> list[tuple[BlockHash, BlockHash]]:
@@ -183,10 +204,11 @@ class BlockPool:
     def evict_all_free(self) -> int:
         """Drop every free block from the index (reset_prefix_cache). Returns how many."""
         dropped = 0
-        for block in self._free:
-            if self.identities[block] is not None:
-                self._evict(block)
-                dropped += 1
+        while self._cached:
+            block, _ = self._cached.popitem(last=False)
+            self._evict(block)
+            self._empty.append(block)
+            dropped += 1
         return dropped
 
     def _evict(self, block: int) -> None:
@@ -206,8 +228,15 @@ class BlockPool:
             for block in table:
                 expected[block] += 1
         assert expected == self.ref_counts, "ref counts differ from live references"
+        empty = set(self._empty)
+        assert len(empty) == len(self._empty), "a block is on the empty stack twice"
         for block in range(self.num_blocks):
-            assert (block in self._free) == (self.ref_counts[block] == 0), f"block {block}"
+            free = block in empty or block in self._cached
+            assert free == (self.ref_counts[block] == 0), f"block {block}"
+            assert not (block in empty and block in self._cached), f"block {block}"
+            if free:
+                cached = self.identities[block] is not None
+                assert cached == (block in self._cached), f"block {block} on the wrong list"
         for block_hash, block in self._index.items():
             identity = self.identities[block]
             assert identity is not None and identity.block_hash == block_hash

@@ -37,10 +37,29 @@ def test_high_water_marks_the_blocks_ever_handed_out() -> None:
     assert pool.high_water == 0
     first = pool.allocate(3)
     assert first == [0, 1, 2] and pool.high_water == 3  # a fresh pool hands blocks out in order
-    pool.release(first)
-    assert pool.allocate(2) == [3, 4] and pool.high_water == 5  # never-used blocks first
-    pool.allocate(3)  # the fresh blocks 5-7
-    assert pool.allocate(2) == [0, 1] and pool.high_water == 8  # then the released ones
+    pool.release(reversed(first))  # as a sequence is freed: its tail first
+    # The blocks just freed first (on the CPU their pages are mapped), head first.
+    assert pool.allocate(2) == [0, 1] and pool.high_water == 3
+    assert pool.allocate(3) == [2, 3, 4] and pool.high_water == 5  # then never-used ones
+
+
+def test_cached_blocks_are_evicted_only_when_no_empty_block_is_left() -> None:
+    """A free block holding nothing is taken before a cached block is evicted, so cached KV
+    lives as long as the pool has room that holds nothing."""
+    pool = BlockPool(4)
+    manager = KVCacheManager(pool, BLOCK, True)
+    tokens = list(range(2 * BLOCK))
+    alloc = KVAllocation(salt=SALT)
+    manager.update_hashes(alloc, tokens)
+    assert manager.allocate(alloc, len(tokens))
+    manager.commit(alloc, tokens, len(tokens))
+    manager.free(alloc)
+    assert pool.num_cached == 2 and pool.num_free == 4
+    taken = pool.allocate(2)
+    assert set(taken) == {2, 3} and pool.num_cached == 2 and pool.num_evictions == 0
+    # Then the least recently used cached block: the chain's tail, released first.
+    assert pool.allocate(1) == [1] and pool.num_cached == 1 and pool.num_evictions == 1
+    pool.check_invariants([taken, [1]])
 
 
 def test_chain_hash_depends_on_prefix_salt_and_tokens() -> None:
