@@ -1,4 +1,5 @@
-"""The device block pool: ref counts, the LRU free list, and the prefix-cache index.
+"""The device block pool: ref counts, the free blocks (empty ones, then cached ones in LRU
+order), and the prefix-cache index.
 
 Invariants (checked by ``check_invariants`` in tests):
 - a block is free (on the empty stack or the cached list) exactly when its ref count is 0;

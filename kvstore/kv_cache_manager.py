@@ -186,8 +186,8 @@ class KVCacheManager:
         if not run:
             return 0
         # NOTE: allocating may evict cached device blocks (demoting them), never live ones.
-        # Sorted: a freed sequence's blocks come back tail first, and in ascending order the
-        # rows of a run of slots follow each other, so a tier copies them as one.
+        # Sorted: evicted cached blocks come in LRU order (a chain's tail first), and in
+        # ascending order the rows of a run of slots follow each other: one copy.
         blocks = sorted(self.pool.allocate(len(run)))
         loaded = self.tiers.load_many(run, blocks, served=alloc.loaded_blocks)
         self.pool.release(blocks[loaded:])
