@@ -180,6 +180,9 @@ class Forwarder:
             slot.in_flight -= 1
             self._mark_down(index, url)
             return None if _may_resend(exc, method, path) else _lost(index, exc)
+        except BaseException:  # NOTE: cancelled (its client left): the count must not leak
+            slot.in_flight -= 1
+            raise
         try:
             out_headers = {
                 k: v

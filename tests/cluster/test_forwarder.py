@@ -82,3 +82,44 @@ def test_an_upload_whose_replica_dies_fails_cleanly_and_is_not_sent_twice() -> N
     assert sent_to_dying == 1
     assert status == 503
     assert json.loads(body)["error"]["code"] == "replica_lost"
+
+
+async def _cancelled_mid_request() -> int:
+    arrived, done = asyncio.Event(), asyncio.Event()
+
+    async def slow(request: web.Request) -> web.Response:
+        arrived.set()
+        await done.wait()  # NOTE: a generation: headers come only when it ends
+        return web.json_response({})
+
+    app = web.Application()
+    app.router.add_post("/{tail:.*}", slow)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+
+    async def lookup(index: int) -> dict[str, object]:
+        return {"url": url, "pid": 1000}
+
+    forwarder = Forwarder(ClusterSettings(replicas=1), lookup)
+    await forwarder.start()
+    try:
+        body = json.dumps({"prompt": "hi"}).encode()
+        request = asyncio.ensure_future(forwarder.handle("POST", "/v1/completions", "", {}, body))
+        await asyncio.wait_for(arrived.wait(), 10)
+        assert forwarder.slots[0].in_flight == 1
+        request.cancel()  # NOTE: as the ingress does when its client disconnects
+        await asyncio.gather(request, return_exceptions=True)
+        return forwarder.slots[0].in_flight
+    finally:
+        done.set()
+        await forwarder.close()
+        await runner.cleanup()
+
+
+def test_a_request_cancelled_while_its_replica_works_leaves_no_load_behind() -> None:
+    """The in-flight count routes documents away from busy replicas: a leaked count would
+    send them away for good."""
+    assert asyncio.run(_cancelled_mid_request()) == 0
