@@ -4,15 +4,21 @@ take turns.
 Without it a DELETE that waits (for questions in flight, or for the registry thread) could
 delete the row a re-upload of the same text had just written, or a PATCH could write back
 the row a DELETE had just removed. Locks of documents nobody is using are dropped.
+
+``run`` also finishes what it starts: a client that leaves cancels its request's handler,
+and a DELETE stopped half way would have dropped the document from memory but kept its
+row (which a restart restores) and its KV.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from typing import TypeVar
 
 Key = tuple[str, str]
+T = TypeVar("T")
 
 
 class DocumentLocks:
@@ -21,6 +27,7 @@ class DocumentLocks:
     def __init__(self) -> None:
         self._locks: dict[Key, asyncio.Lock] = {}
         self._users: dict[Key, int] = {}
+        self._running: set[asyncio.Task[object]] = set()
 
     @asynccontextmanager
     async def hold(self, namespace: str, doc_id: str) -> AsyncIterator[None]:
@@ -34,6 +41,23 @@ class DocumentLocks:
             self._users[key] -= 1
             if not self._users[key]:
                 del self._users[key], self._locks[key]
+
+    async def run(self, namespace: str, doc_id: str, work: Callable[[], Awaitable[T]]) -> T:
+        """``work()`` under the document's lock, run to its end even when the caller is
+        cancelled (the caller then stops waiting at once; ``drain`` waits for the rest)."""
+
+        async def locked() -> T:
+            async with self.hold(namespace, doc_id):
+                return await work()
+
+        task = asyncio.ensure_future(locked())
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
+        return await asyncio.shield(task)
+
+    async def drain(self) -> None:
+        """Wait for the work ``run`` started whose callers were cancelled."""
+        await asyncio.gather(*self._running, return_exceptions=True)
 
     def __len__(self) -> int:
         return len(self._locks)

@@ -261,9 +261,8 @@ class DocumentService(DocumentPersistence):
         token_ids = await self.prompts.run(self.prompts.document_ids, text)
         prefix_ids = self.prompts.document_prefix(token_ids)
         self._check_fits(len(token_ids), len(prefix_ids))
-        # NOTE: a DELETE of this text still running finishes first (its row delete and
-        # purge must not reach the document registered here).
-        async with self.locks.hold(namespace, doc_id):
+
+        async def register() -> tuple[RegisteredDocument, bool]:
             existing = self.existing(namespace, text)  # another upload may have won the race
             if existing is not None:
                 return existing, False
@@ -285,6 +284,10 @@ class DocumentService(DocumentPersistence):
             version = await self._store_call("saved", self._put_row, doc.stored())
             doc.saved, doc.version = version is not None, version or 0
             return doc, True
+
+        # NOTE: a DELETE of this text still running finishes first (its row delete and
+        # purge must not reach the document registered here).
+        return await self.locks.run(namespace, doc_id, register)
 
     def _holding(self, namespace: str, replacing: str) -> tuple[int, int]:
         """(documents, tokens) the tenant keeps, without the failed one ``replacing`` would
@@ -400,8 +403,9 @@ class DocumentService(DocumentPersistence):
     async def update(self, namespace: str, doc_id: str, patch: DocumentPatch) -> RegisteredDocument:
         """PATCH: change the expiry and/or the metadata; the row is rewritten before return."""
         self.get(namespace, doc_id)  # NOTE: 400 / 404 before waiting for the lock
-        async with self.locks.hold(namespace, doc_id):
-            return await self._update(self.get(namespace, doc_id), patch)
+        return await self.locks.run(
+            namespace, doc_id, lambda: self._update(self.get(namespace, doc_id), patch)
+        )
 
     async def _update(self, doc: RegisteredDocument, patch: DocumentPatch) -> RegisteredDocument:
         fields = patch.model_fields_set
@@ -432,16 +436,20 @@ class DocumentService(DocumentPersistence):
         """DELETE: unpin, delete the rows of every model, purge the KV every model with
         this tokenizer wrote (see ``_purge``); 404 for an unknown or expired document."""
         self.get(namespace, doc_id)  # NOTE: 400 / 404 before waiting for the lock
-        async with self.locks.hold(namespace, doc_id):
-            return await self._remove(self.get(namespace, doc_id))
+        return await self.locks.run(
+            namespace, doc_id, lambda: self._remove(self.get(namespace, doc_id))
+        )
 
     async def _expire(self, namespace: str, doc_id: str) -> None:
         """The expiry sweep's removal: like a DELETE, but only the rows whose own
         expire_time passed go, and only those models' KV with this one's."""
-        async with self.locks.hold(namespace, doc_id):
+
+        async def expire() -> None:
             doc = self._docs.get((namespace, doc_id))
             if doc is not None and doc.expired(time.time()):  # NOTE: a PATCH may have won
                 await self._remove(doc, rows="expired")
+
+        await self.locks.run(namespace, doc_id, expire)
 
     async def sync(self) -> int:
         """Learn the documents another server on the directory uploaded (see ``learn``)
@@ -537,6 +545,7 @@ class DocumentService(DocumentPersistence):
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await self.locks.drain()  # NOTE: uploads, PATCHes and DELETEs whose clients left
         if self.store is not None:
             await asyncio.get_running_loop().run_in_executor(self._store_thread, self.store.close)
         if self.shared is not None:

@@ -1,19 +1,29 @@
 """A DELETE and an upload of the same text sent at once, several times over. Whichever
 wins, the server and its registry agree afterwards: a document that is listed has its
 row and answers from its full cached prefix (a DELETE still running must not purge the
-blocks of a re-upload, nor delete its row); one that is not listed has no row.
+blocks of a re-upload, nor delete its row); one that is not listed has no row. A DELETE
+whose client leaves before the answer still deletes the row, so a restart does not bring
+the document back.
 """
 
 from __future__ import annotations
 
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 import requests
 
-from tests.server.server_fixtures import BLOCK_SIZE, cached_tokens, running_server, wait_ready
+from tests.server.server_fixtures import (
+    BLOCK_SIZE,
+    cached_tokens,
+    running_server,
+    wait_for,
+    wait_ready,
+)
 from tests.server.test_document_purge import stored_tokens, text
 
 pytestmark = pytest.mark.e2e
@@ -56,3 +66,38 @@ def test_delete_and_reupload_at_once_leave_one_consistent_document(tmp_path: Pat
             assert doc_id in stored_tokens(kv)
             assert wait_ready(server.url, doc_id, AUTH)["status"] == "ready"
             assert cached_tokens(server.url, doc_id, AUTH) >= full
+
+
+def delete_and_leave(url: str, doc_id: str) -> None:
+    """Send a DELETE and close the connection without reading the answer."""
+    parts = urlsplit(url)
+    with socket.create_connection((parts.hostname, parts.port), timeout=10) as conn:
+        conn.sendall(
+            f"DELETE /v1/documents/{doc_id} HTTP/1.1\r\nHost: {parts.netloc}\r\n"
+            f"Authorization: Bearer {KEY}\r\nContent-Length: 0\r\n\r\n".encode()
+        )
+
+
+def test_a_delete_whose_client_leaves_still_deletes_for_good(tmp_path: Path) -> None:
+    kv = tmp_path / "kv"
+    args = ("--kv-disk-dir", str(kv), "--api-key", KEY)
+    doc_ids = []
+    with running_server(*args, log_path=tmp_path / "first.log") as server:
+        for round_ in range(ROUNDS):
+            response = upload(server.url, text(f"quartz {round_}", 8))
+            assert response.status_code == 202, response.text
+            doc_id = response.json()["id"]
+            assert wait_ready(server.url, doc_id, AUTH)["status"] == "ready"
+            delete_and_leave(server.url, doc_id)
+
+            def gone(doc_id: str = doc_id) -> bool:
+                return doc_id not in stored_tokens(kv)
+
+            assert wait_for(gone, 30, interval=0.1), f"round {round_}: the row stayed"
+            state = requests.get(f"{server.url}/v1/documents/{doc_id}", headers=AUTH, timeout=30)
+            assert state.status_code == 404
+            doc_ids.append(doc_id)
+    with running_server(*args, log_path=tmp_path / "second.log") as server:
+        for doc_id in doc_ids:
+            state = requests.get(f"{server.url}/v1/documents/{doc_id}", headers=AUTH, timeout=30)
+            assert state.status_code == 404, state.text
