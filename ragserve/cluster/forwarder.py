@@ -82,8 +82,14 @@ class Forwarder:
 
     # -- replicas --------------------------------------------------------------------------
     async def start(self) -> None:
-        """Learn every replica's address (waits for replicas still starting)."""
-        await asyncio.gather(*(self._learn(i, timeout=None) for i in range(len(self.slots))))
+        """Learn every replica's address (waits for replicas still starting); one whose
+        lookup fails (restarting) is looked for in the background until it answers."""
+        learned = await asyncio.gather(
+            *(self._learn(i, timeout=None) for i in range(len(self.slots)))
+        )
+        for index, found in enumerate(learned):
+            if not found:
+                self._probes[index] = asyncio.create_task(self._probe(index))
 
     async def _learn(self, index: int, timeout: float | None) -> bool:
         try:

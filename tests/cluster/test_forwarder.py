@@ -123,3 +123,32 @@ def test_a_request_cancelled_while_its_replica_works_leaves_no_load_behind() -> 
     """The in-flight count routes documents away from busy replicas: a leaked count would
     send them away for good."""
     assert asyncio.run(_cancelled_mid_request()) == 0
+
+
+async def _first_lookup_fails() -> tuple[bool, bool]:
+    runner, url = await _live_replica()
+    lookups = [0, 0]
+
+    async def lookup(index: int) -> dict[str, object]:
+        lookups[index] += 1
+        if index == 1 and lookups[1] == 1:
+            raise RuntimeError("replica 1 is restarting")  # as Ray answers meanwhile
+        return {"url": url, "pid": 1000 + index}
+
+    forwarder = Forwarder(ClusterSettings(replicas=2), lookup)
+    try:
+        await forwarder.start()
+        up_at_start = forwarder.slots[1].up
+        for _ in range(100):
+            if forwarder.slots[1].up:
+                break
+            await asyncio.sleep(0.05)
+        return up_at_start, forwarder.slots[1].up
+    finally:
+        await forwarder.close()
+        await runner.cleanup()
+
+
+def test_a_replica_whose_first_lookup_fails_is_found_later() -> None:
+    up_at_start, up_later = asyncio.run(_first_lookup_fails())
+    assert not up_at_start and up_later
