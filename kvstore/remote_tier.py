@@ -374,6 +374,9 @@ class RemoteTier(KVTier):
         if not self._closed:
             self._writer.flush()
 
+    def flush_queued(self, timeout: float | None = None) -> bool:
+        return self._closed or self._writer.flush_queued(timeout)
+
     def close(self) -> None:
         """Send queued writes (or drop them if the store is down), stop, disconnect."""
         if self._closed:

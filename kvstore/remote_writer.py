@@ -64,6 +64,10 @@ class RemoteWriter(WriteQueue[bytes]):
         if self._thread is not None:
             self._queue.join()
 
+    def flush_queued(self, timeout: float | None) -> bool:
+        """``wait_for_queued`` while the thread runs (see ``KVTier.flush_queued``)."""
+        return self._thread is None or self.wait_for_queued(timeout)
+
     def close(self) -> None:
         self.flush()
         if self._thread is not None:

@@ -234,6 +234,12 @@ class KVTier(abc.ABC):
     def flush(self) -> None:  # noqa: B027 (synchronous tiers have nothing to flush)
         """Wait until every accepted ``put`` is durable in this tier."""
 
+    def flush_queued(self, timeout: float | None = None) -> bool:
+        """Wait until the ``put``s accepted before this call are durable, not the ones
+        accepted since; False if ``timeout`` seconds passed first."""
+        self.flush()
+        return True
+
     def close(self) -> None:  # noqa: B027
         """Flush and release resources; later calls behave as misses/drops."""
 

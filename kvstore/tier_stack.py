@@ -309,11 +309,16 @@ class TierStack:
         return {tier.name: tier.purge(fingerprint, hashes) for tier in self.tiers}
 
     # -- lifetime ---------------------------------------------------------------------------
-    def flush_shared(self) -> None:
-        """Wait until the shared tiers have sent what they accepted. Safe from any thread:
-        it only waits on their write queues."""
+    def flush_shared(self, timeout: float | None = None) -> bool:
+        """Wait until the shared tiers have sent what they accepted before this call;
+        False if that took over ``timeout`` seconds. Safe from any thread: it only waits
+        on their write queues."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         for tier in self._shared:
-            tier.flush()
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not tier.flush_queued(left):
+                return False
+        return True
 
     def flush(self) -> None:
         """Wait until every tier has stored what it accepted (queued disk and remote writes)."""

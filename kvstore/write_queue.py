@@ -42,6 +42,7 @@ class WriteQueue(Generic[Key]):
         self._queue: queue.Queue[PendingWrite[Key] | None] = queue.Queue(max_pending_writes)
         self._lock = threading.Lock()
         self._pending: set[Key] = set()
+        self._written = threading.Condition(self._lock)  # notified as writes finish
         self._counts = TierMetrics()
 
     def _holds(self, key: Key) -> bool:
@@ -68,8 +69,8 @@ class WriteQueue(Generic[Key]):
             self._queue.put(PendingWrite(key, meta, copy), block=blocking)
         except queue.Full:
             with self._lock:
-                self._pending.discard(key)
                 self._counts.dropped_demotions += 1
+            self._finished([key])
             return False
         return True
 
@@ -82,6 +83,15 @@ class WriteQueue(Generic[Key]):
         """The writes of ``keys`` are over, stored or not: they may be queued again."""
         with self._lock:
             self._pending.difference_update(keys)
+            self._written.notify_all()
+
+    def wait_for_queued(self, timeout: float | None = None) -> bool:
+        """Wait until the writes queued before this call are over (stored or not), not
+        those queued since: under a steady stream of writes the queue never empties.
+        False if ``timeout`` seconds passed first. Needs the writers running."""
+        with self._lock:
+            queued = set(self._pending)
+            return self._written.wait_for(lambda: queued.isdisjoint(self._pending), timeout)
 
     def _copy_write_counts(self, snapshot: TierMetrics) -> None:
         """The counters every writer keeps, into ``snapshot`` (called under ``_lock``)."""

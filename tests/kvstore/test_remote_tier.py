@@ -201,3 +201,18 @@ def test_block_links_and_purge(valkey: ValkeyServer) -> None:
         assert tier.purge(salt_fingerprint(SALT), {child.block_hash}) == 1
         assert not tier.contains(child) and tier.contains(parent)
         assert tier.discard(parent) and valkey.client().dbsize() == 0
+
+
+def test_flush_queued_keeps_its_time_limit_while_the_store_stalls(valkey: ValkeyServer) -> None:
+    """A stalled store (writes paused, within the client's 0.5 s time-out) makes the wait
+    give up at its limit, then end once the write is through."""
+    with RemoteTier(SHAPE, torch.float32, valkey.url, batch_blocks=1) as tier:
+        fill(tier, range(1))
+        valkey.client().execute_command("CLIENT", "PAUSE", 450, "WRITE")
+        assert tier.put(make_meta(1), random_block(torch.float32, 1), blocking=True)
+        assert not tier.flush_queued(0.1)
+        assert tier.flush_queued(30.0)
+        dest = torch.empty(SHAPE)
+        assert tier.load_into(make_meta(1), dest) and bit_equal(
+            dest, random_block(torch.float32, 1)
+        )
