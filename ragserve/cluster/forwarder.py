@@ -15,6 +15,7 @@ import asyncio
 import hmac
 import json
 import logging
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -199,11 +200,12 @@ class Forwarder:
             kind = upstream.headers.get("Content-Type", "")
             if kind.startswith("text/event-stream"):
                 handed_over = True
-                return StreamingResponse(
-                    self._relay(index, url, upstream),
-                    status_code=upstream.status,
-                    headers=out_headers,
-                )
+                done = _once(lambda: self._stream_ended(index, upstream))
+                relay = self._relay(index, url, upstream, done)
+                # NOTE: a response dropped before it streamed (its client left at once)
+                # never runs the relay's ``finally``.
+                weakref.finalize(relay, done)
+                return StreamingResponse(relay, status_code=upstream.status, headers=out_headers)
             try:
                 payload = await upstream.read()
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
@@ -218,7 +220,7 @@ class Forwarder:
                 slot.in_flight -= 1
 
     async def _relay(
-        self, index: int, url: str, upstream: aiohttp.ClientResponse
+        self, index: int, url: str, upstream: aiohttp.ClientResponse, done: Callable[[], None]
     ) -> AsyncIterator[bytes]:
         try:
             async for chunk in upstream.content.iter_any():
@@ -228,8 +230,11 @@ class Forwarder:
             body = error_body(503, _lost_message(index, exc), None, "replica_lost")
             yield f"event: error\ndata: {json.dumps(body)}\n\n".encode()
         finally:
-            upstream.release()
-            self.slots[index].in_flight -= 1
+            done()
+
+    def _stream_ended(self, index: int, upstream: aiohttp.ClientResponse) -> None:
+        upstream.release()
+        self.slots[index].in_flight -= 1
 
     def _bind_upload(self, payload: bytes, index: int) -> None:
         """The replica an upload went to computes the document: its questions go there."""
@@ -316,3 +321,14 @@ def _error(status: int, message: str, code: str) -> Response:
         status_code=status,
         media_type="application/json",
     )
+
+
+def _once(action: Callable[[], None]) -> Callable[[], None]:
+    """``action`` on the first call only."""
+    pending = [action]
+
+    def run() -> None:
+        if pending:
+            pending.pop()()
+
+    return run

@@ -6,6 +6,7 @@ does)."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 
 import pytest
@@ -152,3 +153,45 @@ async def _first_lookup_fails() -> tuple[bool, bool]:
 def test_a_replica_whose_first_lookup_fails_is_found_later() -> None:
     up_at_start, up_later = asyncio.run(_first_lookup_fails())
     assert not up_at_start and up_later
+
+
+async def _streams(iterate: bool) -> list[int]:
+    async def events(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b"data: one\n\n")
+        await response.write_eof()
+        return response
+
+    app = web.Application()
+    app.router.add_post("/{tail:.*}", events)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+
+    async def lookup(index: int) -> dict[str, object]:
+        return {"url": url, "pid": 1000}
+
+    forwarder = Forwarder(ClusterSettings(replicas=1), lookup)
+    await forwarder.start()
+    try:
+        body = json.dumps({"prompt": "hi", "stream": True}).encode()
+        response = await forwarder.handle("POST", "/v1/completions", "", {}, body)
+        counts = [forwarder.slots[0].in_flight]
+        if iterate:
+            chunks = [chunk async for chunk in response.body_iterator]  # type: ignore[attr-defined]
+            assert b"".join(chunks) == b"data: one\n\n"
+        del response  # NOTE: dropped unread: its client left before it streamed
+        gc.collect()
+        counts.append(forwarder.slots[0].in_flight)
+        return counts
+    finally:
+        await forwarder.close()
+        await runner.cleanup()
+
+
+@pytest.mark.parametrize("iterate", [True, False], ids=["streamed", "dropped unread"])
+def test_a_stream_gives_its_in_flight_count_back_once(iterate: bool) -> None:
+    assert asyncio.run(_streams(iterate)) == [1, 0]
