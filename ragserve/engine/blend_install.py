@@ -57,20 +57,26 @@ class BlendInstaller:
                 seq.blend.shrink(install, available)  # NOTE: evicted for good: compute the rest
                 if install not in seq.blend.installs:
                     return True
-            if not self.kv.allocate(seq.kv, install.end):
-                return False  # NOTE: tried again next step, when blocks are freed
-            self._copy(
-                hold.slots(install.source, install.source + install.length),
-                install.start,
-                install.end,
-                seq.kv.block_table,
-                install.start - install.source,
-            )
-            seq.num_computed_tokens = install.end
-            install.installed = True
-            return True
+            if self.kv.allocate(seq.kv, install.end):
+                self._copy(
+                    hold.slots(install.source, install.source + install.length),
+                    install.start,
+                    install.end,
+                    seq.kv.block_table,
+                    install.start - install.source,
+                )
+                seq.num_computed_tokens = install.end
+                install.installed = True
+                return True
         finally:
             release_segment(self.kv, hold)
+        # NOTE: the segment and its copy do not fit together. If the document fits without
+        # the segment, compute it in place: waiting for room another sequence frees may
+        # wait for good (none may be running).
+        if not self.kv.allocate(seq.kv, install.end):
+            return False  # NOTE: other sequences hold the room: tried again next step
+        seq.blend.shrink(install, 0)
+        return True
 
     def _copy(
         self, source_slots: list[int], start: int, end: int, table: list[int], shift: int

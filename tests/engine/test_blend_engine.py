@@ -10,7 +10,7 @@ import torch
 
 from kvstore.segments import make_segment, segment_stored
 from ragserve import LLM, SamplingParams
-from tests.engine.blend_rig import DOCS, TEMPLATE, Driver, prompt, tokens_of
+from tests.engine.blend_rig import DOCS, GREEDY, TEMPLATE, Driver, prompt, tokens_of
 from tests.model_factory import make_tiny_model
 
 BLOCK = 4
@@ -215,3 +215,36 @@ def test_purging_a_document_purges_its_segment(model_dir: str) -> None:
     # c still blends; b is computed in place (and its segment computed again next to it).
     assert blend.run(prompt("acb", 1)).num_blended_tokens > 0
     assert segment_stored(manager, segments["b"])
+
+
+def test_a_segment_whose_copy_does_not_fit_beside_it_is_computed_in_place(
+    model_dir: str,
+) -> None:
+    """A pool that holds the prompt but not the prompt and the document's segment at once:
+    the install cannot get room, and nothing else runs to free any. The document is
+    computed in place instead of the request waiting for good."""
+    probe = engine(model_dir)
+    block_bytes = probe.engine.kv_cache[0].numel() * probe.engine.kv_cache.element_size()
+    del probe
+    # NOTE: 20 blocks: "cb" and its answer take 17; installing b's segment (the template
+    # and b: 9 full blocks) beside the prompt's 14 blocks up to b's end takes 23.
+    gib = 20.5 * block_bytes / 2**30
+    blend = engine(model_dir, kv_reuse="blend", kv_cache_gib=gib, blend_recompute_ratio=0.0)
+    full = engine(model_dir, enable_prefix_caching=False)
+    assert blend.engine.block_pool.num_blocks == 20
+    blend.run(prompt("ab"))  # computes b's segment
+    segment = make_segment(blend.engine.salt_for(""), TEMPLATE, DOCS["b"], BLOCK)
+    assert segment_stored(blend.engine.kv_manager, segment)
+    p = prompt("cb")
+    blend.engine.add_request("cb", p.token_ids, GREEDY, documents=p.documents)
+    done = None
+    for _ in range(500):  # NOTE: bounded: the bug waited for good
+        for output in blend.engine.step():
+            done = output if output.finished else done
+        if not blend.engine.has_unfinished_requests():
+            break
+    assert done is not None, "the request never finished"
+    assert tokens_of(done) == tokens_of(full.run(p))
+    assert done.num_blended_tokens == 0
+    blend.engine.block_pool.check_invariants()
+    assert blend.engine.block_pool.num_used == 0
