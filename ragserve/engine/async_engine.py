@@ -323,6 +323,7 @@ class AsyncEngine:
                         f"({type(exc).__name__}: {exc}); new requests are served"
                     )
                 )
+                _run_guarded(engine.abort_internal_requests, "aborting internal requests")
                 continue
             self._dispatch(outputs)
         self._fail_all(EngineDeadError("the engine shut down"))

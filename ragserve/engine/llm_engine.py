@@ -379,6 +379,14 @@ class LLMEngine:
                 self.scheduler.finish(seq)
         return True
 
+    def abort_internal_requests(self) -> None:
+        """Abort the requests the engine queued for itself (documents' segments). For after
+        a failed step: no caller fails them, and one the step left half advanced (computed,
+        no token drawn) would never finish."""
+        internal = [rid for rid, request in self._requests.items() if request.internal]
+        for request_id in internal:
+            self.abort_request(request_id)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 

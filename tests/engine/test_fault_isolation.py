@@ -185,3 +185,54 @@ def test_a_step_that_does_not_return_shows_as_stalled(
             await engine.shutdown()
 
     asyncio.run(scenario())
+
+
+def test_a_step_fault_leaves_no_document_segment_computation_behind(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A blended request queues its documents' segments as the engine's own requests. A
+    step that fails after computing one (before its token is read) fails the caller's
+    request; the segment's, which no caller fails, is aborted too instead of staying
+    half advanced, never finishing, with the engine thread spinning on it."""
+    from ragserve.document_reuse import DocumentReuse
+    from tests.engine.blend_rig import prompt
+
+    async def scenario() -> None:
+        engine = AsyncEngine(
+            EngineConfig(model=str(model_dir), dtype="float32", kv_cache_gib=0.01, block_size=4)
+        )
+        try:
+            inner = engine.engine
+            finish = inner._finish
+            fired = []
+
+            def faulty(launched: Any) -> Any:
+                internal = any(inner._requests[s.request_id].internal for s in launched.seqs)
+                if internal and not fired:
+                    fired.append(True)
+                    raise RuntimeError("device fault")
+                return finish(launched)
+
+            monkeypatch.setattr(inner, "_finish", faulty)
+            params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+            p = prompt("ab")
+            reuse = DocumentReuse(tuple(p.documents), kv_reuse="blend")
+            failed = None
+            try:
+                async for _ in engine.generate(p.token_ids, params, "blend", reuse=reuse):
+                    pass
+            except EngineStepError as exc:
+                failed = exc
+            assert fired and failed is not None
+            for _ in range(200):
+                if not inner.has_unfinished_requests():
+                    break
+                await asyncio.sleep(0.05)
+            assert not inner.has_unfinished_requests(), list(inner._requests)
+            after = await collect(engine, p.token_ids, params, "after")
+            assert isinstance(after, RequestOutput) and len(after.outputs[0].token_ids) == 4
+            inner.block_pool.check_invariants()
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(scenario())
