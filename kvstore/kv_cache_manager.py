@@ -189,7 +189,11 @@ class KVCacheManager:
         # Sorted: evicted cached blocks come in LRU order (a chain's tail first), and in
         # ascending order the rows of a run of slots follow each other: one copy.
         blocks = sorted(self.pool.allocate(len(run)))
-        loaded = self.tiers.load_many(run, blocks, served=alloc.loaded_blocks)
+        try:
+            loaded = self.tiers.load_many(run, blocks, served=alloc.loaded_blocks)
+        except BaseException:  # NOTE: a copy fault: the blocks are in no table yet
+            self.pool.release(blocks)
+            raise
         self.pool.release(blocks[loaded:])
         for block, identity in zip(blocks[:loaded], run, strict=False):
             self.pool.register(block, identity)

@@ -51,7 +51,11 @@ class PrefixPins:
         self.unpin(pin_id)
         self.kv_manager.update_hashes(alloc, token_ids)
         self.kv_manager.begin_step()  # between steps: a step's worth of tier loads
-        pinned = self.kv_manager.match_prefix(alloc, token_ids, 0, leave_one=False)
+        try:
+            pinned = self.kv_manager.match_prefix(alloc, token_ids, 0, leave_one=False)
+        except BaseException:  # NOTE: a tier's copy fault: the blocks shared so far go back
+            self.kv_manager.free(alloc)
+            raise
         blocks = set(alloc.block_table)
         limit = int(self.block_pool.num_blocks * MAX_PINNED_FRACTION)
         own_limit = int(limit * namespace_share)

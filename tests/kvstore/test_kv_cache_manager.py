@@ -191,3 +191,27 @@ def test_the_load_budget_is_shared_by_every_sequence_of_a_step() -> None:
     rig.manager.free(one)
     rig.manager.free(two)
     assert rig.pool.num_free == rig.pool.num_blocks
+
+
+def test_a_load_that_raises_gives_its_device_blocks_back(
+    tokens: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A copy fault (a device error, not a miss) fails the lookup; the blocks allocated for
+    the run are in no block table, so they go back to the pool."""
+    rig = TieredCache(16, cpu_slots=16)
+    rig.compute(tokens)
+    rig.evict_to_tiers()
+    cpu = rig.tier("cpu")
+
+    def fault(*args: object, **kwargs: object) -> list[bool]:
+        raise RuntimeError("copy fault")
+
+    monkeypatch.setattr(cpu, "load_rows_into", fault)
+    monkeypatch.setattr(cpu, "load_many_into", fault)
+    alloc = rig.alloc(tokens)
+    rig.manager.begin_step()
+    with pytest.raises(RuntimeError, match="copy fault"):
+        rig.manager.match_prefix(alloc, tokens, 0)
+    rig.manager.free(alloc)
+    rig.pool.check_invariants()
+    assert rig.pool.num_free == rig.pool.num_blocks
