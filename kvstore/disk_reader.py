@@ -22,7 +22,7 @@ import os
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
 
@@ -125,11 +125,14 @@ class DiskReader:
             if len(metas) <= 1 or self._num_readers == 1:
                 return [self._read(meta, dests[i], copies) for i, meta in enumerate(metas)]
             # NOTE: list.append is atomic, so the readers share ``copies`` without a lock.
-            return list(
-                self._readers().map(
-                    lambda i: self._read(metas[i], dests[i], copies), range(len(metas))
-                )
-            )
+            pool = self._readers()
+            reads = [
+                pool.submit(self._read, meta, dests[i], copies) for i, meta in enumerate(metas)
+            ]
+            # NOTE: every read ends before any error is raised: a read still running would
+            # queue copies into blocks its caller has already given back.
+            wait(reads)
+            return [read.result() for read in reads]
         finally:
             _wait(copies)
 
@@ -187,9 +190,10 @@ class DiskReader:
             self.count_misses(1)
             return False
         direct = dest.device.type == "cpu" and dest.is_contiguous()
-        staging = None if direct else self._staging()
-        target = dest if staging is None else staging.take()
+        staging = None
         try:
+            staging = None if direct else self._staging()
+            target = dest if staging is None else staging.take()
             info = os.fstat(fd)
             read_record_into(
                 fd, info.st_size, meta, self.dtype, self.block_shape, target, self.cipher

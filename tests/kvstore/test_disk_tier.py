@@ -251,3 +251,29 @@ def test_batch_to_the_gpu_through_pinned_staging(tmp_path: Path) -> None:
         assert all(
             bit_equal(cache[11 - i].cpu(), random_block(torch.float32, i)) for i in range(12)
         )
+
+
+def test_a_read_that_raises_fails_the_batch_after_every_other_read_ended(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fault that is not a bad record (a device error) fails the batch, but only once
+    the other reads are over: one still running would write into blocks its caller has
+    already given back."""
+    from kvstore import disk_reader
+
+    with DiskTier(SHAPE, torch.float32, 1 << 20, tmp_path, num_readers=4) as tier:
+        fill(tier, range(6))
+        read = disk_reader.read_record_into
+        ended: list[int] = []
+
+        def faulty(fd: int, size: int, meta: object, *args: object) -> None:
+            if meta == make_meta(0):
+                raise RuntimeError("device fault")
+            time.sleep(0.2)
+            read(fd, size, meta, *args)  # type: ignore[arg-type]
+            ended.append(1)
+
+        monkeypatch.setattr(disk_reader, "read_record_into", faulty)
+        with pytest.raises(RuntimeError, match="device fault"):
+            tier.load_many_into([make_meta(i) for i in range(6)], torch.empty((6, *SHAPE)))
+        assert len(ended) == 5
