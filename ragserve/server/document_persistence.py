@@ -171,7 +171,7 @@ class DocumentPersistence:
         key = (entry.namespace, entry.id)
         now = time.time()
         others = await self._store_call(
-            "deleted", self._delete_expired_rows, entry.namespace, entry.id, now
+            "read", self._models_of_rows, entry.namespace, entry.id, "expired", now
         )
         doc = RegisteredDocument(
             entry.id, entry.namespace, entry.token_ids, prefix_ids, entry.metadata, entry.created
@@ -179,6 +179,8 @@ class DocumentPersistence:
         # NOTE: a live document of the same text keeps this model's blocks.
         mine: list[KVModel | None] = [] if key in self._docs else [None]
         await self._purge(doc, [*mine, *(others or [])])
+        # NOTE: the rows go after the KV (see ``_remove``).
+        await self._store_call("deleted", self._delete_expired_rows, entry.namespace, entry.id, now)
         logger.info("document %s expired while the server was down; deleted", entry.id)
 
     # NOTE: the local row is committed first; publishing to the store never raises (a
@@ -253,24 +255,29 @@ class DocumentPersistence:
         self.store.put(doc)
         return True
 
-    def _delete_rows(self, namespace: str, doc_id: str) -> list[KVModel]:
-        """Every model's row; returns the other models with this tokenizer (their KV of
-        the document goes too)."""
-        others: list[KVModel] = []
+    def _models_of_rows(
+        self, namespace: str, doc_id: str, rows: Literal["all", "expired"], now: float
+    ) -> list[KVModel]:
+        """The other models with this tokenizer whose KV of the document goes with its
+        ``rows`` (every row, or those expired at ``now``)."""
+        if self.store is None:
+            return []
+        if rows == "expired":
+            return self.store.expired_models(namespace, doc_id, now)
+        return self.store.sharing_models()
+
+    def _delete_rows(self, namespace: str, doc_id: str) -> None:
+        """Every model's row."""
         if self.store is not None:
             self.store.delete(namespace, doc_id)
-            others = self.store.sharing_models()
         if self.shared is not None:
             self.shared.publish_gone(namespace, doc_id)
-        return others
 
-    def _delete_expired_rows(self, namespace: str, doc_id: str, now: float) -> list[KVModel]:
-        others: list[KVModel] = []
+    def _delete_expired_rows(self, namespace: str, doc_id: str, now: float) -> None:
         if self.store is not None:
-            others = self.store.delete_expired(namespace, doc_id, now)
+            self.store.delete_expired(namespace, doc_id, now)
         if self.shared is not None:
             self.shared.publish_expired(namespace, doc_id, now)
-        return others
 
     # -- the registry shared through the store -------------------------------------------
     async def _from_shared(

@@ -62,6 +62,10 @@ BUSY_TIMEOUT_S = 30.0
 FILE_MODE = 0o600
 
 
+# The rows of one document (namespace, id) whose own expiry is at or before a time.
+_EXPIRED = " WHERE namespace = ? AND id = ? AND expire_time IS NOT NULL AND expire_time <= ?"
+
+
 class DocumentStore:
     """The registry rows of one model in ``directory``. Thread-safe; blocking calls.
 
@@ -377,6 +381,17 @@ class DocumentStore:
             self._truncate_log(db)
             return cursor.rowcount > 0
 
+    def expired_models(self, namespace: str, doc_id: str, now: float) -> list[KVModel]:
+        """The other models (with this tokenizer) whose row of the document expired at or
+        before ``now`` (``delete_expired`` would delete it). Raises sqlite3.Error."""
+        with self._lock:
+            db = self._require()
+            gone = db.execute(
+                "SELECT DISTINCT model FROM documents" + _EXPIRED, (namespace, doc_id, now)
+            ).fetchall()
+            shared = sharing_models(db, self.record) if self.record is not None else []
+            return among(shared, (str(row[0]) for row in gone))
+
     def delete_expired(self, namespace: str, doc_id: str, now: float) -> list[KVModel]:
         """Delete the document's rows whose own expire_time is at or before ``now``, under
         every model; returns the other models (with this tokenizer) whose row went.
@@ -385,13 +400,10 @@ class DocumentStore:
         stays: each row's expire_time decides for that row. Raises sqlite3.Error."""
         with self._lock:
             db = self._require()
-            where = (
-                " WHERE namespace = ? AND id = ? AND expire_time IS NOT NULL AND expire_time <= ?"
-            )
             with _transaction(db):
-                gone = db.execute("SELECT DISTINCT model FROM documents" + where,
+                gone = db.execute("SELECT DISTINCT model FROM documents" + _EXPIRED,
                                   (namespace, doc_id, now)).fetchall()  # fmt: skip
-                db.execute("DELETE FROM documents" + where, (namespace, doc_id, now))
+                db.execute("DELETE FROM documents" + _EXPIRED, (namespace, doc_id, now))
                 ingestions.forget_gone(db, (namespace, doc_id))
             if gone:
                 self._truncate_log(db)

@@ -500,17 +500,23 @@ class DocumentService(DocumentPersistence):
             # NOTE: calls run in order on the engine thread, so this unpin also undoes a
             # pin that a just-cancelled ingestion had already queued.
             await self.engine.unpin_prefix(doc.pin_id)
+        now = time.time()
         others: list[KVModel] | None = None
-        if rows == "expired":
+        if rows != "none":
             others = await self._store_call(
-                "deleted", self._delete_expired_rows, doc.namespace, doc.id, time.time()
+                "read", self._models_of_rows, doc.namespace, doc.id, rows, now
             )
-        elif rows == "all":
-            others = await self._store_call("deleted", self._delete_rows, doc.namespace, doc.id)
         # NOTE: requests that read the document before it was removed above reach the
         # engine before the purge, which then keeps them from caching it again.
         await self.readers.settled(doc.namespace, doc.id)
         await self._purge(doc, [None, *(others or [])])
+        # NOTE: the rows go last: a crash before here restores the document (its DELETE
+        # was never answered), where rows deleted first left a deleted document's KV on
+        # disk with nothing to say it should go.
+        if rows == "expired":
+            await self._store_call("deleted", self._delete_expired_rows, doc.namespace, doc.id, now)
+        elif rows == "all":
+            await self._store_call("deleted", self._delete_rows, doc.namespace, doc.id)
         self.orders.forget(doc.namespace, doc.id)
         return doc
 

@@ -123,6 +123,8 @@ def test_expiry_deletes_only_the_rows_whose_own_time_passed(tmp_path: Path) -> N
     old.put(StoredDocument(doc.id, "", doc.token_ids, {}, 1, expire_time=100.0))
     new.put(StoredDocument(doc.id, "", doc.token_ids, {}, 1, expire_time=100.0))
     third.put(StoredDocument(doc.id, "", doc.token_ids, {}, 1, expire_time=500.0))  # PATCHed
+    assert new.expired_models("", doc.id, 200.0) == [old_kv]  # read first: nothing goes
+    assert len(old.load()) == 1
     assert new.delete_expired("", doc.id, 200.0) == [old_kv]  # and its own row
     assert old.load() == [] and new.load() == []
     assert [d.expire_time for d in third.load()] == [500.0]

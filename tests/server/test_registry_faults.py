@@ -21,6 +21,7 @@ import requests
 
 from ragserve.server.document_store import FILENAME
 from tests.server.server_fixtures import BLOCK_SIZE, running_server, start_server, wait_ready
+from tests.server.test_document_purge import files_holding, grams, needles, stored_tokens
 
 pytestmark = pytest.mark.e2e
 
@@ -155,3 +156,49 @@ def test_two_servers_on_one_directory(tmp_path: Path) -> None:
             ids.add(response.json()["id"])
     with running_server(*tier(kv), log_path=tmp_path / "c.log") as again:
         assert listed(again.url) == ids
+
+
+def test_a_kill_9_during_a_delete_never_leaves_a_deleted_documents_kv(tmp_path: Path) -> None:
+    """The DELETE's purge is an engine call: it waits for the step running (here, a long
+    prompt's). Killed the moment its row is gone, the server comes back with the
+    document listed or with none of its KV on disk, never a deleted document whose KV
+    stays with nothing to say it should go."""
+    kv = tmp_path / "kv"
+    server = start_server(*tier(kv), log_path=tmp_path / "first.log")
+    try:
+        doc = upload(server.url, text("quill", 40)).json()
+        assert wait_ready(server.url, doc["id"], AUTH)["status"] == "ready"
+        tokens = stored_tokens(kv)[doc["id"]]
+        patterns = needles(grams(tokens))
+        assert files_holding(kv, patterns)  # its blocks reached the disk tier
+
+        def busy() -> None:  # NOTE: keeps the engine in long steps while the DELETE runs
+            body: dict[str, Any] = {"prompt": text("lathe", 300), "max_tokens": 1}
+            try:
+                requests.post(f"{server.url}/v1/completions", json=body, headers=AUTH, timeout=120)
+            except requests.RequestException:
+                return  # killed
+
+        def delete() -> None:
+            try:
+                requests.delete(f"{server.url}/v1/documents/{doc['id']}", headers=AUTH, timeout=120)
+            except requests.RequestException:
+                return  # killed
+
+        with ThreadPoolExecutor(2) as pool:
+            pool.submit(busy)
+            threading.Event().wait(0.5)
+            pool.submit(delete)
+            for _ in range(3000):
+                if doc["id"] not in stored_tokens(kv):
+                    break
+                threading.Event().wait(0.01)
+            server.send_signal(signal.SIGKILL)
+            server.wait(30)
+    finally:
+        server.stop()
+
+    with running_server(*tier(kv), log_path=tmp_path / "second.log") as second:
+        if doc["id"] in listed(second.url):
+            return  # NOTE: the DELETE was not answered: the document lives on, KV and all
+        assert files_holding(kv, patterns) == []
