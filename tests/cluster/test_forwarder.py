@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+from typing import Any
 
 import pytest
 from aiohttp import web
@@ -28,18 +29,32 @@ async def _dying_replica(received: list[bytes]) -> tuple[asyncio.Server, str]:
     return server, f"http://127.0.0.1:{port}"
 
 
-async def _live_replica() -> tuple[web.AppRunner, str]:
-    async def answer(request: web.Request) -> web.Response:
-        return web.json_response({"path": request.path, "body": await request.json()})
-
+async def _replica(handler: Any) -> tuple[web.AppRunner, str]:
+    """A real loopback server answering every POST with ``handler``."""
     app = web.Application()
-    app.router.add_post("/{tail:.*}", answer)
+    app.router.add_post("/{tail:.*}", handler)
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     return runner, f"http://127.0.0.1:{port}"
+
+
+async def _live_replica() -> tuple[web.AppRunner, str]:
+    async def answer(request: web.Request) -> web.Response:
+        return web.json_response({"path": request.path, "body": await request.json()})
+
+    return await _replica(answer)
+
+
+async def _one_replica_forwarder(url: str) -> Forwarder:
+    async def lookup(index: int) -> dict[str, object]:
+        return {"url": url, "pid": 1000}
+
+    forwarder = Forwarder(ClusterSettings(replicas=1), lookup)
+    await forwarder.start()
+    return forwarder
 
 
 async def _scenario(path: str) -> tuple[int, str | None, bytes, int, list[bool]]:
@@ -93,19 +108,8 @@ async def _cancelled_mid_request() -> int:
         await done.wait()  # NOTE: a generation: headers come only when it ends
         return web.json_response({})
 
-    app = web.Application()
-    app.router.add_post("/{tail:.*}", slow)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
-
-    async def lookup(index: int) -> dict[str, object]:
-        return {"url": url, "pid": 1000}
-
-    forwarder = Forwarder(ClusterSettings(replicas=1), lookup)
-    await forwarder.start()
+    runner, url = await _replica(slow)
+    forwarder = await _one_replica_forwarder(url)
     try:
         body = json.dumps({"prompt": "hi"}).encode()
         request = asyncio.ensure_future(forwarder.handle("POST", "/v1/completions", "", {}, body))
@@ -163,19 +167,8 @@ async def _streams(iterate: bool) -> list[int]:
         await response.write_eof()
         return response
 
-    app = web.Application()
-    app.router.add_post("/{tail:.*}", events)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
-
-    async def lookup(index: int) -> dict[str, object]:
-        return {"url": url, "pid": 1000}
-
-    forwarder = Forwarder(ClusterSettings(replicas=1), lookup)
-    await forwarder.start()
+    runner, url = await _replica(events)
+    forwarder = await _one_replica_forwarder(url)
     try:
         body = json.dumps({"prompt": "hi", "stream": True}).encode()
         response = await forwarder.handle("POST", "/v1/completions", "", {}, body)
