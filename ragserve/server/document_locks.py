@@ -13,10 +13,12 @@ row (which a restart restores) and its KV.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import TypeVar
 
+logger = logging.getLogger(__name__)
 Key = tuple[str, str]
 T = TypeVar("T")
 
@@ -53,7 +55,11 @@ class DocumentLocks:
         task = asyncio.ensure_future(locked())
         self._running.add(task)
         task.add_done_callback(self._running.discard)
-        return await asyncio.shield(task)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(_log_failure)  # NOTE: nobody is left to hear of it
+            raise
 
     async def drain(self) -> None:
         """Wait for the work ``run`` started whose callers were cancelled."""
@@ -61,3 +67,8 @@ class DocumentLocks:
 
     def __len__(self) -> int:
         return len(self._locks)
+
+
+def _log_failure(task: asyncio.Task[object]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.warning("a document change whose client left failed: %r", task.exception())

@@ -4,6 +4,9 @@ and a lock nobody uses is dropped."""
 from __future__ import annotations
 
 import asyncio
+import logging
+
+import pytest
 
 from ragserve.server.document_locks import DocumentLocks
 
@@ -92,3 +95,27 @@ def test_run_hands_the_work_result_and_errors_to_a_caller_still_waiting() -> Non
         return result, "no error"
 
     assert asyncio.run(scenario()) == ("done", "document b not found")
+
+
+def test_a_change_that_fails_after_its_caller_left_is_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def scenario() -> None:
+        locks = DocumentLocks()
+        started, finish = asyncio.Event(), asyncio.Event()
+
+        async def delete() -> None:
+            started.set()
+            await finish.wait()
+            raise OSError("registry unreachable")
+
+        caller = asyncio.ensure_future(locks.run("t", "a", delete))
+        await started.wait()
+        caller.cancel()
+        await asyncio.gather(caller, return_exceptions=True)
+        finish.set()
+        await locks.drain()
+
+    with caplog.at_level(logging.WARNING, logger="ragserve.server.document_locks"):
+        asyncio.run(scenario())
+    assert "registry unreachable" in caplog.text
