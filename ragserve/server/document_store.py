@@ -385,12 +385,7 @@ class DocumentStore:
         """The other models (with this tokenizer) whose row of the document expired at or
         before ``now`` (``delete_expired`` would delete it). Raises sqlite3.Error."""
         with self._lock:
-            db = self._require()
-            gone = db.execute(
-                "SELECT DISTINCT model FROM documents" + _EXPIRED, (namespace, doc_id, now)
-            ).fetchall()
-            shared = sharing_models(db, self.record) if self.record is not None else []
-            return among(shared, (str(row[0]) for row in gone))
+            return self._expired_models_locked(self._require(), namespace, doc_id, now)
 
     def delete_expired(self, namespace: str, doc_id: str, now: float) -> list[KVModel]:
         """Delete the document's rows whose own expire_time is at or before ``now``, under
@@ -401,14 +396,21 @@ class DocumentStore:
         with self._lock:
             db = self._require()
             with _transaction(db):
-                gone = db.execute("SELECT DISTINCT model FROM documents" + _EXPIRED,
-                                  (namespace, doc_id, now)).fetchall()  # fmt: skip
-                db.execute("DELETE FROM documents" + _EXPIRED, (namespace, doc_id, now))
+                others = self._expired_models_locked(db, namespace, doc_id, now)
+                cursor = db.execute("DELETE FROM documents" + _EXPIRED, (namespace, doc_id, now))
                 ingestions.forget_gone(db, (namespace, doc_id))
-            if gone:
+            if cursor.rowcount:
                 self._truncate_log(db)
-            shared = sharing_models(db, self.record) if self.record is not None else []
-            return among(shared, (str(row[0]) for row in gone))
+            return others
+
+    def _expired_models_locked(
+        self, db: sqlite3.Connection, namespace: str, doc_id: str, now: float
+    ) -> list[KVModel]:
+        gone = db.execute(
+            "SELECT DISTINCT model FROM documents" + _EXPIRED, (namespace, doc_id, now)
+        ).fetchall()
+        shared = sharing_models(db, self.record) if self.record is not None else []
+        return among(shared, (str(row[0]) for row in gone))
 
     def _truncate_log(self, db: sqlite3.Connection) -> None:
         # NOTE: the WAL still holds the pages as they were before a delete; moving them

@@ -433,8 +433,9 @@ class DocumentService(DocumentPersistence):
         ]
 
     async def remove(self, namespace: str, doc_id: str) -> RegisteredDocument:
-        """DELETE: unpin, delete the rows of every model, purge the KV every model with
-        this tokenizer wrote (see ``_purge``); 404 for an unknown or expired document."""
+        """DELETE: unpin, purge the KV every model with this tokenizer wrote (see
+        ``_purge``), then delete the rows of every model; 404 for an unknown or expired
+        document."""
         self.get(namespace, doc_id)  # NOTE: 400 / 404 before waiting for the lock
         return await self.locks.run(
             namespace, doc_id, lambda: self._remove(self.get(namespace, doc_id))
