@@ -118,6 +118,9 @@ class DocumentStore:
                 self.replace_with(intact)
                 self._db = self._connect()
             problems += found
+            # NOTE: a crash between a delete's commit and its checkpoint left the row's
+            # old pages in the log.
+            self._truncate_log(self._db)
         problems += self._migrate_legacy()
         problems += self._record_model()
         for problem in problems:

@@ -12,6 +12,8 @@ import json
 import logging
 import sqlite3
 import stat
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -139,7 +141,7 @@ def test_two_stores_on_one_directory_share_it(tmp_path: Path) -> None:
     assert [d.id for d in opened(tmp_path).load()] == [f"{n:032x}" for n in range(20) if n != 4]
 
 
-def _row_bytes(store: DocumentStore, doc: StoredDocument) -> bytes:
+def _row_bytes(doc: StoredDocument) -> bytes:
     from ragserve.server.registry_rows import encode_row
 
     return encode_row(FP, doc)[3]  # the token blob
@@ -154,7 +156,7 @@ def test_a_damaged_row_is_reported_and_dropped_alone(
         store.put(doc)
     store.close()
     raw = bytearray(store.path.read_bytes())
-    blob = _row_bytes(store, docs[2])
+    blob = _row_bytes(docs[2])
     at = raw.index(blob) + len(blob) // 2
     raw[at : at + 8] = b"\xff" * 8  # 8 bytes in the middle of one row
     store.path.write_bytes(bytes(raw))
@@ -175,7 +177,7 @@ def test_a_damaged_page_loses_only_its_rows(
     store.close()
     raw = bytearray(store.path.read_bytes())
     page_size = int.from_bytes(raw[16:18], "big")
-    victim = raw.index(_row_bytes(store, docs[15])) // page_size
+    victim = raw.index(_row_bytes(docs[15])) // page_size
     raw[victim * page_size : (victim + 1) * page_size] = b"\x5a" * page_size
     store.path.write_bytes(bytes(raw))
     with caplog.at_level(logging.WARNING):
@@ -201,13 +203,37 @@ def test_a_rebuild_keeps_the_models_table(tmp_path: Path) -> None:
     store.close()
     raw = bytearray(store.path.read_bytes())
     page_size = int.from_bytes(raw[16:18], "big")
-    victim = raw.index(_row_bytes(store, docs[15])) // page_size
+    victim = raw.index(_row_bytes(docs[15])) // page_size
     raw[victim * page_size : (victim + 1) * page_size] = b"\x5a" * page_size
     store.path.write_bytes(bytes(raw))
     # Another model's server starts: it repairs, and still knows the first model's KV.
     other = DocumentStore(tmp_path, FP, record=ModelRecord(KVModel(FP, 16, "float32"), "tok"))
     assert any("integrity check failed" in problem for problem in other.open())
     assert other.sharing_models() == [kv]
+
+
+def test_a_crash_before_the_log_is_truncated_leaves_no_deleted_row(tmp_path: Path) -> None:
+    """Killed between a delete's commit and its checkpoint, the log keeps the row's old
+    pages; the next open truncates it."""
+    doc = stored(tokens=300)
+    crash = f"""
+import os, signal, sqlite3, sys
+sys.path.insert(0, {str(Path.cwd())!r})
+from tests.server.test_registry import opened, stored
+from pathlib import Path
+store = opened(Path({str(tmp_path)!r}))
+store.put(stored(tokens=300))
+db = sqlite3.connect(store.path, isolation_level=None)
+db.execute("PRAGMA secure_delete=ON")
+db.execute("DELETE FROM documents")
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+    assert subprocess.run([sys.executable, "-c", crash], timeout=60).returncode == -9
+    blob = _row_bytes(doc)
+    log = tmp_path / f"{FILENAME}-wal"
+    assert blob in log.read_bytes()  # the crash left the old pages behind
+    assert opened(tmp_path).load() == []
+    assert all(blob not in path.read_bytes() for path in tmp_path.iterdir() if path.is_file())
 
 
 def test_unusable_or_newer_databases_start_afresh(tmp_path: Path) -> None:
