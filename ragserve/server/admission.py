@@ -51,6 +51,12 @@ from dataclasses import dataclass
 # earlier; counting the whole context would refuse them on any busy server.
 UNBOUNDED_ANSWER_TOKENS = 256
 MAX_RETRY_AFTER_S = 60
+# NOTE: the least a prompt token costs, as a share of an answer token, where the windows
+# measure no cost for prompts (answer tokens took all their time): a lone decode step
+# costs about what 20 to 130 prompt tokens of a prefill do (SmolLM2 on 2 CPU cores, the
+# 8B shape on a GPU). Priced as an answer token, a prompt-heavy request was refused while
+# the engine was only decoding.
+LEAST_PROMPT_COST = 1 / 32
 
 
 @dataclass
@@ -256,8 +262,12 @@ class WorkAdmission:
 def fit_costs(windows: list[tuple[float, int, int]]) -> Costs | None:
     """Least-squares ``T ≈ a·P + b·D`` over windows ``(T, P, D)``, with ``a, b >= 0``.
 
-    When the windows cannot tell the two apart (always the same mix) or the fit turns
-    negative, both kinds cost the same: total time over total tokens.
+    Where the best fit leaves one kind's cost at zero (its tokens vanish in the other's
+    time), the other kind alone is fitted, and the unmeasured kind given its least
+    plausible cost: a prompt token ``LEAST_PROMPT_COST`` of an answer token, an answer token
+    what a prompt token costs.
+    When the windows cannot tell the two apart (always the same mix), both kinds cost the
+    same: total time over total tokens.
     """
     spp = sum(p * p for _, p, _ in windows)
     sdd = sum(d * d for _, _, d in windows)
@@ -268,8 +278,13 @@ def fit_costs(windows: list[tuple[float, int, int]]) -> Costs | None:
     if det > 1e-6 * spp * sdd > 0:
         a = (spt * sdd - sdt * spd) / det
         b = (sdt * spp - spt * spd) / det
-        if a > 0 and b > 0:
-            return Costs(a, b)
+        if b <= 0:  # NOTE: prompts alone explain the time
+            prompt = spt / spp
+            return Costs(prompt, prompt)
+        if a <= 0:  # NOTE: answers alone explain the time
+            b = sdt / sdd
+            return Costs(b * LEAST_PROMPT_COST, b)
+        return Costs(a, b)
     tokens = sum(p + d for _, p, d in windows)
     if tokens == 0:
         return None

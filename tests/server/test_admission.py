@@ -10,7 +10,13 @@ from typing import Any
 import pytest
 import requests
 
-from ragserve.server.admission import MAX_RETRY_AFTER_S, WorkAdmission
+from ragserve.server.admission import (
+    LEAST_PROMPT_COST,
+    MAX_RETRY_AFTER_S,
+    Costs,
+    WorkAdmission,
+    fit_costs,
+)
 from tests.server.server_fixtures import ServerProcess, assert_error, module_server, wait_for
 
 BUDGET_S = 3.0
@@ -45,10 +51,11 @@ def test_costs_are_fitted_over_busy_time_only() -> None:
     clock.now += 2.0
     admission.progress(other, generated=20)
     costs = admission.costs()
-    # T = aP + bD gives a = 0 (1 = 40a + 10b, 2 = 20b): two windows cannot tell prompt
-    # tokens from answer tokens apart, so both cost total time / total tokens.
+    # T = aP + bD gives a = 0 (1 = 40a + 10b, 2 = 20b): answer tokens alone explain the
+    # time, and a prompt token costs the least a prompt token plausibly does.
     assert costs is not None
-    assert costs.prompt_s == costs.answer_s == pytest.approx(3 / 70)
+    assert costs.answer_s == pytest.approx(0.1)
+    assert costs.prompt_s == pytest.approx(0.1 * LEAST_PROMPT_COST)
     assert admission.busy_s == pytest.approx(3.0)
     admission.release(other)
     assert admission.outstanding == 0
@@ -66,6 +73,23 @@ def test_prefill_and_decode_costs_are_told_apart() -> None:
     assert costs is not None
     assert costs.prompt_s == pytest.approx(0.001) and costs.answer_s == pytest.approx(0.05)
     admission.release(ticket)
+
+
+def test_a_kind_the_windows_cannot_measure_never_costs_zero_or_an_answers_price() -> None:
+    # Lone decodes at 70 ms a token, with a few prompt tokens lost in their noise: the
+    # unconstrained fit makes a prompt token cost less than nothing.
+    decode_bound = [(1.4, 20, 20), (0.7, 60, 10), (2.1, 1, 30)]
+    costs = fit_costs(decode_bound)
+    assert costs is not None and costs.answer_s == pytest.approx(0.07, rel=0.01)
+    assert costs.prompt_s == pytest.approx(costs.answer_s * LEAST_PROMPT_COST)
+    # Prefill-bound windows whose few answer tokens measure nothing: an answer token costs
+    # at least what a prompt token does.
+    prefill_bound = [(1.0, 1000, 1), (2.0, 2000, 1), (0.5, 500, 1)]
+    prompt = fit_costs(prefill_bound)
+    assert prompt is not None and prompt.prompt_s == prompt.answer_s
+    assert prompt.prompt_s == pytest.approx(0.001, rel=0.01)
+    # The same mix every time: the time per token of either kind.
+    assert fit_costs([(1.0, 10, 10), (2.0, 20, 20)]) == Costs(0.05, 0.05)
 
 
 def test_check_refuses_past_the_budget_with_retry_after() -> None:
