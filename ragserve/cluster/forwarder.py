@@ -83,11 +83,11 @@ class Forwarder:
 
     # -- replicas --------------------------------------------------------------------------
     async def start(self) -> None:
-        """Learn every replica's address (waits for replicas still starting); one whose
-        lookup fails (restarting) is looked for in the background until it answers."""
-        learned = await asyncio.gather(
-            *(self._learn(i, timeout=None) for i in range(len(self.slots)))
-        )
+        """Learn every replica's address (waits up to ``start_timeout_s`` for replicas
+        still starting); one whose lookup fails or does not answer in time (restarting, or
+        failing to start) is looked for in the background until it answers."""
+        timeout = self.settings.start_timeout_s
+        learned = await asyncio.gather(*(self._learn(i, timeout) for i in range(len(self.slots))))
         for index, found in enumerate(learned):
             if not found:
                 self._probes[index] = asyncio.create_task(self._probe(index))

@@ -25,7 +25,9 @@ class ClusterSettings:
     when that one has fewer.
     ``replica_host``: where replicas listen (``0.0.0.0`` on several machines: each then
     advertises its node's address). ``replica_threads``: torch threads per replica (None:
-    torch's default)."""
+    torch's default). ``start_timeout_s``: how long the first requests wait for a replica
+    that has not told its address yet (still starting, or restarting) before they go to
+    the others; it is looked for in the background after that."""
 
     replicas: int = 2
     policy: Policy = "affinity"
@@ -36,6 +38,7 @@ class ClusterSettings:
     replica_threads: int | None = None
     forward_timeout_s: float = 600.0
     address_timeout_s: float = 5.0
+    start_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -62,6 +65,7 @@ class ClusterSettings:
             replica_cpus=float(values.get("replica_cpus", 1.0)),
             replica_threads=None if threads in (None, "") else int(threads),
             forward_timeout_s=float(values.get("forward_timeout_s", 600.0)),
+            start_timeout_s=float(values.get("start_timeout_s", 60.0)),
         )
 
 

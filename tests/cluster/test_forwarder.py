@@ -159,6 +159,39 @@ def test_a_replica_whose_first_lookup_fails_is_found_later() -> None:
     assert not up_at_start and up_later
 
 
+async def _first_lookup_hangs() -> tuple[bool, str | None, bool]:
+    runner, url = await _live_replica()
+    started = asyncio.Event()  # NOTE: replica 1 answers no lookup until it has started
+
+    async def lookup(index: int) -> dict[str, object]:
+        if index == 1:
+            await started.wait()
+        return {"url": url, "pid": 1000 + index}
+
+    forwarder = Forwarder(ClusterSettings(replicas=2, start_timeout_s=0.2), lookup)
+    try:
+        await forwarder.start()
+        up_at_start = forwarder.slots[1].up
+        body = json.dumps({"prompt": "hi", "max_tokens": 1}).encode()
+        response = await forwarder.handle("POST", "/v1/completions", "", {}, body)
+        replica = response.headers.get(REPLICA_HEADER)
+        started.set()
+        for _ in range(100):
+            if forwarder.slots[1].up:
+                break
+            await asyncio.sleep(0.05)
+        return up_at_start, replica, forwarder.slots[1].up
+    finally:
+        await forwarder.close()
+        await runner.cleanup()
+
+
+def test_a_replica_that_never_answers_its_first_lookup_does_not_hold_the_others_back() -> None:
+    up_at_start, replica, up_later = asyncio.run(asyncio.wait_for(_first_lookup_hangs(), 30))
+    assert not up_at_start and replica == "0"  # served by the replica that had started
+    assert up_later  # found once it started
+
+
 async def _streams(iterate: bool) -> list[int]:
     async def events(request: web.Request) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
