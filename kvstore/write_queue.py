@@ -63,15 +63,18 @@ class WriteQueue(Generic[Key]):
                 self._counts.dropped_demotions += 1
                 return False
             self._pending.add(key)
-        copy = torch.empty(self.block_shape, dtype=self.dtype)
-        copy.copy_(block)
         try:
+            copy = torch.empty(self.block_shape, dtype=self.dtype)
+            copy.copy_(block)
             self._queue.put(PendingWrite(key, meta, copy), block=blocking)
         except queue.Full:
             with self._lock:
                 self._counts.dropped_demotions += 1
             self._finished([key])
             return False
+        except BaseException:  # NOTE: a key left pending would be skipped by every put
+            self._finished([key])
+            raise
         return True
 
     def has_room(self) -> bool:

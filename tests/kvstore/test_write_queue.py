@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 
 from kvstore.write_queue import WriteQueue
@@ -58,3 +59,13 @@ def test_the_wait_keeps_its_time_limit_and_an_empty_queue_has_nothing_to_wait_fo
     assert not writes.wait_for_queued(0.05)
     write_next(writes)
     assert writes.wait_for_queued(0.0)
+
+
+def test_a_put_whose_copy_fails_leaves_nothing_pending() -> None:
+    writes = InstantQueue(SHAPE, torch.float32, max_pending_writes=8)
+    unfit = torch.zeros(3, 5)  # NOTE: no block's shape: the copy raises, as a failing one does
+    with pytest.raises(RuntimeError):
+        writes.put(7, make_meta(7), unfit, True)
+    assert writes.wait_for_queued(0.0)  # nothing left to wait for
+    put(writes, 7)  # queued again, not skipped as pending
+    assert write_next(writes) == 7
