@@ -85,6 +85,10 @@ class DiskIndex:
         self._lock = threading.Lock()
         self._sizes: OrderedDict[BlockRecordKey, int] = OrderedDict()
         self._used = 0
+        # Keys dropped from the index whose files this process is removing, and a count of
+        # removals ended: a record read meanwhile must not be indexed again with no file.
+        self._removing: set[BlockRecordKey] = set()
+        self._removals = 0
         self._evictions = 0
         self._warn = WarnOnce(logger)
 
@@ -129,20 +133,43 @@ class DiskIndex:
 
     def adopt(self, key: BlockRecordKey) -> bool:
         """Index a record another process (or an earlier run) wrote after our scan."""
+        with self._lock:
+            removals = self._removals
+        info = self._regular_file(key)
+        return info is not None and self._index_found(key, info.st_size, removals)
+
+    def touch(self, key: BlockRecordKey, size: int, inode: int) -> None:
+        """Mark a record just read (file ``inode``) as most recently used. One not indexed
+        (written by another process since our scan, or evicted while it was read) is
+        indexed only while that file is still there."""
+        with self._lock:
+            if key in self._sizes:
+                self._used += size - self._sizes.pop(key)
+                self._sizes[key] = size
+                return
+            removals = self._removals
+        info = self._regular_file(key)
+        if info is not None and info.st_ino == inode:
+            self._index_found(key, size, removals)
+
+    def _regular_file(self, key: BlockRecordKey) -> os.stat_result | None:
         try:
             info = os.stat(self.path(key))
         except OSError:
-            return False
-        if not stat.S_ISREG(info.st_mode):
-            return False
-        self.touch(key, info.st_size)
-        return True
+            return None
+        return info if stat.S_ISREG(info.st_mode) else None
 
-    def touch(self, key: BlockRecordKey, size: int) -> None:
-        """Mark a record just read as most recently used, indexing it if it was not."""
+    def _index_found(self, key: BlockRecordKey, size: int, removals: int) -> bool:
+        """Index a record whose file was seen after ``removals`` removals had ended; not
+        while a removal that may have taken it is under way or has ended since."""
         with self._lock:
-            self._used += size - self._sizes.pop(key, 0)
+            if key in self._sizes:
+                return True
+            if key in self._removing or self._removals != removals:
+                return False
             self._sizes[key] = size
+            self._used += size
+            return True
 
     def forget(self, key: BlockRecordKey) -> bool:
         """Drop a record from the index (its file is left alone); True if it was there."""
@@ -154,24 +181,20 @@ class DiskIndex:
 
     def discard(self, key: BlockRecordKey) -> bool:
         """Forget a record and remove its file; True if it was indexed."""
-        present = self.forget(key)
+        with self._lock:
+            present = self._drop_locked(key)
         if present:
             self.remove_files([key])
+        else:
+            self._removed([key])
         return present
 
     def purge(self, keys: list[BlockRecordKey]) -> int:
         """Forget ``keys`` and unlink their files, indexed or not; how many files were removed."""
-        removed = 0
-        for key in keys:
-            self.forget(key)
-            try:
-                os.unlink(self.path(key))
-                removed += 1
-            except FileNotFoundError:
-                pass
-            except OSError as exc:
-                self._warn(f"unlink-{exc.errno}", "cannot remove KV record: %s", exc)
-        return removed
+        with self._lock:
+            for key in keys:
+                self._drop_locked(key)
+        return self.remove_files(keys)
 
     def record_paths(self, fingerprint: str) -> list[str]:
         """Paths of the record files under salt ``fingerprint`` now on disk."""
@@ -185,7 +208,8 @@ class DiskIndex:
     def remove_rejected(self, key: BlockRecordKey, inode: int) -> None:
         """Forget a record that failed verification and remove its file, if the file is
         still the one that was read (inode ``inode``)."""
-        self.forget(key)
+        with self._lock:
+            self._drop_locked(key)
         path = self.path(key)
         try:
             # NOTE: only remove the file we read; another process may have replaced it.
@@ -193,6 +217,8 @@ class DiskIndex:
                 os.unlink(path)
         except FileNotFoundError:
             pass
+        finally:
+            self._removed([key])
 
     def reserve(self, size: int) -> bool:
         """Evict LRU records until ``size`` more bytes fit, then reserve them.
@@ -225,20 +251,42 @@ class DiskIndex:
     def _evict_locked(self, incoming: int) -> list[BlockRecordKey]:
         victims = []
         while self._used + incoming > self.capacity_bytes and self._sizes:
-            key, size = self._sizes.popitem(last=False)
-            self._used -= size
+            key = next(iter(self._sizes))
+            self._drop_locked(key)
             victims.append(key)
         self._evictions += len(victims)
         return victims
 
-    def remove_files(self, keys: list[BlockRecordKey]) -> None:
-        for key in keys:
-            try:
-                os.unlink(self.path(key))
-            except FileNotFoundError:
-                pass
-            except OSError as exc:
-                self._warn(f"unlink-{exc.errno}", "cannot remove KV record: %s", exc)
+    def _drop_locked(self, key: BlockRecordKey) -> bool:
+        """Forget ``key`` as its file is about to be removed (``remove_files`` or
+        ``_removed`` ends that); True if it was indexed."""
+        self._removing.add(key)
+        size = self._sizes.pop(key, None)
+        if size is not None:
+            self._used -= size
+        return size is not None
+
+    def _removed(self, keys: list[BlockRecordKey]) -> None:
+        with self._lock:
+            self._removing.difference_update(keys)
+            self._removals += 1
+
+    def remove_files(self, keys: list[BlockRecordKey]) -> int:
+        """Unlink the files of ``keys``, dropped from the index (``_drop_locked``); how
+        many were there."""
+        removed = 0
+        try:
+            for key in keys:
+                try:
+                    os.unlink(self.path(key))
+                    removed += 1
+                except FileNotFoundError:
+                    pass
+                except OSError as exc:
+                    self._warn(f"unlink-{exc.errno}", "cannot remove KV record: %s", exc)
+        finally:
+            self._removed(keys)
+        return removed
 
     def lru_keys(self) -> list[BlockRecordKey]:
         """Indexed records, least recently used first."""

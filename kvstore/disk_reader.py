@@ -213,7 +213,7 @@ class DiskReader:
                 copies.append(event)
         elapsed = time.perf_counter() - start
         # NOTE: indexes a record another process (or an earlier run) wrote since our scan.
-        self.index.touch(key, info.st_size)
+        self.index.touch(key, info.st_size, info.st_ino)
         with self._lock:
             self._counts.hits += 1
             self._counts.bytes_read += info.st_size

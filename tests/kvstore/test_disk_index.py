@@ -72,7 +72,8 @@ def test_reservations_evict_the_least_recently_used(tmp_path: Path) -> None:
     size = write_records(tmp_path, range(3))
     index = DiskIndex(tmp_path, 3 * size + size // 2)
     index.scan()
-    index.touch(record_key(make_meta(0)), size)  # 0 becomes most recent
+    zero = record_key(make_meta(0))
+    index.touch(zero, size, os.stat(index.path(zero)).st_ino)  # 0 becomes most recent
     assert index.reserve(size)  # 1 goes to make room
     assert index.lru_keys() == keys(2, 0) and usage(index) == (2, 3 * size, 1)
     assert not (
@@ -102,3 +103,22 @@ def test_adopt_forget_and_discard(tmp_path: Path) -> None:
     assert Path(index.path(key)).exists()
     assert index.adopt(key) and index.discard(key)
     assert not Path(index.path(key)).exists() and not index.adopt(key)
+
+
+def test_a_record_evicted_while_it_was_read_is_not_indexed_again(tmp_path: Path) -> None:
+    size = write_records(tmp_path, range(2))
+    index = DiskIndex(tmp_path, 2 * size)
+    index.scan()
+    oldest = record_key(make_meta(0))
+    with open(index.path(oldest), "rb") as reader:  # NOTE: a restore reads the oldest record
+        inode = os.fstat(reader.fileno()).st_ino
+        assert index.reserve(size)  # a write evicts it meanwhile
+        assert len(reader.read()) == size  # the open file still reads whole
+    index.touch(oldest, size, inode)  # the read ends: its file is gone
+    assert not index.contains(oldest)
+    index.commit(record_key(make_meta(7)), size)
+    assert usage(index) == (2, 2 * size, 1)  # the budget counts files that exist
+    write_records(tmp_path, [0])  # written again (another inode): read and found
+    rewritten = os.stat(index.path(oldest)).st_ino
+    index.touch(oldest, size, rewritten)
+    assert index.contains(oldest)
