@@ -38,9 +38,11 @@ def expire_time_from(
     if ttl is not None and expire_time is not None:
         raise bad_request("give ttl or expire_time, not both", "ttl", "invalid_expiry")
     if ttl is not None:
-        if not (isinstance(ttl, int | float) and math.isfinite(ttl) and 0 < ttl <= MAX_TTL_S):
+        if not (isinstance(ttl, int | float) and _finite(ttl) and 0 < ttl <= MAX_TTL_S):
             raise bad_request(
-                f"ttl must be seconds in (0, {MAX_TTL_S:.0f}], got {ttl!r}", "ttl", "invalid_expiry"
+                f"ttl must be seconds in (0, {MAX_TTL_S:.0f}], got {str(ttl)[:40]}",
+                "ttl",
+                "invalid_expiry",
             )
         return now + float(ttl)
     if expire_time is not None:
@@ -65,7 +67,7 @@ def rfc3339(when: float | None) -> str | None:
 
 def _parse_time(value: float | str) -> float:
     if isinstance(value, int | float):
-        if not math.isfinite(value):
+        if not _finite(value):
             raise bad_request("expire_time must be finite", "expire_time", "invalid_expiry")
         return float(value)
     try:
@@ -81,3 +83,11 @@ def _parse_time(value: float | str) -> float:
             "expire_time needs a time zone (e.g. a trailing Z)", "expire_time", "invalid_expiry"
         )
     return parsed.timestamp()
+
+
+def _finite(value: float) -> bool:
+    """``math.isfinite``, False for an integer too large for a float (JSON allows any)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False

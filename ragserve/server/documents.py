@@ -403,6 +403,8 @@ class DocumentService(DocumentPersistence):
     async def update(self, namespace: str, doc_id: str, patch: DocumentPatch) -> RegisteredDocument:
         """PATCH: change the expiry and/or the metadata; the row is rewritten before return."""
         self.get(namespace, doc_id)  # NOTE: 400 / 404 before waiting for the lock
+        if patch.metadata is not None:
+            check_metadata(self.limits, patch.metadata)
         return await self.locks.run(
             namespace, doc_id, lambda: self._update(self.get(namespace, doc_id), patch)
         )

@@ -106,11 +106,25 @@ class RequestsInFlight:
                 del self._counts[tenant]
 
 
+# NOTE: JSON decodes deeper than it encodes (the encoder runs further down the stack, and a
+# listing wraps metadata in two more levels): metadata near the decoder's limit would be
+# stored, then fail every listing of its tenant.
+MAX_METADATA_DEPTH = 32
+
+
 def check_metadata(limits: DocumentLimits, metadata: dict[str, Any]) -> None:
-    """400 for a document's metadata larger than the limit.
+    """400 for a document's metadata larger than the limit, or nested deeper than
+    ``MAX_METADATA_DEPTH``.
 
     NOTE: a 400, not a 429: it is the request's own size, and retrying cannot help.
     """
+    if _nested_deeper(metadata, MAX_METADATA_DEPTH):
+        raise bad_request(
+            f"the document's metadata nests objects or arrays more than {MAX_METADATA_DEPTH} "
+            "levels deep",
+            "metadata",
+            "metadata_too_deep",
+        )
     size = len(json.dumps(metadata, ensure_ascii=False, separators=(",", ":")).encode())
     limit = limits.max_document_metadata_bytes
     if size > limit:
@@ -141,3 +155,16 @@ def check_documents(
             "(--max-document-tokens-per-tenant); delete some to make room",
             QUOTA_RETRY_AFTER_S,
         )
+
+
+def _nested_deeper(value: Any, limit: int) -> bool:
+    """Whether ``value`` nests dicts and lists more than ``limit`` levels deep; walks
+    without recursion, so no depth makes it fail."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item
+        if depth > limit:
+            return True
+        stack += [(child, depth + 1) for child in children if isinstance(child, dict | list)]
+    return False

@@ -47,6 +47,8 @@ def test_expire_time_rules() -> None:
         (None, now - 1),
         (None, "soon"),
         (None, "2030-01-01T00:00:00"),
+        (10**400, None),  # NOTE: JSON integers have no bound; no float holds this one
+        (None, 10**400),
     ]:
         with pytest.raises(APIError):
             expire_time_from(ttl, expire, now)
@@ -121,6 +123,22 @@ def test_ttl_expires_and_patch_extends(server: ServerProcess) -> None:
     # PATCH expire_time null: never expires; bad values are 400s.
     assert patch(server, extended["id"], {"expire_time": None}).json()["expire_time"] is None
     assert_error(patch(server, extended["id"], {"ttl": -5}), 400, "invalid_expiry")
+    huge = '{"ttl": 1' + "0" * 400 + "}"
+    response = requests.patch(
+        f"{server.url}/v1/documents/{extended['id']}",
+        data=huge,
+        headers={**AUTH, "Content-Type": "application/json"},
+        timeout=30,
+    )
+    assert_error(response, 400, "invalid_expiry")
+    # Metadata is held to the upload's limits: size, and depth (listings nest it further).
+    too_big = {"metadata": {"notes": "x" * 20_000}}
+    assert_error(patch(server, extended["id"], too_big), 400, "metadata_too_large")
+    deep: dict[str, Any] = {}
+    for _ in range(40):
+        deep = {"a": deep}
+    assert_error(patch(server, extended["id"], {"metadata": deep}), 400, "metadata_too_deep")
+    assert get(server, extended["id"]).json()["metadata"] == {"v": 2}
     assert_error(patch(server, extended["id"], {"ttl": 5, "expire_time": 9}), 400, "invalid_expiry")
     bad = requests.post(
         f"{server.url}/v1/documents",

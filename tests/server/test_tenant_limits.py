@@ -6,6 +6,8 @@ Each limit's 429 against a real server: ``test_tenant_fairness.py``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+from typing import Any
 
 import pytest
 
@@ -14,6 +16,7 @@ from ragserve.server.config import ServerConfig
 from ragserve.server.errors import APIError
 from ragserve.server.fair_slots import TenantSlots
 from ragserve.server.tenant_limits import (
+    MAX_METADATA_DEPTH,
     DocumentLimits,
     RequestsInFlight,
     check_documents,
@@ -70,6 +73,24 @@ def test_metadata_size_limit() -> None:
     error = exc.value
     assert error.status == 400 and error.param == "metadata" and error.code == "metadata_too_large"
     assert "limit is 64" in error.message and "--max-document-metadata-bytes" in error.message
+
+
+def nested(levels: int) -> dict[str, Any]:
+    """Metadata of ``levels`` levels: objects and lists in turn."""
+    value: Any = {}
+    for level in range(levels - 2):
+        value = {"a": value} if level % 2 else [value]
+    return {"a": value}
+
+
+def test_metadata_depth_limit() -> None:
+    roomy = dataclasses.replace(LIMITS, max_document_metadata_bytes=1 << 20)
+    check_metadata(roomy, nested(MAX_METADATA_DEPTH))
+    # NOTE: 5,000 levels is deeper than json.dumps can go: the check must not recurse.
+    for levels in (MAX_METADATA_DEPTH + 1, 5000):
+        with pytest.raises(APIError) as exc:
+            check_metadata(roomy, nested(levels))
+        assert exc.value.status == 400 and exc.value.code == "metadata_too_deep"
 
 
 def test_server_config_validates_the_limits() -> None:
