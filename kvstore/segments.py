@@ -89,11 +89,15 @@ def hold_segment(manager: KVCacheManager, segment: Segment) -> SegmentHold:
     """Share the segment's cached blocks (device hits; tier hits are loaded within the
     step's load budget). The caller must ``release_segment`` the hold."""
     alloc = KVAllocation(salt=segment.salt, block_hashes=list(segment.hashes))
-    held = manager.match_prefix(alloc, segment.token_ids, 0, leave_one=False)
-    waiting = held < len(segment.hashes) * segment.block_size and (
-        manager.waits_for_other(alloc, held)
-        or manager.has_more_to_load(alloc, segment.token_ids, held)
-    )
+    try:
+        held = manager.match_prefix(alloc, segment.token_ids, 0, leave_one=False)
+        waiting = held < len(segment.hashes) * segment.block_size and (
+            manager.waits_for_other(alloc, held)
+            or manager.has_more_to_load(alloc, segment.token_ids, held)
+        )
+    except BaseException:  # NOTE: a tier copy fault: the device hits shared so far go back
+        manager.free(alloc)
+        raise
     return SegmentHold(alloc, held, waiting, segment.block_size)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from kvstore.hashing import hash_full_blocks, make_salt
@@ -74,3 +75,29 @@ def test_other_tenant_does_not_find_the_segment() -> None:
     rig.evict_to_tiers()
     assert read(rig, make_segment(other, TEMPLATE, DOC, BS))[0] == 0
     assert read(rig, make_segment(SALT, TEMPLATE, DOC, BS))[0] == 5 * BS
+
+
+def test_a_tier_fault_while_holding_a_segment_gives_its_device_blocks_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rig = TieredCache(num_blocks=12, cpu_slots=8)
+    segment = make_segment(SALT, TEMPLATE, DOC, BS)
+    store(rig, segment)
+    hold = hold_segment(rig.manager, segment)
+    first_two = hold.alloc.block_table[:2]
+    release_segment(rig.manager, hold)
+    for block in first_two:  # NOTE: most recently used: they stay on the device
+        rig.pool.share(block)
+    rig.pool.release(first_two)
+    others = rig.pool.allocate(rig.pool.num_free - 2)  # evicts the other three to the tier
+    rig.pool.release(others)
+    rig.stack.flush()
+
+    def device_error(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("device error during the copy")
+
+    monkeypatch.setattr(rig.stack, "load_many", device_error)
+    with pytest.raises(RuntimeError, match="device error"):
+        hold_segment(rig.manager, segment)
+    rig.pool.check_invariants()
+    assert rig.pool.num_used == 0
