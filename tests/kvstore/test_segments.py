@@ -78,7 +78,7 @@ def test_other_tenant_does_not_find_the_segment() -> None:
 
 
 def test_a_tier_fault_while_holding_a_segment_gives_its_device_blocks_back(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     rig = TieredCache(num_blocks=12, cpu_slots=8)
     segment = make_segment(SALT, TEMPLATE, DOC, BS)
