@@ -293,7 +293,7 @@ def _run(
                 answered = []
                 for finished in pump.poll():
                     asked = finished.tag
-                    if asked.documents and finished.output is not None:
+                    if asked.documents and finished.error is None and finished.output is not None:
                         answered.append(_result(asked, finished.output))
                         continue
                     if asked.documents:
@@ -305,7 +305,7 @@ def _run(
                         continue
                     doc_id = asked.document.id
                     outstanding[doc_id] -= 1
-                    if outstanding[doc_id] and doc_id not in pins and finished.output is not None:
+                    if outstanding[doc_id] and doc_id not in pins and finished.error is None:
                         engine.pin_prefix(f"{pin_base}-{doc_id}", prefixes[doc_id], namespace)
                         pins.add(doc_id)
                     if not outstanding[doc_id]:
@@ -313,7 +313,7 @@ def _run(
                         if doc_id in pins:
                             engine.unpin_prefix(f"{pin_base}-{doc_id}")
                             pins.discard(doc_id)
-                    if finished.output is None:
+                    if finished.error is not None or finished.output is None:
                         progress.advance()
                         on_error(
                             asked.question.source or asked.question.id,

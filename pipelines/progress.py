@@ -102,7 +102,9 @@ class RequestPump(Generic[Tag]):
                 continue  # someone else's request
             self.num_finished += 1
             self.generated_tokens += sum(len(c.token_ids) for c in output.outputs)
-            done.append(Finished(tag, output))
+            # NOTE: a request the engine failed (a fault in its step, or no room to run it)
+            # finishes too, its text partial or empty: it is an error, not a result.
+            done.append(Finished(tag, output, output.error))
         return done
 
     def _fill(self) -> None:

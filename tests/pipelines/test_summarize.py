@@ -8,18 +8,20 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from pipelines import Document, summarize
+from pipelines import Document, progress, summarize
 from pipelines.chunking import chunk_text, tokenize_with_offsets
 from pipelines.jsonl_output import JsonlWriter, OutputExistsError, read_records, sigint_deferred
 from pipelines.summarize import SummarizeOptions, Summarizer
 from ragserve import LLM
 from ragserve.cli import main as ragserve_main
+from ragserve.engine.guarded_sampling import FAIL_SAMPLING_ENV
 from tests.pipelines.test_chunking import make_text
 
 REPO = Path(__file__).resolve().parents[2]
@@ -78,6 +80,30 @@ def test_short_document_takes_one_call_and_long_one_a_reduce_tree(llm: LLM) -> N
     assert steps < generated / 3, (steps, generated)
     assert not engine.has_unfinished_requests() and after.requests_in_flight == 0
     assert after.kv_blocks.used == after.kv_blocks.pinned == 0
+
+
+@pytest.mark.slow
+def test_a_call_the_engine_fails_is_its_documents_error_not_its_summary(
+    smollm_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # NOTE: fixed request ids, and the engine's sampling fault hook on the second call's.
+    monkeypatch.setattr(progress.uuid, "uuid4", lambda: uuid.UUID(int=0))
+    monkeypatch.setenv(FAIL_SAMPLING_ENV, "batch-00000000-1")
+    docs = [Document("a", "One short note about caching."), Document("b", "Another about disks.")]
+    errors: list[tuple[str, str]] = []
+    with LLM(smollm_path, kv_cache_gib=0.25) as llm:
+        results = list(
+            summarize(
+                llm,
+                docs,
+                max_summary_tokens=4,
+                use_tqdm=False,
+                on_error=lambda source, reason: errors.append((source, reason)),
+            )
+        )
+        llm.engine.block_pool.check_invariants()
+    assert [result["id"] for result in results] == ["a"]
+    assert [source for source, _ in errors] == ["b"] and "request failed" in errors[0][1]
 
 
 def test_stopping_early_aborts_the_requests_in_flight(llm: LLM) -> None:
