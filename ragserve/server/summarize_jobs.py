@@ -260,13 +260,16 @@ class SummarizeJobs:
                 code="too_many_jobs",
                 headers=retry,
             )
-        if len(own) >= limits.max_kept_jobs_per_tenant and not self._drop_oldest_finished(own):
-            raise over_limit(
-                f"all {len(own)} summarization jobs kept for this API key are unfinished; the "
-                f"limit is {limits.max_kept_jobs_per_tenant} per API key "
-                "(--max-kept-jobs-per-tenant); retry when one has finished",
-                QUOTA_RETRY_AFTER_S,
-            )
+        dropped = None
+        if len(own) >= limits.max_kept_jobs_per_tenant:
+            dropped = next((job for job in own if job.status not in PENDING), None)
+            if dropped is None:
+                raise over_limit(
+                    f"all {len(own)} summarization jobs kept for this API key are unfinished; "
+                    f"the limit is {limits.max_kept_jobs_per_tenant} per API key "
+                    "(--max-kept-jobs-per-tenant); retry when one has finished",
+                    QUOTA_RETRY_AFTER_S,
+                )
         prompt_work, answer_work = estimate_job_work(documents, summarizer)
         if self.admission is not None:
             # NOTE: a job's calls answer in parallel, then each reduce after its inputs:
@@ -274,6 +277,8 @@ class SummarizeJobs:
             check_work(
                 self.admission, prompt_work, 2 * summarizer.max_summary_tokens, tenant=namespace
             )
+        if dropped is not None:  # NOTE: only once nothing can refuse the new job
+            del self._jobs[dropped.id]
         job = SummarizeJob(
             id=uuid.uuid4().hex,
             namespace=namespace,
@@ -289,14 +294,6 @@ class SummarizeJobs:
         job.task = asyncio.create_task(self._run(job), name=f"summarize-{job.id}")
         logger.info("summarize job %s: %d documents queued", job.id, len(documents))
         return job
-
-    def _drop_oldest_finished(self, jobs: list[SummarizeJob]) -> bool:
-        """Forget the oldest finished job of ``jobs`` (oldest first); False if none is."""
-        for job in jobs:
-            if job.status not in PENDING:
-                del self._jobs[job.id]
-                return True
-        return False
 
     def get(self, namespace: str, job_id: str) -> SummarizeJob:
         job = self._jobs.get(job_id)
