@@ -41,6 +41,9 @@ class KVAllocation:
     register_limit: int | None = None
     # Blocks loaded into this allocation from each tier (by tier name), over its life.
     loaded_blocks: dict[str, int] = field(default_factory=dict)
+    # The step in which a load of its next block could not make progress (no free block,
+    # or the tier's read failed): it computes that block instead of waiting for it.
+    load_stalled_step: int = -1
 
 
 @dataclass
@@ -80,6 +83,7 @@ class KVCacheManager:
         # the same prefix waits for them instead of computing them twice.
         self._pending: dict[BlockHash, KVAllocation] = {}
         self._loads_left = self.max_loads_per_step
+        self._step = 0
         # Runs of block hashes seen lately: a new question on a long document re-hashes it.
         self.hash_memo = BlockHashMemo()
 
@@ -93,6 +97,7 @@ class KVCacheManager:
     def begin_step(self) -> None:
         """Refill the tier-load budget that the next ``match_prefix`` calls share."""
         self._loads_left = self.max_loads_per_step
+        self._step += 1
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -174,6 +179,22 @@ class KVCacheManager:
         """
         if self.tiers is None or start >= stop:
             return 0
+        loaded = self._load_batch(alloc, token_ids, first, start, stop)
+        if not loaded:
+            # NOTE: waiting would not help: nothing frees a block for it while it waits
+            # (pins may hold the rest), and a read that failed fails again.
+            alloc.load_stalled_step = self._step
+        return loaded
+
+    def _load_batch(
+        self,
+        alloc: KVAllocation,
+        token_ids: Sequence[int],
+        first: BlockIdentity,
+        start: int,
+        stop: int,
+    ) -> int:
+        assert self.tiers is not None
         candidates: list[BlockIdentity] = []
         room = min(stop - start, self.pool.num_free)
         for index in range(start, start + room):
@@ -203,9 +224,12 @@ class KVCacheManager:
     def has_more_to_load(
         self, alloc: KVAllocation, token_ids: Sequence[int], num_computed: int
     ) -> bool:
-        """True if the next block to compute can be loaded from a tier in a later step instead."""
+        """True if the next block to compute can be loaded from a tier in a later step
+        instead; False in a step in which loading it made no progress."""
         index = num_computed // self.block_size
         if self.tiers is None or num_computed % self.block_size or len(alloc.block_table) != index:
+            return False
+        if alloc.load_stalled_step == self._step:
             return False
         if index >= min(len(alloc.block_hashes), (len(token_ids) - 1) // self.block_size):
             return False

@@ -207,6 +207,35 @@ def test_pinned_documents_never_starve_requests(smollm_path: str) -> None:
     assert engine.block_pool.num_used == 0
 
 
+def test_a_prefix_in_a_tier_that_pins_leave_no_room_to_load_fails_and_never_hangs(
+    smollm_path: str,
+) -> None:
+    """Its blocks are in the CPU tier, but pins leave fewer device blocks than it needs:
+    waiting to load the rest would wait for good, so it fails as it would without a tier."""
+    block_bytes = 16 * 46080
+    llm = LLM(
+        smollm_path, kv_cache_gib=10 * block_bytes / 2**30, kv_cpu_gib=20 * block_bytes / 2**30
+    )
+    engine = llm.engine
+    greedy = SamplingParams(temperature=0.0, max_tokens=1)
+    document, pinned = [31] * 112 + [32], [33] * 64 + [34]  # 7 and 4 full blocks
+    llm.generate([document], greedy, use_tqdm=False)
+    llm.reset_prefix_cache()  # its blocks go down to the CPU tier
+    llm.generate([pinned], greedy, use_tqdm=False)
+    assert engine.pin_prefix("doc", pinned) == 64  # 6 of 10 blocks left for 8
+    engine.add_request("again", document, greedy)
+    outputs = []
+    for _ in range(50):
+        outputs += engine.step()
+        if not engine.has_unfinished_requests():
+            break
+    assert [o.request_id for o in outputs if o.finished] == ["again"]
+    assert "pinned documents hold 4 of 10 blocks" in str(outputs[-1].error)
+    assert engine.unpin_prefix("doc")
+    engine.block_pool.check_invariants()
+    assert engine.block_pool.num_used == 0
+
+
 def test_each_namespace_pins_within_its_share(smollm_path: str) -> None:
     """With a namespace share, one tenant's pins cannot take the pin budget from another."""
     block_bytes = 16 * 46080

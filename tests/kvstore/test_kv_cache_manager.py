@@ -4,11 +4,12 @@ under a per-step budget."""
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
 
 import pytest
 
-from kvstore import kv_cache_manager
+from kvstore import disk_reader, kv_cache_manager
 from kvstore.kv_cache_manager import KVAllocation, KVCacheManager
 from kvstore.tier import salt_fingerprint
 from tests.kvstore.tier_blocks import bit_equal
@@ -215,3 +216,31 @@ def test_a_load_that_raises_gives_its_device_blocks_back(
     rig.manager.free(alloc)
     rig.pool.check_invariants()
     assert rig.pool.num_free == rig.pool.num_blocks
+
+
+def test_a_load_that_cannot_progress_is_computed_instead_that_step(
+    tmp_path: Path, tokens: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No free block to load into (pins hold the rest), or a read that fails: waiting for
+    the load would wait for good, so the sequence computes that block this step."""
+    rig = TieredCache(16, cpu_slots=0, disk_dir=tmp_path)
+    rig.compute(tokens)
+    rig.evict_to_tiers()
+    held = rig.alloc([])
+    assert rig.manager.allocate(held, (rig.pool.num_free - 3) * BS)  # 3 blocks stay free
+    alloc = rig.alloc(tokens)
+    rig.manager.begin_step()
+    assert rig.manager.match_prefix(alloc, tokens, 0) == 3 * BS  # as many as fit
+    assert not rig.manager.has_more_to_load(alloc, tokens, 3 * BS)
+    rig.manager.free(held)
+    rig.manager.begin_step()  # a later step, with room: it loads again
+    assert rig.manager.has_more_to_load(alloc, tokens, 3 * BS)
+
+    def unreadable(*args: object, **kwargs: object) -> int:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(disk_reader.os, "open", unreadable)
+    assert rig.manager.match_prefix(alloc, tokens, 3 * BS) == 3 * BS  # the read failed
+    assert not rig.manager.has_more_to_load(alloc, tokens, 3 * BS)
+    rig.manager.free(alloc)
+    rig.pool.check_invariants()
