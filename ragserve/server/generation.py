@@ -111,24 +111,29 @@ async def run_job(
         for index, prompt in enumerate(job.prompts)
     ]
     try:
-        async for index, output in _merge(streams):
-            now = time.perf_counter()
-            num_tokens = sum(len(c.token_ids) for c in output.outputs)
-            previous_time, previous_tokens = last_seen.get(index, (started, 0))
-            if num_tokens > previous_tokens:
-                if index not in last_seen:
-                    metrics.time_to_first_token.labels(endpoint).observe(now - started)
-                else:
-                    per_token = (
-                        (now - previous_time) / (num_tokens - previous_tokens) * len(output.outputs)
-                    )
-                    metrics.inter_token_latency.labels(endpoint).observe(per_token)
-                last_seen[index] = (now, num_tokens)
-            if output.finished:
-                metrics.record_finished(endpoint, output)
-            if admission is not None and ticket is not None and job.work is not None:
-                counted.update(admission, ticket, job.work[0][index], index, output, num_tokens)
-            yield index, output
+        # NOTE: closed with this generator (its client left), not later by the garbage
+        # collector: the engine's requests are aborted before the work counts as done.
+        async with contextlib.aclosing(_merge(streams)) as outputs:
+            async for index, output in outputs:
+                now = time.perf_counter()
+                num_tokens = sum(len(c.token_ids) for c in output.outputs)
+                previous_time, previous_tokens = last_seen.get(index, (started, 0))
+                if num_tokens > previous_tokens:
+                    if index not in last_seen:
+                        metrics.time_to_first_token.labels(endpoint).observe(now - started)
+                    else:
+                        per_token = (
+                            (now - previous_time)
+                            / (num_tokens - previous_tokens)
+                            * len(output.outputs)
+                        )
+                        metrics.inter_token_latency.labels(endpoint).observe(per_token)
+                    last_seen[index] = (now, num_tokens)
+                if output.finished:
+                    metrics.record_finished(endpoint, output)
+                if admission is not None and ticket is not None and job.work is not None:
+                    counted.update(admission, ticket, job.work[0][index], index, output, num_tokens)
+                yield index, output
     except ValueError as exc:
         raise bad_request(str(exc)) from None
     finally:
