@@ -20,7 +20,7 @@ from aiohttp import web
 from ragserve.document_reuse import DocumentReuse
 from ragserve.engine.async_engine import EngineRequestError
 from ragserve.outputs import RequestOutput
-from ragserve.sampling_params import SamplingParams
+from ragserve.sampling_params import MAX_N, SEED_RANGE, SamplingParams
 from ragserve.server.admission_checks import check_admission, estimate_work
 from ragserve.server.body import parse_request
 from ragserve.server.cache_report import document_notes
@@ -103,8 +103,9 @@ def _resolve_model(app: web.Application, requested: str | None) -> str:
 
 
 def _seed(seed: int | None) -> int | None:
-    # NOTE: OpenAI takes any 64-bit seed; torch generators want a non-negative one.
-    return None if seed is None else seed % 2**63
+    # NOTE: OpenAI takes any 64-bit seed; the engine takes non-negative ones with room for
+    # n samples' seeds above them.
+    return None if seed is None else seed % (SEED_RANGE[1] - MAX_N + 1)
 
 
 def _sampling_params(

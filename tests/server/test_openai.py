@@ -169,6 +169,11 @@ def test_n_with_seed_is_reproducible(client: openai.OpenAI, model: str) -> None:
         for c in chunk.choices:
             texts[c.index] += c.delta.content or ""
     assert [texts[i] for i in range(3)] == first
+    for edge in (-1, -(2**63), 2**63 - 1):  # every 64-bit seed is taken
+        out = client.chat.completions.create(
+            model=model, messages=QUESTION, max_tokens=2, temperature=1.0, n=2, seed=edge
+        )
+        assert len(out.choices) == 2
 
 
 def test_batch_prompts_match_single_requests(client: openai.OpenAI, model: str) -> None:
