@@ -7,7 +7,7 @@ from ragserve.engine.async_engine import AsyncEngine
 from ragserve.sampling_params import SamplingParams
 from ragserve.server.admission import UNBOUNDED_ANSWER_TOKENS, WorkAdmission
 from ragserve.server.config import ServerConfig
-from ragserve.server.errors import APIError
+from ragserve.server.errors import APIError, bad_request
 
 
 def check_admission(
@@ -27,6 +27,14 @@ def check_admission(
     retry = {"Retry-After": str(config.retry_after_seconds)}
     if draining:
         raise APIError(503, "the server is shutting down", code="shutting_down", headers=retry)
+    if num_requests > config.max_waiting_requests:
+        raise bad_request(
+            f"this request holds {num_requests} prompts; the server takes at most "
+            f"{config.max_waiting_requests} requests in flight (--max-waiting-requests): "
+            "send fewer at a time",
+            "prompt",
+            "too_many_prompts",
+        )
     active = engine.num_active_requests
     if active + num_requests > config.max_waiting_requests:
         raise APIError(

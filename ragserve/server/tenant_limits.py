@@ -84,7 +84,15 @@ class RequestsInFlight:
         return self._counts[tenant]
 
     def check(self, tenant: str, requests: int) -> None:
-        """429 if ``requests`` more would take the tenant past the limit."""
+        """429 if ``requests`` more would take the tenant past the limit; 400 if they
+        alone exceed it (no retry could pass)."""
+        if requests > self.limit:
+            raise bad_request(
+                f"this request holds {requests} prompts; the limit is {self.limit} requests "
+                "in flight per API key (--max-requests-per-tenant): send fewer at a time",
+                "prompt",
+                "too_many_prompts",
+            )
         held = self._counts[tenant]
         if held + requests > self.limit:
             raise over_limit(

@@ -451,6 +451,9 @@ def test_overload_answers_503_quickly(server: ServerProcess) -> None:
             stream.disconnect()
     assert wait_for(lambda: _idle(server), 10)
     assert post(server, C, {"prompt": "x", "max_tokens": 1}).status_code == 200
+    # More prompts than the server ever takes at once: a 400, not a 503 to retry for good.
+    batch = post(server, C, {"prompt": ["x"] * (MAX_WAITING + 1), "max_tokens": 1})
+    assert_error(batch, 400, "too_many_prompts")
 
 
 def test_sigterm_shuts_down_gracefully(server: ServerProcess) -> None:

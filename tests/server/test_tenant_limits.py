@@ -51,6 +51,9 @@ def test_requests_in_flight_are_limited_per_tenant() -> None:
             in_flight.check("a", 1)
     assert in_flight.count("a") == 0
     in_flight.check("a", 3)
+    with pytest.raises(APIError) as exc:  # more prompts than the limit: no retry can pass
+        in_flight.check("a", 4)
+    assert exc.value.status == 400 and exc.value.code == "too_many_prompts"
     with pytest.raises(ValueError, match=">= 1"):
         RequestsInFlight(0)
 
