@@ -39,6 +39,10 @@ logger = logging.getLogger("ragserve.server.documents")
 _T = TypeVar("_T")
 
 
+class RowGone(Exception):
+    """The row a PATCH would rewrite is gone: another server deleted the document."""
+
+
 class DocumentPersistence:
     """Restores, adopts and writes the registry's rows for ``DocumentService``.
 
@@ -185,12 +189,15 @@ class DocumentPersistence:
 
     # NOTE: the local row is committed first; publishing to the store never raises (a
     # failed publish stays pending in ``shared``), so a store outage fails no upload.
-    def _put_row(self, doc: StoredDocument, patch: bool = False) -> int:
-        """Write the row of an upload (of a PATCH: ``patch``); returns the version the
-        store gave it, 0 when it was not published (no store, failed, or a tombstone).
-        An upload's row records its ingestion as started (a PATCH's leaves it be)."""
-        if self.store is not None:
-            self.store.put(doc, None if patch else time.time())
+    def _put_row(self, doc: StoredDocument, patch: bool = False, saved: bool = False) -> int:
+        """Write the row of an upload (of a PATCH: ``patch``; of a document whose row was
+        written before: ``saved``); returns the version the store gave it, 0 when it was
+        not published (no store, failed, or a tombstone). An upload's row records its
+        ingestion as started (a PATCH's leaves it be). Raises RowGone for a row written
+        before and deleted since (by another server)."""
+        started = None if patch else time.time()
+        if self.store is not None and not self.store.put(doc, started, existing=patch and saved):
+            raise RowGone(f"document {doc.id} was deleted by another server")
         if self.shared is not None:
             return self.shared.publish(doc, patch) or 0
         return 0

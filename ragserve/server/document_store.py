@@ -329,18 +329,25 @@ class DocumentStore:
         except RowError:
             return None
 
-    def put(self, doc: StoredDocument, ingesting_since: float | None = None) -> None:
-        """Insert or replace one document's row; an upload's (``ingesting_since``: when its
+    def put(
+        self, doc: StoredDocument, ingesting_since: float | None = None, existing: bool = False
+    ) -> bool:
+        """Insert or replace one document's row (``existing``: replace only, False if there
+        is none: another server deleted it); an upload's (``ingesting_since``: when its
         ingestion started, wall clock) also records the ingestion ``ingesting``, with its
         lease (see :mod:`ragserve.server.registry_ingestions`). Raises sqlite3.Error /
         OSError."""
+        row = encode_row(self.model, doc, self.cipher)
         with self._lock:
             db = self._require()
             with _transaction(db):
-                db.execute(_UPSERT, encode_row(self.model, doc, self.cipher))
+                if existing:
+                    return db.execute(_REPLACE, (*row[3:], *row[:3])).rowcount > 0
+                db.execute(_UPSERT, row)
                 if ingesting_since is not None:
                     key = (doc.namespace, doc.id)
                     ingestions.begin(db, self.model, key, ingesting_since + self.lease_s)
+        return True
 
     def settle(self, namespace: str, doc_id: str, status: Status, error: str | None) -> bool:
         """Record how the document's ingestion here ended, where its entry says less;
@@ -450,6 +457,10 @@ _UPSERT = (
     _INSERT + " ON CONFLICT (model, namespace, id) DO UPDATE SET token_ids = excluded.token_ids,"
     " metadata = excluded.metadata, created = excluded.created,"
     " expire_time = excluded.expire_time, checksum = excluded.checksum"
+)
+_REPLACE = (
+    "UPDATE documents SET token_ids = ?, metadata = ?, created = ?, expire_time = ?,"
+    " checksum = ? WHERE model = ? AND namespace = ? AND id = ?"
 )
 
 

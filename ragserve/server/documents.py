@@ -56,7 +56,7 @@ from ragserve.server.document_expiry import ExpirySweeper
 from ragserve.server.document_lifecycle import DocumentPatch, expire_time_from
 from ragserve.server.document_locks import DocumentLocks
 from ragserve.server.document_orders import DocumentOrders
-from ragserve.server.document_persistence import DocumentPersistence
+from ragserve.server.document_persistence import DocumentPersistence, RowGone
 from ragserve.server.document_readers import DocumentReaders
 from ragserve.server.document_store import DocumentStore
 from ragserve.server.document_watch import RegistryWatch
@@ -418,9 +418,17 @@ class DocumentService(DocumentPersistence):
                 doc.expire_time = expire_time_from(patch.ttl, patch.expire_time, time.time())
         if patch.metadata is not None:
             doc.metadata = patch.metadata
-        # NOTE: its row never replaces a tombstone: deleted on another server meanwhile,
-        # the document is forgotten here at the next watch round.
-        version = await self._store_call("saved", self._put_row, doc.stored(), True)
+        # NOTE: its rows never replace a tombstone or bring back a deleted row: deleted on
+        # another server meanwhile, the document is forgotten (here at once where the
+        # directory tells, else at the next watch round).
+        try:
+            version = await self._store_call("saved", self._put_row, doc.stored(), True, doc.saved)
+        except RowGone:
+            await self._remove(doc, rows="none")
+            logger.info("document %s was deleted by another server; forgotten", doc.id)
+            raise APIError(
+                404, f"document {doc.id} not found", param="id", code="document_not_found"
+            ) from None
         if version is not None:
             doc.saved = True
         if version:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import signal
 import sqlite3
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
@@ -26,7 +27,13 @@ from ragserve.commands.serve import CPU_THREAD_ENV
 from ragserve.server.document_store import FILENAME, DocumentStore
 from ragserve.server.document_watch import INTERVAL_S
 from ragserve.server.stored_document import StoredDocument
-from tests.server.server_fixtures import BASE_ARGS, ServerProcess, wait_for, wait_ready
+from tests.server.server_fixtures import (
+    BASE_ARGS,
+    ServerProcess,
+    assert_error,
+    wait_for,
+    wait_ready,
+)
 
 FP = "ab" * 32
 KEY = "sk-registry-ingestions"
@@ -171,6 +178,26 @@ def test_the_other_shows_ingesting_until_the_first_is_done(pair: Pair) -> None:
     two = pair.two
     # Within a watch round of the first server's settle (2 s; more on a busy machine).
     assert wait_for(lambda: status(two.url, doc_id) == "ready", 3 * INTERVAL_S, 0.1)
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_a_patch_racing_a_delete_on_the_other_server_never_brings_the_document_back(
+    pair: Pair,
+) -> None:
+    doc_id = upload(pair.one.url, "A short note that is deleted on one server. " * 4)
+    assert status(pair.two.url, doc_id)  # the other server learned it
+    url = f"/v1/documents/{doc_id}"
+    deleted = requests.delete(f"{pair.one.url}{url}", headers=AUTH, timeout=60)
+    assert deleted.status_code == 200, deleted.text
+    patched = requests.patch(
+        f"{pair.two.url}{url}", json={"metadata": {"late": True}}, headers=AUTH, timeout=60
+    )  # NOTE: before the second server's next watch round, most often
+    assert_error(patched, 404, "document_not_found")
+    time.sleep(3 * INTERVAL_S)  # NOTE: watch rounds of both servers
+    for server in (pair.one, pair.two):
+        gone = requests.get(f"{server.url}{url}", headers=AUTH, timeout=30)
+        assert_error(gone, 404, "document_not_found")
 
 
 @pytest.mark.e2e
