@@ -31,7 +31,8 @@ class JsonlWriter:
 
     ``resume=True`` keeps the records already there (their ``key`` values are in
     :attr:`done`); ``overwrite=True`` starts afresh; with neither, a non-empty existing
-    file raises :class:`OutputExistsError` rather than losing results.
+    file raises :class:`OutputExistsError` rather than losing results. The file is opened
+    at the first record: a run that fails before it leaves an existing file as it was.
     """
 
     def __init__(
@@ -46,6 +47,12 @@ class JsonlWriter:
         self.key = key
         self.done: set[str] = set()
         self.num_written = 0
+        if resume and overwrite:
+            raise ValueError(
+                "--resume keeps the results in the file, --overwrite drops them: pass one"
+            )
+        if self.path.is_dir():
+            raise ValueError(f"{self.path} is a directory, not a results file")
         exists = self.path.exists() and self.path.stat().st_size > 0
         if exists and not resume and not overwrite:
             raise OutputExistsError(
@@ -53,17 +60,19 @@ class JsonlWriter:
                 "or --overwrite to start again"
             )
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._mode = "wb"
         if resume and exists:
             self.done = repair_and_read_keys(self.path, key)
-            mode = "ab"
-        else:
-            mode = "wb"
-        self._file: IO[bytes] | None = open(self.path, mode)  # noqa: SIM115 - closed by close()
+            self._mode = "ab"
+        self._file: IO[bytes] | None = None
+        self._closed = False
 
     def write(self, record: Mapping[str, Any]) -> None:
-        if self._file is None:
+        if self._closed:
             raise ValueError(f"{self.path} is closed")
         line = (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8")
+        if self._file is None:
+            self._file = open(self.path, self._mode)  # noqa: SIM115 - closed by close()
         with sigint_deferred():
             self._file.write(line)
             self._file.flush()
@@ -73,6 +82,7 @@ class JsonlWriter:
             self.done.add(str(value))
 
     def close(self) -> None:
+        self._closed = True
         if self._file is not None:
             with sigint_deferred():
                 self._file.close()
@@ -94,18 +104,16 @@ def repair_and_read_keys(path: Path, key: str = "id") -> set[str]:
     data = path.read_bytes()
     lines = data.split(b"\n")
     tail = lines.pop()  # b"" when the file ends with a newline
+    torn = False
     if tail:
         try:
             json.loads(tail)
         except ValueError:
-            cut = len(data) - len(tail)
-            logger.warning("%s: cutting off a torn last line (%d bytes)", path, len(tail))
-            with open(path, "r+b") as file:
-                file.truncate(cut)
+            torn = True
         else:
-            with open(path, "ab") as file:  # complete but unterminated: finish the line
-                file.write(b"\n")
             lines.append(tail)
+    # NOTE: every other line is checked before the file is touched: a file that is not
+    # this command's results is refused whole, not cut first.
     keys: set[str] = set()
     for number, line in enumerate(lines, start=1):
         if not line.strip():
@@ -118,6 +126,13 @@ def repair_and_read_keys(path: Path, key: str = "id") -> set[str]:
             ) from None
         if isinstance(record, dict) and record.get(key) is not None:
             keys.add(str(record[key]))
+    if torn:
+        logger.warning("%s: cutting off a torn last line (%d bytes)", path, len(tail))
+        with open(path, "r+b") as file:
+            file.truncate(len(data) - len(tail))
+    elif tail:
+        with open(path, "ab") as file:  # complete but unterminated: finish the line
+            file.write(b"\n")
     return keys
 
 

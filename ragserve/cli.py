@@ -33,6 +33,9 @@ class CliError(Exception):
     """A user error: printed as one line, exit code 2."""
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Engine flags shared by every command that builds an engine: one per
     :class:`EngineConfig` field."""
@@ -46,7 +49,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ragserve", description=__doc__)
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument(
+        "--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, metavar="LEVEL"
+    )
     subparsers = parser.add_subparsers(dest="command", required=True)
     for name, module_name in COMMANDS.items():
         try:
@@ -73,7 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     func: Callable[[argparse.Namespace], int] = args.func
     # NOTE: the objects alive now (every imported module: torch, transformers, ...) live
@@ -83,7 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     gc.freeze()
     try:
         return func(args)
-    except (CliError, ValueError, FileNotFoundError) as exc:
+    except (CliError, ValueError, OSError) as exc:
         print(f"ragserve {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

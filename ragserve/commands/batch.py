@@ -75,12 +75,18 @@ class ResultTable:
 
 
 def run_batch(
-    args: argparse.Namespace, slots: Sequence[str], work: Work, table: ResultTable
+    args: argparse.Namespace,
+    slots: Sequence[str],
+    work: Work,
+    table: ResultTable,
+    inputs: Sequence[str],
 ) -> int:
     """Check the flags, run ``work`` into ``--out``, print ``table``; the exit code (see the
-    module docstring). ``slots`` must each appear once in ``--prompt-template``."""
+    module docstring). ``slots`` must each appear once in ``--prompt-template``; ``inputs``:
+    the files and folders the command reads."""
     if args.concurrency is not None and args.concurrency < 1:
         raise ValueError(f"--concurrency must be >= 1, got {args.concurrency}")
+    _check_out_is_no_input(Path(args.out), [*inputs, *filter(None, [args.prompt_template])])
     template = (
         Path(args.prompt_template).read_text(encoding="utf-8") if args.prompt_template else None
     )
@@ -109,6 +115,16 @@ def run_batch(
             file=sys.stderr,
         )
     return 1 if reporter.failures else 0
+
+
+def _check_out_is_no_input(out: Path, inputs: Sequence[str]) -> None:
+    """ValueError for an ``--out`` that is an input, or lies in an input folder (it would
+    be overwritten, or read back as input)."""
+    target = out.resolve()
+    for name in inputs:
+        source = Path(name).resolve()
+        if target == source or (source.is_dir() and source in target.parents):
+            raise ValueError(f"--out {out} would overwrite or be read as the input {name}")
 
 
 def load_llm(args: argparse.Namespace) -> Any:

@@ -43,7 +43,9 @@ def add_parser(subparsers: Subparsers, name: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    return run_batch(args, ["{document}", "{question}"], _docqa, TABLE)
+    return run_batch(
+        args, ["{document}", "{question}"], _docqa, TABLE, [*args.docs, args.questions]
+    )
 
 
 def _docqa(

@@ -49,7 +49,7 @@ def add_parser(subparsers: Subparsers, name: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    return run_batch(args, ["{text}"], _summarize, TABLE)
+    return run_batch(args, ["{text}"], _summarize, TABLE, args.paths)
 
 
 def _summarize(

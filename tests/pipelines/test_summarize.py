@@ -287,9 +287,39 @@ def test_resume_cuts_a_torn_last_line_and_refuses_a_damaged_one(tmp_path: Path) 
     out.write_bytes(b'{"id": "a"}\n{broken\n{"id": "b"}\n')
     with pytest.raises(ValueError, match="line 2 of"):
         JsonlWriter(out, resume=True)
+    notes = b"my notes\nthe last line, unterminated"  # not results at all: left whole
+    out.write_bytes(notes)
+    with pytest.raises(ValueError, match="line 1 of"):
+        JsonlWriter(out, resume=True)
+    assert out.read_bytes() == notes
     with JsonlWriter(out, overwrite=True) as writer:
         assert not writer.done
-    assert out.read_bytes() == b""
+    assert out.read_bytes() == notes  # NOTE: replaced at the first result, not before
+    with JsonlWriter(out, overwrite=True) as writer:
+        writer.write({"id": "new"})
+    assert [r["id"] for r in read_records(out)] == ["new"]
+    with pytest.raises(ValueError, match="pass one"):
+        JsonlWriter(out, resume=True, overwrite=True)
+    with pytest.raises(ValueError, match="directory"):
+        JsonlWriter(tmp_path, overwrite=True)
+
+
+def test_an_out_that_is_an_input_is_refused_and_left_whole(tmp_path: Path) -> None:
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text('{"id": "a", "text": "One short note about caching."}\n')
+    before = docs.read_bytes()
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "a.txt").write_text("A note.")
+    for command in (
+        ["summarize", str(docs), "--out", str(docs), "--overwrite"],
+        ["summarize", str(docs), "--out", str(docs), "--resume"],
+        ["summarize", str(folder), "--out", str(folder / "out.jsonl")],
+        ["docqa", "--docs", str(folder), "--questions", str(docs), "--out", str(docs)],
+    ):
+        assert ragserve_main(command) == 2, command
+    assert docs.read_bytes() == before
+    assert not (folder / "out.jsonl").exists()
 
 
 def test_ctrl_c_is_held_back_until_the_line_is_written(default_sigint: None) -> None:
