@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from ragserve.config_flags import check_choices, option
@@ -20,6 +21,18 @@ DEFAULT_DISK_GIB = 16.0
 # steps pay fewer launches), while a step of decodes and one 8,192-token chunk of an 8B
 # model still ends in about 0.2 s. On two CPU cores a 2,048-token step takes seconds.
 DEFAULT_STEP_TOKENS = {"cpu": 2048, "cuda": 8192}
+
+
+_REAL_FIELDS = (
+    "kv_cache_gib",
+    "gpu_memory_utilization",
+    "kv_cpu_gib",
+    "kv_disk_gib",
+    "kv_remote_timeout_s",
+    "kv_remote_retry_s",
+    "kv_load_gib_per_step",
+    "blend_recompute_ratio",
+)
 
 
 @dataclass(frozen=True)
@@ -129,6 +142,15 @@ class EngineConfig:
     )
 
     def __post_init__(self) -> None:
+        for name in _REAL_FIELDS:
+            value = getattr(self, name)
+            # NOTE: NaN passes every comparison below, and an infinite size overflows later.
+            if value is not None and not (
+                isinstance(value, int | float)
+                and not isinstance(value, bool)
+                and math.isfinite(value)
+            ):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
         checks = {
             "block_size": (self.block_size, 1),
             "max_num_seqs": (self.max_num_seqs, 1),
