@@ -71,10 +71,14 @@ async def patch_document(request: web.Request) -> web.Response:
     require_content_type(request, "application/json")
     patch = DocumentPatch.model_validate(parse_json_object(await read_body(request)))
     docs = request.app[DOCUMENTS]
+    await docs.learn(tenant(request), [request.match_info["id"]])  # uploaded elsewhere
     doc = await docs.update(tenant(request), request.match_info["id"], patch)
     return web.json_response(doc.to_json(docs.block_size))
 
 
 async def delete_document(request: web.Request) -> web.Response:
-    doc = await request.app[DOCUMENTS].remove(tenant(request), request.match_info["id"])
+    docs = request.app[DOCUMENTS]
+    # NOTE: uploaded through another server: deleted here all the same, everywhere.
+    await docs.learn(tenant(request), [request.match_info["id"]])
+    doc = await docs.remove(tenant(request), request.match_info["id"])
     return web.json_response({"id": doc.id, "object": "document", "deleted": True})

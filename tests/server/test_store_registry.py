@@ -244,6 +244,29 @@ def upload_known_to_both(pair: Pair, text: str, **fields: Any) -> dict[str, Any]
     return dict(uploaded.json())
 
 
+def test_a_patch_or_delete_on_the_server_that_never_saw_the_document_reaches_it(
+    pair: Pair,
+) -> None:
+    def upload_on_one(text: str) -> str:
+        uploaded = requests.post(
+            f"{pair.one.url}/v1/documents", json={"text": text}, headers=AUTH, timeout=120
+        )
+        assert uploaded.status_code == 202, uploaded.text
+        return str(uploaded.json()["id"])
+
+    one, two = pair.one, pair.two
+    patched = upload_on_one("A note the second server patches first. " * 4)
+    changed = patch(two.url, patched, {"metadata": {"via": "two"}})  # NOTE: never read there
+    assert changed.status_code == 200, changed.text
+    assert wait_for(
+        lambda: document(one.url, patched).json()["metadata"] == {"via": "two"}, 10, 0.2
+    )
+    deleted_id = upload_on_one("A note the second server deletes first. " * 4)
+    deleted = requests.delete(f"{two.url}/v1/documents/{deleted_id}", headers=AUTH, timeout=60)
+    assert deleted.status_code == 200, deleted.text
+    assert wait_for(lambda: deleted_id not in listed(one.url), 10, interval=0.2)
+
+
 def test_a_patch_on_one_reaches_the_other_and_its_expiry_is_honoured(pair: Pair) -> None:
     text = TEXT + " Addendum whose metadata and expiry change."
     doc = upload_known_to_both(pair, text, metadata={"rev": 1}, ttl=15)
