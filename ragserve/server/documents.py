@@ -46,7 +46,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
-from ragserve.engine.async_engine import AsyncEngine
+from ragserve.engine.async_engine import AsyncEngine, EngineDeadError
 from ragserve.engine.engine_info import KVModel
 from ragserve.sampling_params import SamplingParams
 from ragserve.server.admission import WorkAdmission
@@ -509,8 +509,12 @@ class DocumentService(DocumentPersistence):
             await asyncio.gather(doc.task, return_exceptions=True)
         if self.engine.is_alive:
             # NOTE: calls run in order on the engine thread, so this unpin also undoes a
-            # pin that a just-cancelled ingestion had already queued.
-            await self.engine.unpin_prefix(doc.pin_id)
+            # pin that a just-cancelled ingestion had already queued. One that times out
+            # still runs when the engine gets to it: the removal goes on.
+            try:
+                await self.engine.unpin_prefix(doc.pin_id)
+            except EngineDeadError as exc:
+                logger.warning("document %s: unpin not confirmed: %s", doc.id, exc)
         now = time.time()
         others: list[KVModel] | None = None
         if rows != "none":
