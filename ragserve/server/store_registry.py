@@ -132,8 +132,9 @@ class StoreRegistry:
             ("published", "adopted", "refreshed", "taken_over", "publish_failures", "rejected"),
             0,
         )
-        # (namespace, id) -> the row body to write (None: a tombstone); the latest wins.
-        self._pending: dict[tuple[str, str], bytes | None] = {}
+        # (namespace, id) -> the write that failed: the row body (None: a tombstone), its
+        # mode and version (see ``WRITE``); the latest wins.
+        self._pending: dict[tuple[str, str], tuple[bytes | None, str, int]] = {}
         # NOTE: set at start and when the store was unreachable (it may be back empty).
         self._offer_all = True
         self._script = store.client.register_script(WRITE)
@@ -237,10 +238,10 @@ class StoreRegistry:
         with self._lock:
             pending = list(self._pending.items())
             offer = self._offer_all
-        for (namespace, doc_id), body in pending:
-            # NOTE: a retried row never replaces a tombstone (it may be a deleted document's).
-            mode = "gone" if body is None else "patch"
-            if self._write(namespace, doc_id, body, mode, keep=False) is None:
+        for (namespace, doc_id), (body, mode, version) in pending:
+            # NOTE: as first asked: an upload's row replaces a tombstone (the text came
+            # back after a delete), a PATCH's never does (deleted elsewhere meanwhile).
+            if self._write(namespace, doc_id, body, mode, keep=False, version=version) is None:
                 return len(self._pending)
         if offer:
             try:
@@ -285,7 +286,7 @@ class StoreRegistry:
             with self._lock:
                 self._counts["publish_failures"] += 1
                 if keep:  # NOTE: a failed retry keeps what is pending (maybe newer)
-                    self._pending[(namespace, doc_id)] = body
+                    self._pending[(namespace, doc_id)] = (body, mode, version)
             if keep:
                 logger.warning(
                     "shared document registry: document %s not published yet (%s); "
@@ -295,7 +296,8 @@ class StoreRegistry:
         with self._lock:
             if written >= 0:
                 self._counts["published"] += 1
-            if keep or self._pending.get((namespace, doc_id), b"") is body:
+            entry = self._pending.get((namespace, doc_id))
+            if keep or (entry is not None and entry[0] is body):
                 self._pending.pop((namespace, doc_id), None)
         return written
 

@@ -12,6 +12,7 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -285,3 +286,33 @@ def test_an_outage_keeps_writes_pending_and_a_store_back_empty_gets_every_row(
         (TENANT, "01" * 16),
         (TENANT, "02" * 16),
     }
+
+
+class DurableValkey(ValkeyServer):
+    """A store that keeps its data across a restart (every write on disk first)."""
+
+    def _options(self) -> list[str]:
+        return [*super()._options(), "--appendonly", "yes", "--appendfsync", "always"]
+
+
+def test_a_text_uploaded_again_while_the_store_is_down_replaces_its_tombstone_once_back(
+    tmp_path: Path,
+) -> None:
+    store = DurableValkey(tmp_path)
+    store.start()
+    try:
+        one, two = registry(store.url), registry(store.url)
+        entry = doc("06" * 16)
+        assert one.publish(entry)
+        assert one.publish_gone(TENANT, "06" * 16)  # deleted: a tombstone, kept on disk
+        store.kill()
+        assert not one.publish(entry)  # uploaded again: kept pending
+        store.start()  # back, with its tombstone
+        deadline = time.monotonic() + 10
+        while one.retry() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert one.counts["pending"] == 0
+        assert two.listed(TENANT) == {"06" * 16}
+        assert two.gone([(TENANT, "06" * 16)]) == set()
+    finally:
+        store.stop()
