@@ -49,7 +49,8 @@ def load_questions(
 ) -> list[Question]:
     """Questions from a JSONL file of ``{"doc", "question", "id"?}``; bad lines are reported."""
     records: list[tuple[str, int, Any]] = []
-    with open(path, encoding="utf-8") as file:
+    # NOTE: utf-8-sig, as documents are read: an editor's byte-order mark is no JSON.
+    with open(path, encoding="utf-8-sig") as file:
         for number, line in enumerate(file, start=1):
             if not line.strip():
                 continue

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from typing import Any
@@ -49,10 +50,13 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        unknown = sorted(set(engine_args) - {f.name for f in dataclasses.fields(EngineConfig)})
+        if unknown:
+            raise ValueError(f"unknown engine argument: {', '.join(unknown)}")
         try:
             config = EngineConfig(model=model, **engine_args)
-        except TypeError as exc:
-            raise ValueError(f"unknown engine argument: {exc}") from None
+        except TypeError as exc:  # NOTE: a value of the wrong type, compared or converted
+            raise ValueError(f"an engine argument has the wrong type: {exc}") from None
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
 
@@ -103,6 +107,13 @@ class LLM:
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompt_list)
         else:
+            if not isinstance(sampling_params, Sequence) or not all(
+                isinstance(params, SamplingParams) for params in sampling_params
+            ):
+                raise TypeError(
+                    "sampling_params must be a SamplingParams or a sequence of them, got "
+                    f"{type(sampling_params).__name__}"
+                )
             params_list = list(sampling_params)
             if len(params_list) != len(prompt_list):
                 raise ValueError(
@@ -149,7 +160,7 @@ class LLM:
                 request_id = f"offline-{next(self._ids)}"
                 engine.add_request(request_id, prompt, params, namespace=namespace)
                 request_ids.append(request_id)
-        except ValueError:
+        except BaseException:  # NOTE: none of them is left to run in a later call
             for request_id in request_ids:
                 engine.abort_request(request_id)
             raise

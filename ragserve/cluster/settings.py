@@ -47,6 +47,12 @@ class ClusterSettings:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if self.busy_threshold < 1:
             raise ValueError(f"busy_threshold must be >= 1, got {self.busy_threshold}")
+        if self.replica_threads is not None and self.replica_threads < 1:
+            raise ValueError(f"replica_threads must be >= 1, got {self.replica_threads}")
+        if not self.replica_cpus > 0:  # NOTE: NaN too
+            raise ValueError(f"replica_cpus must be > 0, got {self.replica_cpus}")
+        if not min(self.forward_timeout_s, self.address_timeout_s, self.start_timeout_s) > 0:
+            raise ValueError("forward_timeout_s, address_timeout_s and start_timeout_s must be > 0")
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> ClusterSettings:

@@ -183,8 +183,19 @@ def test_unknown_model_path_and_engine_arguments(tmp_path: object) -> None:
         LLM("/no/such/dir/does-not-exist")
     with pytest.raises(ValueError, match="block_size"):
         LLM(None, block_size=12)
-    with pytest.raises(ValueError, match="unknown engine argument"):
+    with pytest.raises(ValueError, match="unknown engine argument: not_an_option"):
         LLM(None, not_an_option=1)
+    with pytest.raises(ValueError, match="wrong type"):
+        LLM(None, max_model_len="1024")
+
+
+def test_sampling_params_of_another_type_are_refused_and_nothing_stays_queued(
+    llm: LLM,
+) -> None:
+    for bad in ([SamplingParams(max_tokens=1), "x"], 5):
+        with pytest.raises(TypeError, match="sampling_params must be a SamplingParams"):
+            llm.generate(["a", "b"], bad, use_tqdm=False)  # type: ignore[arg-type]
+    assert not llm.engine.has_unfinished_requests()
 
 
 def test_pinned_documents_never_starve_requests(smollm_path: str) -> None:

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from pipelines import Document, docqa
-from pipelines.docqa import QAPrompts
+from pipelines.docqa import QAPrompts, load_questions
 from pipelines.jsonl_output import read_records
 from ragserve import LLM, SamplingParams
 from ragserve.cli import main as ragserve_main
@@ -226,3 +226,11 @@ def test_questions_over_several_documents_in_any_order(llm: LLM) -> None:
         expected = plain.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].text.strip()
         assert exact[f"q{n}"]["answer"] == expected
         assert exact[f"q{n}"]["docs"] == order and exact[f"q{n}"]["blended_tokens"] == 0
+
+
+def test_a_questions_file_may_start_with_a_byte_order_mark(tmp_path: Path) -> None:
+    path = tmp_path / "questions.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"doc": "a.txt", "question": "Why?", "id": "q1"}\n')
+    failures: list[tuple[str, str]] = []
+    questions = load_questions(path, lambda source, reason: failures.append((source, reason)))
+    assert [q.id for q in questions] == ["q1"] and not failures
