@@ -158,6 +158,10 @@ class KVCacheManager:
             stop = min(limit, index + self._loads_left, index + LOAD_BATCH_BLOCKS)
             loaded = self._load_run(alloc, token_ids, identity, index, stop)
             if not loaded:
+                if stop > index:
+                    # NOTE: no progress with budget left: waiting would not help (nothing
+                    # frees a block while pins hold the rest; a failed read fails again).
+                    alloc.load_stalled_step = self._step
                 break
             index += loaded
             self._loads_left -= loaded
@@ -179,22 +183,6 @@ class KVCacheManager:
         """
         if self.tiers is None or start >= stop:
             return 0
-        loaded = self._load_batch(alloc, token_ids, first, start, stop)
-        if not loaded:
-            # NOTE: waiting would not help: nothing frees a block for it while it waits
-            # (pins may hold the rest), and a read that failed fails again.
-            alloc.load_stalled_step = self._step
-        return loaded
-
-    def _load_batch(
-        self,
-        alloc: KVAllocation,
-        token_ids: Sequence[int],
-        first: BlockIdentity,
-        start: int,
-        stop: int,
-    ) -> int:
-        assert self.tiers is not None
         candidates: list[BlockIdentity] = []
         room = min(stop - start, self.pool.num_free)
         for index in range(start, start + room):
