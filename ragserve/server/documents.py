@@ -114,9 +114,7 @@ class DocumentService(DocumentPersistence):
     def get(self, namespace: str, doc_id: str, param: str = "id") -> RegisteredDocument:
         doc = self._docs.get((namespace, check_document_id(doc_id, param)))
         if doc is None or doc.expired(time.time()):  # NOTE: expired is gone, swept or not
-            raise APIError(
-                404, f"document {doc_id} not found", param=param, code="document_not_found"
-            )
+            raise _not_found(doc_id, param)
         return doc
 
     async def learn(self, namespace: str, doc_ids: Sequence[str]) -> int:
@@ -426,9 +424,7 @@ class DocumentService(DocumentPersistence):
         except RowGone:
             await self._remove(doc, rows="none")
             logger.info("document %s was deleted by another server; forgotten", doc.id)
-            raise APIError(
-                404, f"document {doc.id} not found", param="id", code="document_not_found"
-            ) from None
+            raise _not_found(doc.id) from None
         if version is not None:
             doc.saved = True
         if version:
@@ -572,3 +568,7 @@ class DocumentService(DocumentPersistence):
         if self.shared is not None:
             await asyncio.get_running_loop().run_in_executor(self._store_thread, self.shared.close)
         self._store_thread.shutdown(wait=False)
+
+
+def _not_found(doc_id: str, param: str = "id") -> APIError:
+    return APIError(404, f"document {doc_id} not found", param=param, code="document_not_found")
