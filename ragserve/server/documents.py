@@ -185,7 +185,12 @@ class DocumentService(DocumentPersistence):
         return self._docs.get((namespace, doc_id))
 
     def list_for(self, namespace: str) -> list[RegisteredDocument]:
-        docs = [doc for (ns, _), doc in self._docs.items() if ns == namespace]
+        """The tenant's documents, oldest first; expired ones are gone, swept or not (as
+        for ``get``)."""
+        now = time.time()
+        docs = [
+            doc for (ns, _), doc in self._docs.items() if ns == namespace and not doc.expired(now)
+        ]
         return sorted(docs, key=lambda doc: (doc.created, doc.id))
 
     def count_by_status(self) -> dict[str, int]:
