@@ -174,10 +174,7 @@ class DiskIndex:
     def forget(self, key: BlockRecordKey) -> bool:
         """Drop a record from the index (its file is left alone); True if it was there."""
         with self._lock:
-            size = self._sizes.pop(key, None)
-            if size is not None:
-                self._used -= size
-            return size is not None
+            return self._forget_locked(key)
 
     def discard(self, key: BlockRecordKey) -> bool:
         """Forget a record and remove its file; True if it was indexed."""
@@ -261,6 +258,9 @@ class DiskIndex:
         """Forget ``key`` as its file is about to be removed (``remove_files`` or
         ``_removed`` ends that); True if it was indexed."""
         self._removing.add(key)
+        return self._forget_locked(key)
+
+    def _forget_locked(self, key: BlockRecordKey) -> bool:
         size = self._sizes.pop(key, None)
         if size is not None:
             self._used -= size
