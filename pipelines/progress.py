@@ -6,6 +6,7 @@ import heapq
 import itertools
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -131,6 +132,22 @@ class RequestPump(Generic[Tag]):
                 self._refused.append(Finished(item.tag, error=str(exc)))
                 continue
             self._in_flight[request_id] = item.tag
+
+    def drop(self, belongs: Callable[[Tag], bool]) -> int:
+        """Drop the waiting requests whose tag ``belongs``, abort those in the engine, and
+        count them as finished; returns how many went (a failed document's other calls)."""
+        kept = [item for item in self._queue if not belongs(item.tag)]
+        dropped = len(self._queue) - len(kept)
+        if dropped:
+            self._queue = kept
+            heapq.heapify(self._queue)
+        for request_id, tag in list(self._in_flight.items()):
+            if belongs(tag):
+                self.engine.abort_request(request_id)
+                del self._in_flight[request_id]
+                dropped += 1
+        self.num_finished += dropped
+        return dropped
 
     def abort_all(self) -> None:
         """Drop the waiting requests and abort those in the engine."""

@@ -155,6 +155,9 @@ class DocumentJob:
     def fail(self, reason: str) -> None:
         self.failed = reason
 
+    def owns(self, call: Call) -> bool:
+        return call.job is self
+
     def _next_level(self) -> list[Call]:
         summarizer = self.summarizer
         outputs = [o for o in self._outputs if o is not None]
@@ -396,6 +399,7 @@ def run_summaries(
                         continue
                     if finished.error is not None or finished.output is None:
                         job.fail(finished.error or "no output")
+                        pump.drop(job.owns)  # its other calls are wasted work now
                         on_error(
                             job.document.source or job.document.id, f"request failed: {job.failed}"
                         )

@@ -83,27 +83,40 @@ def test_short_document_takes_one_call_and_long_one_a_reduce_tree(llm: LLM) -> N
 
 
 @pytest.mark.slow
-def test_a_call_the_engine_fails_is_its_documents_error_not_its_summary(
+def test_a_call_the_engine_fails_is_its_documents_error_and_ends_its_other_calls(
     smollm_path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # NOTE: fixed request ids, and the engine's sampling fault hook on the second call's.
+    # NOTE: fixed request ids, and the engine's sampling fault hook on the second call's:
+    # b's first chunk, which runs beside a's one call (two at a time).
     monkeypatch.setattr(progress.uuid, "uuid4", lambda: uuid.UUID(int=0))
     monkeypatch.setenv(FAIL_SAMPLING_ENV, "batch-00000000-1")
-    docs = [Document("a", "One short note about caching."), Document("b", "Another about disks.")]
+    docs = [Document("a", "One short note about caching."), Document("b", make_text(8, 3, seed=4))]
+    options = SummarizeOptions(max_summary_tokens=4, chunk_tokens=64, overlap_tokens=8)
     errors: list[tuple[str, str]] = []
     with LLM(smollm_path, kv_cache_gib=0.25) as llm:
+        summarizer = Summarizer(llm.get_tokenizer(), llm.engine.max_model_len, options)
+        a_call, *b_calls = [c.prompt for d in docs for c in summarizer.start(d).first_calls()]
+        assert 3 <= len(b_calls) <= 9  # NOTE: ids 10 and up would match the marker too
+        before = llm.snapshot().prompt_tokens_computed
         results = list(
             summarize(
                 llm,
                 docs,
                 max_summary_tokens=4,
+                chunk_tokens=64,
+                overlap_tokens=8,
+                concurrency=2,
                 use_tqdm=False,
                 on_error=lambda source, reason: errors.append((source, reason)),
             )
         )
+        computed = llm.snapshot().prompt_tokens_computed - before
+        assert not llm.engine.has_unfinished_requests()
         llm.engine.block_pool.check_invariants()
     assert [result["id"] for result in results] == ["a"]
     assert [source for source, _ in errors] == ["b"] and "request failed" in errors[0][1]
+    # b's other chunks never ran: they could no longer give a summary.
+    assert computed <= len(a_call) + len(b_calls[0]) < len(a_call) + sum(map(len, b_calls[:2]))
 
 
 def test_stopping_early_aborts_the_requests_in_flight(llm: LLM) -> None:
