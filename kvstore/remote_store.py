@@ -16,7 +16,7 @@ import logging
 import threading
 from collections.abc import Callable
 from typing import TypeVar
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import redis
 from redis.backoff import NoBackoff
@@ -36,14 +36,25 @@ class StoreUnavailable(Exception):
 
 
 def redact_url(url: str) -> str:
-    """``url`` with its password (if any) replaced by ``***``, for logs and metrics."""
+    """``url`` with its password (in the user part or a ``password=`` query argument,
+    both of which redis-py reads) replaced by ``***``, for logs and metrics."""
     parts = urlsplit(url)
-    if parts.password is None:
+    netloc = parts.netloc
+    if parts.password is not None:
+        # NOTE: the host part is kept as written (an IPv6 host keeps its brackets).
+        _, _, host = netloc.rpartition("@")
+        netloc = f"{parts.username or ''}:***@{host}"
+    arguments = parse_qsl(parts.query, keep_blank_values=True)
+    query = parts.query
+    if any(name.lower() == "password" for name, _ in arguments):
+        query = urlencode(
+            [(n, "***" if n.lower() == "password" else v) for n, v in arguments], safe="*"
+        )
+    if (netloc, query) == (parts.netloc, parts.query):
         return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
+    # NOTE: not urlunsplit, which drops the "//" of an empty host (unix:///path).
+    rebuilt = f"{parts.scheme}://{netloc}{parts.path}" + (f"?{query}" if query else "")
+    return rebuilt + (f"#{parts.fragment}" if parts.fragment else "")
 
 
 def check_store_url(url: str) -> None:
