@@ -170,6 +170,11 @@ class TierStack:
         """Some tier indexes the block (no payload read; a load may still miss)."""
         return any(tier.contains(identity) for tier in self.tiers)
 
+    def persisted(self, identity: BlockLike) -> bool:
+        """The first persistent tier of the chain indexes the block (a restart finds it
+        there); False without one. The CPU and shared tiers do not count: they forget."""
+        return self._durable is not None and self._durable.contains(identity)
+
     def leading_present(self, identities: Sequence[BlockLike], window: int = 64) -> int:
         """How many leading ``identities`` some tier holds (a load may still miss).
 

@@ -81,7 +81,7 @@ class PrefixPins:
         if tiers is not None:  # pinned documents persist, whoever computed their blocks
             for block in alloc.block_table:
                 identity = self.block_pool.identities[block]
-                if identity is not None and not tiers.contains(identity):
+                if identity is not None and not tiers.persisted(identity):
                     tiers.persist(block, identity)
         return pinned
 

@@ -285,3 +285,29 @@ def test_a_purged_document_leaves_the_store_with_what_follows_it(
     assert removed["remote"] == full_tokens // BLOCK + 2
     assert client.dbsize() == 3
     assert llm.engine.locate_prefix(doc)["remote"] == 0
+
+
+def test_a_document_pinned_from_the_store_is_kept_on_this_engines_disk(
+    model_dir: Path,
+    doc: list[int],
+    full_tokens: int,
+    reference: list[int],
+    valkey: ValkeyServer,
+    open_engines: list[LLM],
+    tmp_path: Path,
+) -> None:
+    """A pinned document persists on its engine's own disk even when its blocks came from
+    the store, which may evict them or restart empty."""
+    first = engine(model_dir, valkey.url, kv_cpu_gib=0.01)
+    open_engines.append(first)
+    ingest(first, doc)
+    disk = {"kv_disk_dir": str(tmp_path / "kv"), "kv_disk_gib": 0.05}
+    with engine(model_dir, valkey.url, kv_cpu_gib=0.01, **disk) as second:
+        ingest(second, doc)  # as the document API does on this replica: found in the store
+        assert remote(second).hits == full_tokens // BLOCK
+        assert second.engine.pin_prefix("doc", doc) == full_tokens
+    valkey.client().flushall()
+    with engine(model_dir, valkey.url, kv_cpu_gib=0.01, **disk) as restarted:
+        out = answer(restarted, doc)
+    assert out.outputs[0].token_ids == reference
+    assert out.cached_tokens_by_tier.get("disk", 0) >= full_tokens
