@@ -33,8 +33,12 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return str(self._tokenizer.decode(ids, skip_special_tokens=self._skip_special))
 
-    def append(self, token_id: int) -> str | None:
-        """Add one token; returns the stop string it completed, if any."""
+    def append(self, token_id: int, find_stops: bool = True) -> str | None:
+        """Add one token; returns the stop string it completed, if any. With
+        ``find_stops`` False (the request's ``min_tokens`` not reached yet) stop strings
+        are text like any other.
+
+        The text is cut where the earliest stop string starts, whatever their order."""
         self._ids.append(token_id)
         prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
         full = self._decode(self._ids[self._prefix_offset :])
@@ -45,12 +49,16 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._ids)
         search_from = max(0, len(self.text) - self._hold_back)
         self.text += new_text
-        for stop in self._stop_strings:
-            position = self.text.find(stop, search_from)
-            if position >= 0:
-                self.text = self.text[:position]
-                return stop
-        return None
+        if not find_stops:
+            return None
+        found = [(self.text.find(stop, search_from), stop) for stop in self._stop_strings]
+        at, stop = min(
+            ((at, s) for at, s in found if at >= 0), key=lambda f: f[0], default=(-1, "")
+        )
+        if at < 0:
+            return None
+        self.text = self.text[:at]
+        return stop
 
     def stream_text(self, finished: bool) -> str:
         """The text safe to show now: it can no longer turn into a stop string."""

@@ -700,8 +700,8 @@ class LLMEngine:
             seq.logprobs.append(top)
             seq.cumulative_logprob += logprob or 0.0
         self.kv_manager.update_hashes(seq.kv, seq.token_ids)
-        stop_string = seq.detokenizer.append(token) if seq.detokenizer else None
         past_min = seq.num_output_tokens >= params.min_tokens
+        stop_string = seq.detokenizer.append(token, past_min) if seq.detokenizer else None
         if past_min and token in (params.stop_token_ids or ()):
             seq.finish_reason, seq.stop_reason = "stop", token
         elif past_min and not params.ignore_eos and token in self.eos_token_ids:

@@ -9,6 +9,7 @@ import pytest
 
 from ragserve import LLM, SamplingParams
 from ragserve.config import EngineConfig
+from ragserve.outputs import CompletionOutput
 from ragserve.engine.async_engine import AsyncEngine
 
 
@@ -70,6 +71,29 @@ def test_stop_strings_are_cut_from_the_text(llm: LLM) -> None:
     )[0].outputs[0]
     assert stopped.text == full[:stop_at]
     assert stopped.finish_reason == "stop" and stopped.stop_reason == " 5"
+
+
+@pytest.mark.slow
+def test_the_earliest_stop_string_cuts_and_none_does_before_min_tokens(llm: LLM) -> None:
+    prompt = "Count: 1, 2, 3,"
+    greedy = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    full = llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].text
+    stop_at = full.index(" 5")
+
+    def run(**options: object) -> CompletionOutput:
+        params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, **options)
+        return llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+
+    # Both stops complete in one step; the one that starts first cuts, whatever the order.
+    for stops in (["5", " 5"], [" 5", "5"]):
+        out = run(stop=stops)
+        assert (out.text, out.stop_reason) == (full[:stop_at], " 5"), stops
+    # Before min_tokens a stop string is text; the first one after it stops.
+    late = run(stop=[","], min_tokens=20)
+    assert len(late.token_ids) >= 20 and late.finish_reason == "stop"
+    assert full.startswith(late.text) and late.text.count(",") >= 5
+    assert run(stop=[" 5"], min_tokens=30).text == full
+    assert_no_leak(llm)
 
 
 @pytest.mark.slow
