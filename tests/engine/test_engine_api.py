@@ -9,8 +9,8 @@ import pytest
 
 from ragserve import LLM, SamplingParams
 from ragserve.config import EngineConfig
-from ragserve.outputs import CompletionOutput
 from ragserve.engine.async_engine import AsyncEngine
+from ragserve.outputs import CompletionOutput
 
 
 @pytest.fixture(scope="module")
