@@ -354,7 +354,8 @@ class LLMEngine:
             raise ValueError(
                 f"stop_token_ids {bad_stops[:5]} are outside the vocabulary [0, {vocab})"
             )
-        total = len(token_ids) + self._max_new_tokens(len(token_ids), params)
+        # NOTE: at least one new token, so a prompt that fills the cache is refused too.
+        total = len(token_ids) + max(1, self._max_new_tokens(len(token_ids), params))
         needed = self.kv_manager.blocks_needed(total)
         if needed > self.num_kv_blocks:
             raise ValueError(
@@ -365,8 +366,13 @@ class LLMEngine:
         return ids
 
     def _max_new_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
+        """``max_tokens``, within the context; without one, up to the context or what one
+        sequence can hold in the whole KV cache if that is less (the request could not
+        run at all otherwise)."""
         room = self.max_model_len - num_prompt_tokens
-        return room if params.max_tokens is None else min(room, params.max_tokens)
+        if params.max_tokens is not None:
+            return min(room, params.max_tokens)
+        return min(room, self.num_kv_blocks * self.config.block_size - num_prompt_tokens)
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request and free its blocks. False if it is unknown or already done."""

@@ -200,6 +200,14 @@ def test_a_request_that_can_never_fit_is_refused(smollm_path: str) -> None:
     small = LLM(smollm_path, kv_cache_gib=4 * 16 * 46080 / 2**30)  # 4 blocks = 64 tokens
     with pytest.raises(ValueError, match=r"needs 5 KV blocks \(80 tokens\) but the cache holds 4"):
         small.generate([[7] * 70], SamplingParams(max_tokens=10), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"needs 5 KV blocks \(65 tokens\)"):
+        small.generate([[7] * 64], SamplingParams(max_tokens=None), use_tqdm=False)  # no room
+    # Without max_tokens a request runs up to what the cache holds, not the whole context.
+    out = small.generate(
+        [[7] * 50], SamplingParams(max_tokens=None, ignore_eos=True), use_tqdm=False
+    )[0]
+    assert (len(out.outputs[0].token_ids), out.outputs[0].finish_reason) == (14, "length")
+    assert_no_leak(small)
 
 
 def test_unknown_model_path_and_engine_arguments(tmp_path: object) -> None:
