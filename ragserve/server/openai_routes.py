@@ -267,7 +267,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
     sse = SSEWriter(request, request_id(request))
     usage_chunk = {**base, "choices": []} if include_usage else None
-    return await _stream(request, job, CHAT_ENDPOINT, sse, emit, usage_chunk)
+    return await _stream(request, job, CHAT_ENDPOINT, sse, emit, usage_chunk, body.documents)
 
 
 # -- /v1/completions -----------------------------------------------------------------------
@@ -352,7 +352,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
     sse = SSEWriter(request, request_id(request))
     usage_chunk = {**base, "choices": []} if include_usage else None
-    return await _stream(request, job, COMPLETIONS_ENDPOINT, sse, emit, usage_chunk)
+    return await _stream(request, job, COMPLETIONS_ENDPOINT, sse, emit, usage_chunk, body.documents)
 
 
 # -- running -------------------------------------------------------------------------------
@@ -404,6 +404,7 @@ async def _stream(
     sse: SSEWriter,
     emit: Emit,
     usage_chunk: dict[str, Any] | None,
+    doc_ids: list[str] | None,
 ) -> web.StreamResponse:
     """Stream chunks. Errors before the first output are ordinary error responses; later
     ones become an error event followed by ``[DONE]``."""
@@ -422,7 +423,8 @@ async def _stream(
                 await _emit_output(emit, item, state)
             finals = [state.finals[i] for i in range(len(job.prompts))]
             if usage_chunk is not None:
-                await sse.send({**usage_chunk, "usage": usage(finals)})
+                totals = usage(finals, _notes(request, doc_ids, finals))
+                await sse.send({**usage_chunk, "usage": totals})
             await sse.done()
             _log_finished(request, endpoint, finals, started)
         except ConnectionResetError:

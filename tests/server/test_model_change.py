@@ -9,6 +9,7 @@ file holds the document's token ids).
 
 from __future__ import annotations
 
+import json
 import sqlite3
 from pathlib import Path
 from typing import Any
@@ -27,17 +28,23 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 DOC = " ".join(f"Locker {i} opens with combination {(i * 53) % 97}." for i in range(30))
 
 
-def ask(url: str, doc_id: str) -> dict[str, Any]:
+def ask(url: str, doc_id: str, stream: bool = False) -> dict[str, Any]:
+    """The answer's usage; streamed, the usage of its last chunk."""
     body: dict[str, Any] = {
         "messages": [{"role": "user", "content": "Which locker has combination 12?"}],
         "documents": [doc_id],
         "max_tokens": 2,
         "temperature": 0,
     }
+    if stream:
+        body |= {"stream": True, "stream_options": {"include_usage": True}}
     response = requests.post(f"{url}/v1/chat/completions", json=body, headers=AUTH, timeout=120)
     assert response.status_code == 200, response.text
-    usage: dict[str, Any] = response.json()["usage"]
-    return usage
+    if not stream:
+        return dict(response.json()["usage"])
+    events = [line[len("data: ") :] for line in response.text.splitlines() if line]
+    assert events[-1] == "[DONE]"
+    return dict(json.loads(events[-2])["usage"])
 
 
 def rows_by_model(kv: Path) -> dict[str, list[str]]:
@@ -86,7 +93,7 @@ def test_documents_follow_a_model_change(tmp_path: Path) -> None:
         assert len(models) == 2  # copied: the first model keeps its row
 
         full = doc["prefix_tokens"] // BLOCK_SIZE * BLOCK_SIZE
-        first_use = ask(second.url, doc["id"])
+        first_use = ask(second.url, doc["id"], stream=True)  # streamed: the same notes
         (note,) = first_use["ragserve_cache"]["documents"]
         assert note["reason"] == "different_model" and note["cached_tokens"] < full, note
         assert note["id"] == doc["id"] and note["prefix_tokens"] == full
