@@ -33,11 +33,14 @@ def key_hash(key: bytes) -> bytes:
 
 
 class KnownKeys:
-    """Keys this process believes the store holds (it wrote or read them), LRU-bounded,
-    and keys whose load just missed, reported absent for ``miss_memory_s``.
+    """Keys this process believes the store holds (it wrote or read them), for
+    ``present_memory_s`` and LRU-bounded, and keys whose load just missed, reported absent
+    for ``miss_memory_s``.
 
     The belief may be stale (the store evicts, restarts, or another engine deletes): a
-    load then misses and calls ``missed``. Remembering the miss for a while is what keeps
+    load then misses and calls ``missed``. A belief no load tests (a block only written)
+    lapses after ``present_memory_s``, so the next write of the block asks the store
+    again instead of being skipped for good. Remembering a miss for a while is what keeps
     a sequence that waits for a load from waiting forever on a key that ``contains``
     keeps reporting. Thread-safe.
     """
@@ -46,12 +49,14 @@ class KnownKeys:
         self,
         max_keys: int = 1 << 18,
         miss_memory_s: float = 1.0,
+        present_memory_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._present: OrderedDict[bytes, None] = OrderedDict()
+        self._present: OrderedDict[bytes, float] = OrderedDict()
         self._missed: OrderedDict[bytes, float] = OrderedDict()
         self._max = max_keys
         self._miss_memory_s = miss_memory_s
+        self._present_memory_s = present_memory_s
         self._clock = clock
         self._lock = threading.Lock()
 
@@ -62,13 +67,17 @@ class KnownKeys:
     def state(self, key: bytes) -> bool | None:
         """True: believed present; False: missed recently; None: unknown (ask the store)."""
         with self._lock:
-            if key in self._present:
-                self._present.move_to_end(key)
-                return True
+            now = self._clock()
+            until = self._present.get(key)
+            if until is not None:
+                if now < until:
+                    self._present.move_to_end(key)
+                    return True
+                del self._present[key]
             deadline = self._missed.get(key)
             if deadline is None:
                 return None
-            if self._clock() < deadline:
+            if now < deadline:
                 return False
             del self._missed[key]
             return None
@@ -76,7 +85,7 @@ class KnownKeys:
     def present(self, key: bytes) -> None:
         with self._lock:
             self._missed.pop(key, None)
-            self._present[key] = None
+            self._present[key] = self._clock() + self._present_memory_s
             self._present.move_to_end(key)
             while len(self._present) > self._max:
                 self._present.popitem(last=False)

@@ -67,7 +67,9 @@ class RemoteTier(KVTier):
 
     ``timeout_s`` bounds every round trip; ``failure_threshold`` consecutive failures
     open the breaker for ``retry_s``. At most ``max_pending_writes`` blocks wait to be
-    written. Reads and existence checks go out ``batch_blocks`` at a time.
+    written. Reads and existence checks go out ``batch_blocks`` at a time. A key written
+    or read is taken as present for ``known_for_s`` (the store may evict it or restart
+    empty meanwhile); then the store is asked again.
     """
 
     name = "remote"
@@ -87,6 +89,7 @@ class RemoteTier(KVTier):
         batch_blocks: int = 64,
         key_prefix: str = DEFAULT_KEY_PREFIX,
         cipher: RecordCipher | None = None,
+        known_for_s: float = 30.0,
     ) -> None:
         self.block_shape = check_block_shape(block_shape)
         self.dtype = dtype
@@ -98,7 +101,7 @@ class RemoteTier(KVTier):
         self.key_prefix = key_prefix
         self.batch_blocks = batch_blocks
         self.cipher = cipher
-        self._known = KnownKeys()
+        self._known = KnownKeys(present_memory_s=known_for_s)
         self.store = RemoteStore(
             url,
             timeout_s=timeout_s,

@@ -8,6 +8,7 @@ to, and an open circuit (the store known to be down) drops the block. The thread
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -107,18 +108,32 @@ class RemoteWriter(WriteQueue[bytes]):
             if stop:
                 return
 
-    def _write(self, batch: list[PendingWrite[bytes]]) -> None:
-        values = [encode_value(item.meta, item.block, self.cipher) for item in batch]
+    def _absent(self, batch: list[PendingWrite[bytes]]) -> list[PendingWrite[bytes]]:
+        """The writes whose key the store lacks (one round trip): records are named by
+        their content, so one already there (another engine's, or this one's from before
+        its belief lapsed) needs no second copy."""
 
-        def send(client: redis.Redis) -> list[object]:
+        def ask(client: redis.Redis) -> list[object]:
             pipe = client.pipeline(transaction=False)
-            for item, value in zip(batch, values, strict=True):
-                pipe.set(item.key, value)
+            for item in batch:
+                pipe.exists(item.key)
             return list(pipe.execute(raise_on_error=False))
 
+        absent = []
+        for item, answer in zip(batch, self.store.call(ask), strict=True):
+            if answer == 1:
+                self.known.present(item.key)
+            else:
+                absent.append(item)
+        return absent
+
+    def _write(self, batch: list[PendingWrite[bytes]]) -> None:
         start = time.perf_counter()
         try:
-            results = self.store.call(send)
+            batch = self._absent(batch)
+            values = [encode_value(item.meta, item.block, self.cipher) for item in batch]
+            keys = [item.key for item in batch]
+            results = self.store.call(functools.partial(_set_all, keys=keys, values=values))
         except StoreUnavailable:
             with self._lock:
                 self._counts.dropped_demotions += len(batch)
@@ -142,3 +157,13 @@ class RemoteWriter(WriteQueue[bytes]):
         with self._lock:
             self._counts.store_count += stored
             self._counts.store_seconds_total += elapsed
+
+
+def _set_all(client: redis.Redis, *, keys: list[bytes], values: list[bytes]) -> list[object]:
+    """One pipeline of SETs; each answer is its own (an error does not stop the rest)."""
+    if not keys:
+        return []
+    pipe = client.pipeline(transaction=False)
+    for key, value in zip(keys, values, strict=True):
+        pipe.set(key, value)
+    return list(pipe.execute(raise_on_error=False))

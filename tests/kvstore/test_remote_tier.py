@@ -4,6 +4,7 @@ per batch, verification of what the store returns, tenants, the store's own evic
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import redis
@@ -87,6 +88,33 @@ def test_blocks_written_by_another_engine_are_found(valkey: ValkeyServer) -> Non
         assert calls(client, "exists") - before == 8
         dest = torch.empty((6, *SHAPE))
         assert reader.load_many_into([make_meta(i) for i in range(6)], dest) == [True] * 6
+
+
+def test_blocks_the_store_lost_are_written_again_once_the_belief_lapses(
+    valkey: ValkeyServer,
+) -> None:
+    """A store that evicts or restarts empty, with no error seen: the tier's belief that it
+    holds a block lapses, and the next put of the block writes it again; a put of a block
+    the store still holds sends no second copy."""
+    client = valkey.client()
+    sets = calls(client, "set")
+    with RemoteTier(SHAPE, torch.float32, valkey.url, known_for_s=0.2) as tier:
+        fill(tier, range(4))
+        assert client.dbsize() == 4 and calls(client, "set") - sets == 4
+        client.flushall()
+        fill(tier, range(4))  # believed present: skipped
+        assert client.dbsize() == 0 and tier.contains(make_meta(0))
+        time.sleep(0.3)
+        fill(tier, range(4))
+        assert client.dbsize() == 4 and calls(client, "set") - sets == 8
+        time.sleep(0.3)
+        fill(tier, range(4))  # asked, and found: not sent again
+        assert calls(client, "set") - sets == 8
+    with RemoteTier(SHAPE, torch.float32, valkey.url) as reader:
+        for index in range(4):
+            dest = torch.empty(SHAPE)
+            assert reader.load_into(make_meta(index), dest)
+            assert bit_equal(dest, random_block(torch.float32, index))
 
 
 @pytest.mark.parametrize(
