@@ -13,6 +13,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_BYTES = 1024
 MAX_STOP_TOKEN_IDS = 1024
 SEED_RANGE = (-(2**63), 2**63 - 1)  # what a torch generator accepts, with room for n samples
+GREEDY_BELOW_TEMPERATURE = 1e-5  # smaller ones overflow logits / temperature
 
 
 class InvalidParameter(ValueError):
@@ -27,7 +28,7 @@ class InvalidParameter(ValueError):
 class SamplingParams:
     """What to generate and when to stop; the common subset of vLLM's ``SamplingParams``.
 
-    ``temperature == 0`` is greedy. ``seed`` makes one request's samples reproducible
+    ``temperature`` below 1e-5 (0 included) is greedy. ``seed`` makes one request's samples reproducible
     regardless of what else runs in the batch.
     """
 
@@ -101,7 +102,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperatures this small are greedy: dividing the logits by one overflows them."""
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
 
 def _check_int(name: str, value: object, low: int, high: int) -> None:

@@ -47,11 +47,16 @@ class IncrementalDetokenizer:
         new_text = full[len(prefix) :]
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
-        search_from = max(0, len(self.text) - self._hold_back)
+        old_length = len(self.text)
         self.text += new_text
         if not find_stops:
             return None
-        found = [(self.text.find(stop, search_from), stop) for stop in self._stop_strings]
+        # NOTE: each stop string only where it ends in the new text: one that ended before
+        # (say, before min_tokens) is text.
+        found = [
+            (self.text.find(stop, max(0, old_length - len(stop) + 1)), stop)
+            for stop in self._stop_strings
+        ]
         at, stop = min(
             ((at, s) for at, s in found if at >= 0), key=lambda f: f[0], default=(-1, "")
         )

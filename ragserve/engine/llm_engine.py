@@ -654,12 +654,20 @@ class LLMEngine:
         return outputs
 
     def _reject_unschedulable(self, seq: Sequence) -> RequestOutput:
-        """Nothing runs and the head of the queue still cannot get its blocks: fail it alone.
+        """Nothing runs and the head of the queue still cannot get its blocks: fail it alone,
+        or, a request without ``max_tokens`` that has generated tokens, finish it (length).
 
         Validation guarantees a request fits an empty cache, so this happens only while
         pinned documents hold the room it needs.
         """
         request = self._requests[seq.request_id]
+        if seq.params.max_tokens is None and seq.num_output_tokens and len(request.seqs) == 1:
+            # NOTE: it asked for no limit and had as much as fits beside the pins.
+            seq.finish_reason = "length"
+            self.scheduler.finish(seq)
+            del self._requests[seq.request_id]
+            self.stats.num_finished += 1
+            return request.output(self.config.block_size)
         usage = self.kv_usage()
         output = request.output(self.config.block_size)
         output.finished = True

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from typing import Any
 
 import pytest
 
@@ -80,8 +81,10 @@ def test_the_earliest_stop_string_cuts_and_none_does_before_min_tokens(llm: LLM)
     full = llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].text
     stop_at = full.index(" 5")
 
-    def run(**options: object) -> CompletionOutput:
-        params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, **options)
+    def run(**options: Any) -> CompletionOutput:
+        params = SamplingParams(
+            **{"temperature": 0.0, "max_tokens": 30, "ignore_eos": True, **options}
+        )
         return llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
 
     # Both stops complete in one step; the one that starts first cuts, whatever the order.
@@ -92,7 +95,10 @@ def test_the_earliest_stop_string_cuts_and_none_does_before_min_tokens(llm: LLM)
     late = run(stop=[","], min_tokens=20)
     assert len(late.token_ids) >= 20 and late.finish_reason == "stop"
     assert full.startswith(late.text) and late.text.count(",") >= 5
+    assert run(stop=[",", "a much longer stop"], min_tokens=20).text == late.text
     assert run(stop=[" 5"], min_tokens=30).text == full
+    # A temperature too small to divide by is greedy.
+    assert run(temperature=1e-38).text == full
     assert_no_leak(llm)
 
 
@@ -203,10 +209,18 @@ def test_a_request_that_can_never_fit_is_refused(smollm_path: str) -> None:
     with pytest.raises(ValueError, match=r"needs 5 KV blocks \(65 tokens\)"):
         small.generate([[7] * 64], SamplingParams(max_tokens=None), use_tqdm=False)  # no room
     # Without max_tokens a request runs up to what the cache holds, not the whole context.
-    out = small.generate(
-        [[7] * 50], SamplingParams(max_tokens=None, ignore_eos=True), use_tqdm=False
-    )[0]
+    unbounded = SamplingParams(max_tokens=None, ignore_eos=True)
+    out = small.generate([[7] * 50], unbounded, use_tqdm=False)[0]
     assert (len(out.outputs[0].token_ids), out.outputs[0].finish_reason) == (14, "length")
+    assert_no_leak(small)
+    # ... and beside pinned documents, up to what they leave it.
+    document = [9] * 16
+    small.generate([document], SamplingParams(max_tokens=1), use_tqdm=False)
+    assert small.engine.pin_prefix("doc", document) == 16
+    out = small.generate([[7] * 10], unbounded, use_tqdm=False)[0]
+    assert out.error is None and out.outputs[0].finish_reason == "length"
+    assert 10 + len(out.outputs[0].token_ids) >= 3 * 16 - 1
+    assert small.engine.unpin_prefix("doc")
     assert_no_leak(small)
 
 
