@@ -59,6 +59,15 @@ class RecordCipher:
         ).derive(self._master)
         return self._new_aes_gcm(key), key
 
+    @functools.cached_property
+    def key_id(self) -> str:
+        """A short public name of the master key (derived one way, so it reveals nothing of
+        the key): stores shared by engines of other keys keep their records apart by it."""
+        derived = HKDF(
+            algorithm=hashes.SHA256(), length=8, salt=None, info=b"ragserve-kv-key-id"
+        ).derive(self._master)
+        return derived.hex()
+
     @property
     def implementation(self) -> str:
         """Which AES-GCM seals and opens: "libcrypto" or "cryptography"."""

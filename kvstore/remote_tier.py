@@ -98,7 +98,9 @@ class RemoteTier(KVTier):
                 "max_pending_writes and batch_blocks must be >= 1, got "
                 f"{max_pending_writes}, {batch_blocks}"
             )
-        self.key_prefix = key_prefix
+        # NOTE: sealed records live apart, by key: engines of another key (or none) that
+        # share the store would otherwise take each other's records for damaged ones.
+        self.key_prefix = key_prefix if cipher is None else f"{key_prefix}:sealed-{cipher.key_id}"
         self.batch_blocks = batch_blocks
         self.cipher = cipher
         self._known = KnownKeys(present_memory_s=known_for_s)

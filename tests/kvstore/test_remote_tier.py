@@ -170,21 +170,32 @@ def test_tenants_never_read_each_other(valkey: ValkeyServer) -> None:
         assert tier.load_into(make_meta(0), torch.empty(SHAPE))
 
 
-def test_encrypted_values_need_the_key(valkey: ValkeyServer) -> None:
-    cipher = RecordCipher(os.urandom(32))
+def test_encrypted_values_need_the_key_and_live_apart_by_it(valkey: ValkeyServer) -> None:
+    """Engines of one model and tenant with another key, or none, share the store without
+    touching each other's records (a rolling change of key, two deployments)."""
+    master = os.urandom(32)
+    cipher = RecordCipher(master)
     client = valkey.client()
+    sealed_key = block_key(f"{PREFIX}:sealed-{cipher.key_id}", make_meta(0))
     with RemoteTier(SHAPE, torch.float32, valkey.url, cipher=cipher) as sealed:
         fill(sealed, range(2))
-        value = client.get(block_key(PREFIX, make_meta(0)))
+        value = client.get(sealed_key)
         assert isinstance(value, bytes)
         assert random_block(torch.float32, 0).numpy().tobytes() not in value
         dest = torch.empty(SHAPE)
         assert sealed.load_into(make_meta(0), dest)
         assert bit_equal(dest, random_block(torch.float32, 0))
-    with RemoteTier(SHAPE, torch.float32, valkey.url, cipher=RecordCipher(os.urandom(32))) as other:
-        assert not other.load_into(make_meta(1), torch.empty(SHAPE))
-        assert other.metrics().foreign_records == 1
-    assert client.exists(block_key(PREFIX, make_meta(1))) == 0
+    other_key = RemoteTier(SHAPE, torch.float32, valkey.url, cipher=RecordCipher(os.urandom(32)))
+    for other in (other_key, RemoteTier(SHAPE, torch.float32, valkey.url)):
+        with other:
+            assert not other.contains(make_meta(1))
+            assert not other.load_into(make_meta(1), torch.empty(SHAPE))
+            fill(other, range(1))  # its own copy, beside the sealed one
+            assert other.metrics().foreign_records == other.metrics().corrupt_records == 0
+    assert client.dbsize() == 4  # two sealed, one under the other key, one plain
+    with RemoteTier(SHAPE, torch.float32, valkey.url, cipher=RecordCipher(master)) as same:
+        assert same.load_into(make_meta(1), dest)
+        assert bit_equal(dest, random_block(torch.float32, 1))
 
 
 def test_values_the_store_evicted_are_misses(tmp_path: object) -> None:
