@@ -124,6 +124,7 @@ async def _documents(
     else:
         prompts = app[PROMPTS]
         docs = app[DOCUMENTS]
+        await docs.learn(namespace, body.documents)  # NOTE: uploaded through another server
         registered = [docs.get(namespace, doc_id, "documents") for doc_id in body.documents]
         param = "documents"
         documents = []

@@ -267,6 +267,25 @@ def test_a_patch_or_delete_on_the_server_that_never_saw_the_document_reaches_it(
     assert wait_for(lambda: deleted_id not in listed(one.url), 10, interval=0.2)
 
 
+def test_a_summary_on_the_server_that_never_saw_the_document_reads_it(pair: Pair) -> None:
+    text = "A note the second server summarizes first: the ferry leaves at nine. " * 3
+    uploaded = requests.post(
+        f"{pair.one.url}/v1/documents", json={"text": text}, headers=AUTH, timeout=120
+    )
+    assert uploaded.status_code == 202, uploaded.text
+    body = {"documents": [uploaded.json()["id"]], "max_summary_tokens": 8}
+    url = f"{pair.two.url}/v1/pipelines/summarize"
+    job = requests.post(url, json=body, headers=AUTH, timeout=120)
+    assert job.status_code == 202, job.text
+
+    def finished() -> dict[str, Any] | None:
+        state = requests.get(f"{url}/{job.json()['id']}", headers=AUTH, timeout=30).json()
+        return state if state["status"] not in ("queued", "running") else None
+
+    assert wait_for(lambda: finished() is not None, 120, interval=0.5)
+    assert finished()["status"] == "succeeded"  # type: ignore[index]
+
+
 def test_a_patch_on_one_reaches_the_other_and_its_expiry_is_honoured(pair: Pair) -> None:
     text = TEXT + " Addendum whose metadata and expiry change."
     doc = upload_known_to_both(pair, text, metadata={"rev": 1}, ttl=15)
