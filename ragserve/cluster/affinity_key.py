@@ -2,7 +2,7 @@
 tokenizing (the ingress holds no tokenizer).
 
 - a completion or chat naming ``documents``: ``doc:<first id>`` (its KV leads the prompt);
-- ``/v1/documents/<id>`` (GET, PATCH, DELETE): ``doc:<id>``;
+- ``/v1/documents/<id>`` (GET, PATCH, DELETE): ``doc:<id>`` (an id of another form: none);
 - any other completion or chat: ``text:`` + a hash of its leading ``LEAD_CHARS``
   characters (the prompt, or the messages' contents in order): prompts that share their
   first block share their first characters, so they meet on one replica;
@@ -12,6 +12,7 @@ tokenizing (the ingress holds no tokenizer).
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import xxhash
@@ -22,8 +23,13 @@ LEAD_CHARS = 256
 _GENERATION = ("/v1/completions", "/v1/chat/completions")
 
 
-def document_key(doc_id: str) -> str:
-    return f"doc:{doc_id}"
+# NOTE: a document id's form (xxh3-128 in hex); anything else is no document, and keys
+# are kept by the router, so an unauthenticated client must not choose their size.
+_DOCUMENT_ID = re.compile(r"[0-9a-f]{32}")
+
+
+def document_key(doc_id: str) -> str | None:
+    return f"doc:{doc_id}" if _DOCUMENT_ID.fullmatch(doc_id) else None
 
 
 def routing_key(path: str, body: bytes) -> str | None:
@@ -33,7 +39,7 @@ def routing_key(path: str, body: bytes) -> str | None:
         return None
     try:
         parsed = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         return None  # NOTE: the replica answers the 400
     if not isinstance(parsed, dict):
         return None

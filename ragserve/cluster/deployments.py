@@ -20,9 +20,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 import ragserve
-from ragserve.cluster.forwarder import Forwarder
+from ragserve.cluster.forwarder import Forwarder, read_capped
 from ragserve.cluster.replica_server import ReplicaServer
-from ragserve.cluster.settings import ClusterSettings, document_sharing
+from ragserve.cluster.settings import ClusterSettings, document_sharing, request_limit
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +74,7 @@ class ClusterIngress:
             return found
 
         self._forwarder = Forwarder(settings, lookup)
+        self._request_limit = request_limit(settings.serve_args)
         self._ready: asyncio.Future[None] | None = None
 
     async def __call__(self, request: Request) -> Response:
@@ -82,7 +83,11 @@ class ClusterIngress:
             # one lookup shared by the first requests, which all wait for it.
             self._ready = asyncio.ensure_future(self._forwarder.start())
         await asyncio.shield(self._ready)
-        body = await request.body()
+        body = await read_capped(
+            request.stream(), request.headers.get("content-length"), self._request_limit
+        )
+        if isinstance(body, Response):
+            return body
         return await self._forwarder.handle(
             request.method, request.url.path, request.url.query, request.headers, body
         )

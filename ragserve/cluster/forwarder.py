@@ -18,7 +18,7 @@ import logging
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import aiohttp
 from starlette.responses import Response, StreamingResponse
@@ -151,15 +151,17 @@ class Forwarder:
             return Response(json.dumps(self.stats()), media_type="application/json")
         key = routing_key(path, body)
         tried: set[int] = set()
+        lost_one = False
         while True:
             loads = [slot.in_flight for slot in self.slots]
             up = [slot.up and i not in tried for i, slot in enumerate(self.slots)]
             if not any(up):
                 return _error(503, "no replica is available; try again shortly", "no_replica")
             index = self.router.choose(key, loads, up)
-            response = await self._forward(index, method, path, query, headers, body)
-            if response is not None:
+            response = await self._forward(index, method, path, query, headers, body, lost_one)
+            if isinstance(response, Response):
                 return response
+            lost_one = lost_one or response == "lost"
             tried.add(index)
 
     async def _forward(
@@ -170,13 +172,14 @@ class Forwarder:
         query: str,
         headers: Mapping[str, str],
         body: bytes,
-    ) -> Response | None:
-        """The replica's response, or None when the request may go to another replica (see
-        ``_may_resend``)."""
+        lost_one: bool = False,
+    ) -> Response | Literal["unreached", "lost"]:
+        """The replica's response, or why the request may go to another replica (see
+        ``_may_resend``; ``lost_one``: it was already lost with a replica once)."""
         slot = self.slots[index]
         url = slot.url
         if url is None:
-            return None
+            return "unreached"
         target = f"{url}{path}" + (f"?{query}" if query else "")
         send = {k: v for k, v in headers.items() if k.lower() not in _HOP}
         slot.in_flight += 1
@@ -186,7 +189,8 @@ class Forwarder:
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             slot.in_flight -= 1
             self._mark_down(index, url)
-            return None if _may_resend(exc, method, path) else _lost(index, exc)
+            resend = _may_resend(exc, method, path, lost_one)
+            return resend if resend is not None else _lost(index, exc)
         except BaseException:  # NOTE: cancelled (its client left): the count must not leak
             slot.in_flight -= 1
             raise
@@ -242,14 +246,16 @@ class Forwarder:
             doc_id = json.loads(payload).get("id")
         except (ValueError, AttributeError):
             return
-        if isinstance(doc_id, str) and self.router.owner(document_key(doc_id)) is None:
-            self.router.bind(document_key(doc_id), index)
+        key = document_key(doc_id) if isinstance(doc_id, str) else None
+        if key is not None and self.router.owner(key) is None:
+            self.router.bind(key, index)
 
     # -- reports ---------------------------------------------------------------------------
     def _may_read_reports(self, headers: Mapping[str, str]) -> bool:
         if not self._keys:
             return True
-        given = headers.get("authorization", "").removeprefix("Bearer ").strip().encode()
+        scheme, _, token = headers.get("authorization", "").partition(" ")
+        given = token.strip().encode() if scheme.lower() == "bearer" else b""
         # NOTE: every key compared, so the time taken does not tell which one matched.
         matches = [hmac.compare_digest(given, key.encode()) for key in self._keys]
         return any(matches)
@@ -295,16 +301,42 @@ class Forwarder:
         return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
 
-def _may_resend(exc: BaseException, method: str, path: str) -> bool:
+async def read_capped(
+    chunks: AsyncIterator[bytes], declared: str | None, limit: int
+) -> bytes | Response:
+    """A request body of at most ``limit`` bytes, or the 413 that refuses it, before more
+    than that is held: the ingress reads bodies before any replica checks the key, so an
+    unauthenticated client must not make it hold more than a replica would."""
+    if declared is not None and declared.strip().isdigit() and int(declared) > limit:
+        return _too_large(limit)
+    parts, size = [], 0
+    async for chunk in chunks:
+        size += len(chunk)
+        if size > limit:
+            return _too_large(limit)
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+def _too_large(limit: int) -> Response:
+    return _error(413, f"the request body is over {limit} bytes", "request_too_large")
+
+
+def _may_resend(
+    exc: BaseException, method: str, path: str, lost_one: bool
+) -> Literal["unreached", "lost"] | None:
     """Whether a request whose forwarding failed with ``exc`` may go to another replica:
     when it never reached its replica (connection refused), or when the connection broke
     before any response and the request is a generation (its replica died with it; a
-    generation sent again changes nothing a client sees twice). A time-out may mean a
-    replica still at work, so it is never resent."""
+    generation sent again changes nothing a client sees twice), once: a request that
+    itself brings replicas down must not take them all. A time-out may mean a replica
+    still at work, so it is never resent."""
     if isinstance(exc, aiohttp.ClientConnectorError):
-        return True
+        return "unreached"
     disconnected = isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientOSError)
-    return disconnected and method == "POST" and path in _RESENDABLE
+    if disconnected and method == "POST" and path in _RESENDABLE and not lost_one:
+        return "lost"
+    return None
 
 
 def _lost_message(index: int, exc: BaseException) -> str:

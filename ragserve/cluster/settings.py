@@ -128,3 +128,12 @@ def report_keys(serve_args: Sequence[str]) -> frozenset[str]:
     if keys and known.metrics_key:
         keys.add(known.metrics_key)
     return frozenset(keys)
+
+
+def request_limit(serve_args: Sequence[str]) -> int:
+    """The replicas' largest request body (``--max-request-bytes``): the ingress holds no
+    more of one before it is refused."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--max-request-bytes", type=int, default=ServerConfig.max_request_bytes)
+    known, _ = parser.parse_known_args(list(serve_args))
+    return int(known.max_request_bytes)

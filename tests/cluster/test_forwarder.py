@@ -15,8 +15,8 @@ from aiohttp import web
 
 pytest.importorskip("starlette")  # the ingress's responses; installed with ray[serve]
 
-from ragserve.cluster.forwarder import REPLICA_HEADER, Forwarder
-from ragserve.cluster.settings import ClusterSettings
+from ragserve.cluster.forwarder import REPLICA_HEADER, Forwarder, read_capped
+from ragserve.cluster.settings import ClusterSettings, request_limit
 
 
 async def _dying_replica(received: list[bytes]) -> tuple[asyncio.Server, str]:
@@ -98,6 +98,63 @@ def test_an_upload_whose_replica_dies_fails_cleanly_and_is_not_sent_twice() -> N
     assert sent_to_dying == 1
     assert status == 503
     assert json.loads(body)["error"]["code"] == "replica_lost"
+
+
+async def _two_replicas_die() -> tuple[int, str, int]:
+    """Three replicas; the first and the last die with whatever reaches them (round robin
+    sends the request to replica 0, then to replica 2 of the two left)."""
+    received: list[bytes] = []
+    dying = [await _dying_replica(received) for _ in range(2)]
+    live, live_url = await _live_replica()
+    urls = [dying[0][1], live_url, dying[1][1]]
+
+    async def lookup(index: int) -> dict[str, object]:
+        return {"url": urls[index], "pid": 1000 + index}
+
+    forwarder = Forwarder(ClusterSettings(replicas=3, policy="round_robin"), lookup)
+    await forwarder.start()
+    body = json.dumps({"prompt": "hi", "max_tokens": 1}).encode()
+    try:
+        response = await forwarder.handle("POST", "/v1/completions", "", {}, body)
+        code = json.loads(bytes(response.body))["error"]["code"]
+        return response.status_code, code, len(received)
+    finally:
+        await forwarder.close()
+        for server, _ in dying:
+            server.close()
+        await live.cleanup()
+
+
+def test_a_generation_lost_with_two_replicas_is_not_sent_to_a_third() -> None:
+    """A request that itself brings replicas down takes at most two with it."""
+    status, code, received = asyncio.run(_two_replicas_die())
+    assert (status, code, received) == (503, "replica_lost", 2)
+
+
+async def _chunks(*parts: bytes) -> Any:
+    for part in parts:
+        yield part
+
+
+def test_the_ingress_refuses_a_body_over_the_replicas_limit_before_holding_it() -> None:
+    async def read(declared: str | None, *parts: bytes) -> bytes | int:
+        read_parts: list[bytes] = []
+
+        async def counted() -> Any:
+            async for part in _chunks(*parts):
+                read_parts.append(part)
+                yield part
+
+        body = await read_capped(counted(), declared, limit=10)
+        if isinstance(body, bytes):
+            return body
+        assert json.loads(bytes(body.body))["error"]["code"] == "request_too_large"
+        return -len(read_parts)  # a refusal, and how many chunks it read first
+
+    assert asyncio.run(read(None, b"01234", b"56789")) == b"0123456789"
+    assert asyncio.run(read("11", b"0" * 11)) == 0  # declared too large: nothing read
+    assert asyncio.run(read(None, b"0" * 6, b"0" * 6, b"0" * 6)) == -2  # stops at the limit
+    assert request_limit(("--max-request-bytes", "4096")) == 4096
 
 
 async def _cancelled_mid_request() -> int:

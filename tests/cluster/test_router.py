@@ -49,14 +49,21 @@ def test_routing_keys() -> None:
     key = routing_key("/v1/chat/completions", json.dumps(chat).encode())
     assert key is not None and key.startswith("text:")
     assert key == routing_key("/v1/chat/completions", json.dumps(other).encode())
-    named = {"documents": ["d1", "d2"], "messages": [{"role": "user", "content": "q"}]}
-    assert routing_key("/v1/chat/completions", json.dumps(named).encode()) == "doc:d1"
+    d1, d2 = "1" * 32, "2" * 32
+    named = {"documents": [d1, d2], "messages": [{"role": "user", "content": "q"}]}
+    assert routing_key("/v1/chat/completions", json.dumps(named).encode()) == f"doc:{d1}"
     assert routing_key("/v1/completions", b'{"prompt": ["abc"]}') == routing_key(
         "/v1/completions", b'{"prompt": "abc"}'
     )
-    assert routing_key("/v1/documents/d1", b"") == "doc:d1"
+    assert routing_key(f"/v1/documents/{d1}", b"") == f"doc:{d1}"
     assert routing_key("/v1/documents", b'{"text": "t"}') is None
     assert routing_key("/v1/completions", b"not json") is None
+    # Bodies the replica refuses are no key: nested past the parser's depth, or naming an
+    # id of no document's form (the router keeps keys: a client must not size them).
+    assert routing_key("/v1/chat/completions", b"[" * 100_000) is None
+    huge = {"documents": ["x" * 1_000_000], "messages": [{"role": "user", "content": "q"}]}
+    assert routing_key("/v1/chat/completions", json.dumps(huge).encode()) is None
+    assert routing_key("/v1/documents/" + "x" * 1000, b"") is None
 
 
 def test_reports_need_a_key_when_the_replicas_have_keys() -> None:
@@ -80,10 +87,15 @@ def test_reports_need_a_key_when_the_replicas_have_keys() -> None:
     async def statuses() -> list[int]:
         forwarder = Forwarder(ClusterSettings(serve_args=args), no_lookup)
         codes = []
-        for headers in ({}, {"authorization": "Bearer sk-x"}, {"authorization": "Bearer sk-m"}):
+        for headers in (
+            {},
+            {"authorization": "Bearer sk-x"},
+            {"authorization": "Bearer sk-m"},
+            {"authorization": "bearer sk-a"},  # the scheme in any case, as replicas take it
+        ):
             response = await forwarder.handle("GET", "/cluster/stats", "", headers, b"")
             codes.append(response.status_code)
         await forwarder.close()
         return codes
 
-    assert asyncio.run(statuses()) == [401, 401, 200]
+    assert asyncio.run(statuses()) == [401, 401, 200, 200]
