@@ -12,6 +12,7 @@ each replica (with the replicas' API keys or metrics key, when they have keys).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
@@ -50,6 +51,7 @@ _HOP = {
 _PROXY_SETS = {"date", "server", "x-request-id"}
 # Generations: sent again to another replica when theirs died before answering.
 _RESENDABLE = {"/v1/completions", "/v1/chat/completions"}
+JOBS_PATH = "/v1/pipelines/summarize"
 REPLICA_HEADER = "X-Ragserve-Replica"
 _RETRY_S = 0.5
 
@@ -149,20 +151,70 @@ class Forwarder:
             if path == "/metrics":
                 return await self._metrics(headers)
             return Response(json.dumps(self.stats()), media_type="application/json")
-        key = routing_key(path, body)
+        if path.startswith(JOBS_PATH):
+            return await self._job_request(method, path, query, headers, body)
+        return await self._route(routing_key(path, body), method, path, query, headers, body)
+
+    async def _route(
+        self,
+        key: str | None,
+        method: str,
+        path: str,
+        query: str,
+        headers: Mapping[str, str],
+        body: bytes,
+    ) -> Response:
+        """Forward to the replica the router chooses for ``key``; to another when that one
+        is not reached, or lost a generation (once)."""
         tried: set[int] = set()
         lost_one = False
         while True:
             loads = [slot.in_flight for slot in self.slots]
             up = [slot.up and i not in tried for i, slot in enumerate(self.slots)]
             if not any(up):
-                return _error(503, "no replica is available; try again shortly", "no_replica")
+                return _no_replica()
             index = self.router.choose(key, loads, up)
             response = await self._forward(index, method, path, query, headers, body, lost_one)
             if isinstance(response, Response):
                 return response
             lost_one = lost_one or response == "lost"
             tried.add(index)
+
+    async def _job_request(
+        self, method: str, path: str, query: str, headers: Mapping[str, str], body: bytes
+    ) -> Response:
+        """Summarization jobs live in the replica that runs them: a new one is bound to it,
+        a job's id goes there (or, not bound here, to each replica until one knows it), and
+        a listing gathers every replica's."""
+        if path == JOBS_PATH and method == "POST":
+            created = await self._route(None, method, path, query, headers, body)
+            replica = created.headers.get(REPLICA_HEADER)
+            if created.status_code == 202 and replica is not None:
+                with contextlib.suppress(ValueError, AttributeError):
+                    self.router.bind(f"job:{json.loads(bytes(created.body))['id']}", int(replica))
+            return created
+        up = [i for i, slot in enumerate(self.slots) if slot.up]
+        if path == JOBS_PATH:
+            answers = await asyncio.gather(
+                *(self._forward(i, method, path, query, headers, body) for i in up)
+            )
+            replies = [a for a in answers if isinstance(a, Response)]
+            lists = [a for a in replies if a.status_code == 200]
+            if not lists:  # NOTE: a refusal (a bad key) is every replica's
+                return replies[0] if replies else _no_replica()
+            jobs = [job for a in lists for job in json.loads(bytes(a.body))["data"]]
+            jobs.sort(key=lambda job: job.get("created", 0))
+            listing = json.dumps({"object": "list", "data": jobs})
+            return Response(listing, media_type="application/json")
+        owner = self.router.owner(f"job:{path.removeprefix(JOBS_PATH + '/')}")
+        reply: Response | None = None
+        for index in [owner] if owner in up else up:
+            answer = await self._forward(index, method, path, query, headers, body)
+            if isinstance(answer, Response):
+                reply = answer
+                if answer.status_code != 404:
+                    break
+        return reply if reply is not None else _no_replica()
 
     async def _forward(
         self,
@@ -316,6 +368,10 @@ async def read_capped(
             return _too_large(limit)
         parts.append(chunk)
     return b"".join(parts)
+
+
+def _no_replica() -> Response:
+    return _error(503, "no replica is available; try again shortly", "no_replica")
 
 
 def _too_large(limit: int) -> Response:

@@ -131,6 +131,73 @@ def test_a_generation_lost_with_two_replicas_is_not_sent_to_a_third() -> None:
     assert (status, code, received) == (503, "replica_lost", 2)
 
 
+async def _job_replica(name: str) -> tuple[web.AppRunner, str]:
+    """A replica keeping summarization jobs in its memory, as a real one does."""
+    jobs: dict[str, dict[str, Any]] = {}
+    path = "/v1/pipelines/summarize"
+
+    async def create(request: web.Request) -> web.Response:
+        job = {"id": f"{name}-{len(jobs)}", "created": len(jobs), "replica": name}
+        jobs[job["id"]] = job
+        return web.json_response(job, status=202)
+
+    async def listing(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": list(jobs.values())})
+
+    async def one(request: web.Request) -> web.Response:
+        job = jobs.get(request.match_info["id"])
+        return web.json_response(job or {"error": {}}, status=200 if job else 404)
+
+    app = web.Application()
+    app.router.add_post(path, create)
+    app.router.add_get(path, listing)
+    app.router.add_get(path + "/{id}", one)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return runner, f"http://127.0.0.1:{port}"
+
+
+async def _jobs_through_the_ingress() -> tuple[list[str], set[int], list[int], int]:
+    replicas = [await _job_replica(name) for name in ("a", "b")]
+
+    async def lookup(index: int) -> dict[str, object]:
+        return {"url": replicas[index][1], "pid": 1000 + index}
+
+    path = "/v1/pipelines/summarize"
+    forwarders = [Forwarder(ClusterSettings(replicas=2), lookup) for _ in range(2)]
+    try:
+        for forwarder in forwarders:
+            await forwarder.start()
+        first, fresh = forwarders  # NOTE: a fresh ingress never saw the jobs created
+        created = [await first.handle("POST", path, "", {}, b"{}") for _ in range(4)]
+        ids = [json.loads(bytes(r.body))["id"] for r in created]
+        statuses = {
+            (await ingress.handle("GET", f"{path}/{job_id}", "", {}, b"")).status_code
+            for job_id in ids
+            for ingress in (first, fresh, first)
+        }
+        listed = await fresh.handle("GET", path, "", {}, b"")
+        order = [job["created"] for job in json.loads(bytes(listed.body))["data"]]
+        missing = await first.handle("GET", f"{path}/none", "", {}, b"")
+        return ids, statuses, order, missing.status_code
+    finally:
+        for forwarder in forwarders:
+            await forwarder.close()
+        for runner, _ in replicas:
+            await runner.cleanup()
+
+
+def test_a_job_is_found_on_the_replica_that_runs_it_and_listings_gather_every_replicas() -> None:
+    ids, statuses, order, missing = asyncio.run(_jobs_through_the_ingress())
+    assert {job_id[0] for job_id in ids} == {"a", "b"}  # the jobs went to both replicas
+    assert statuses == {200}
+    assert sorted(order) == order and len(order) == 4
+    assert missing == 404
+
+
 async def _chunks(*parts: bytes) -> Any:
     for part in parts:
         yield part
