@@ -256,7 +256,10 @@ class DocumentService(DocumentPersistence):
         (checked again after tokenizing, since uploads run at once)."""
         expires = expire_time_from(ttl, expire_time, time.time(), self.default_ttl)
         existing = self.existing(namespace, text)
-        if existing is not None:
+        deleted = (
+            existing if existing is not None and await self._deleted_elsewhere(existing) else None
+        )
+        if existing is not None and deleted is None:
             return existing, False
         doc_id = document_id(namespace, text)
         check_metadata(self.limits, metadata)
@@ -267,13 +270,13 @@ class DocumentService(DocumentPersistence):
 
         async def register() -> tuple[RegisteredDocument, bool]:
             existing = self.existing(namespace, text)  # another upload may have won the race
-            if existing is not None:
+            if existing is not None and existing is not deleted:
                 return existing, False
             check_documents(self.limits, *self._holding(namespace, doc_id), len(token_ids))
             if self.admission is not None:
                 check_work(self.admission, len(prefix_ids), 1, tenant=namespace)
             stale = self._docs.get((namespace, doc_id))
-            if stale is not None:  # expired (not swept yet) or failed: it goes first
+            if stale is not None:  # expired (not swept yet), failed or deleted: it goes first
                 # NOTE: its row is replaced below; other models' rows of this text stay
                 # unless their own expiry passed (their servers may be serving them).
                 expired = stale.expired(time.time())
@@ -291,6 +294,19 @@ class DocumentService(DocumentPersistence):
         # NOTE: a DELETE of this text still running finishes first (its row delete and
         # purge must not reach the document registered here).
         return await self.locks.run(namespace, doc_id, register)
+
+    async def _deleted_elsewhere(self, doc: RegisteredDocument) -> bool:
+        """Whether another server deleted ``doc``'s row since this one last looked (its
+        watch would forget the document within a round): an upload of its text then
+        registers it anew, where answering with the known one lost it."""
+        key = (doc.namespace, doc.id)
+        if self.shared is not None:
+            gone = await self._shared_call(self.shared.gone, [key])
+            if gone:  # NOTE: None (unreachable) or empty: the directory may still know
+                return key in gone
+        if doc.saved and self.store is not None and self.store.is_open:
+            return await self._store_call("read", self.store.has, *key) is False
+        return False
 
     def _holding(self, namespace: str, replacing: str) -> tuple[int, int]:
         """(documents, tokens) the tenant keeps, without the failed one ``replacing`` would

@@ -223,6 +223,28 @@ def test_a_delete_on_one_is_forgotten_by_the_other(pair: Pair) -> None:
     assert 0 < ttl <= 24 * 3600  # a tombstone, kept a day
 
 
+def test_an_upload_right_after_a_delete_elsewhere_keeps_the_document(pair: Pair) -> None:
+    """The other server still knows the deleted document (its watch has not run): the
+    upload of its text registers it anew, and no watch round forgets it."""
+    one, two = pair.one, pair.two
+    text = "A note deleted on one and uploaded again on two at once. " * 4
+    uploaded = requests.post(
+        f"{one.url}/v1/documents", json={"text": text}, headers=AUTH, timeout=120
+    )
+    assert uploaded.status_code == 202, uploaded.text
+    doc_id = uploaded.json()["id"]
+    assert doc_id in listed(two.url)  # learned there
+    deleted = requests.delete(f"{one.url}/v1/documents/{doc_id}", headers=AUTH, timeout=60)
+    assert deleted.status_code == 200, deleted.text
+    again = requests.post(f"{two.url}/v1/documents", json={"text": text}, headers=AUTH, timeout=120)
+    assert again.status_code == 202, again.text  # a new document, not the one known there
+    time.sleep(3 * INTERVAL_S)  # watch rounds on both servers
+    for server in (two, one):
+        assert wait_for(lambda s=server: document(s.url, doc_id).status_code == 200, 10, 0.2)
+    wait_ready(two.url, doc_id, AUTH)
+    assert ask(one.url, doc_id).status_code == 200
+
+
 def document(url: str, doc_id: str) -> requests.Response:
     return requests.get(f"{url}/v1/documents/{doc_id}", headers=AUTH, timeout=30)
 
