@@ -114,7 +114,8 @@ def document_sharing(serve_args: Sequence[str]) -> Literal["store", "directory"]
 
 def report_keys(serve_args: Sequence[str]) -> frozenset[str]:
     """The keys that open the cluster's own reports (``/cluster/stats``, ``/metrics``): the
-    replicas' API keys and metrics key. Empty: the replicas have no keys, nor do reports."""
+    replicas' metrics key, else their API keys. Empty: the replicas have no keys, nor do
+    reports."""
     from ragserve.server.auth import read_api_key_file
 
     parser = argparse.ArgumentParser(add_help=False)
@@ -122,11 +123,11 @@ def report_keys(serve_args: Sequence[str]) -> frozenset[str]:
     parser.add_argument("--api-key-file", default=None)
     parser.add_argument("--metrics-key", default=None)
     known, _ = parser.parse_known_args(list(serve_args))
+    if known.metrics_key:
+        return frozenset({known.metrics_key})
     keys = set(known.api_key)
     if known.api_key_file:
         keys.update(read_api_key_file(known.api_key_file))
-    if keys and known.metrics_key:
-        keys.add(known.metrics_key)
     return frozenset(keys)
 
 

@@ -1,8 +1,9 @@
 """Bearer-key authentication; each API key is a tenant with its own cache namespace.
 
 With API keys set, ``/v1`` and ``/openapi.json`` (which describes it) need one of them,
-and ``/metrics`` needs one of them or the separate metrics key. A metrics key alone
-protects ``/metrics`` only. ``/health`` stays open: load balancers probe it.
+and so does ``/metrics``, unless a metrics key is set: then only that key opens it (its
+counts are the whole server's, every tenant's together). A metrics key alone protects
+``/metrics`` only. ``/health`` stays open: load balancers probe it.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def make_auth_middleware(api_keys: Iterable[str], metrics_key: str | None = None
     """Without keys every caller is the anonymous tenant ""; the rules are the module's."""
     tenants = [(key.encode(), tenant_name(key)) for key in api_keys]
     # NOTE: the metrics key is no tenant: it opens /metrics and nothing else.
-    scrapers = tenants + ([(metrics_key.encode(), "")] if metrics_key else [])
+    scrapers = [(metrics_key.encode(), "")] if metrics_key else tenants
 
     @web.middleware
     async def auth_middleware(request: web.Request, handler: Any) -> web.StreamResponse:

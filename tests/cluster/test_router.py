@@ -79,7 +79,8 @@ def test_reports_need_a_key_when_the_replicas_have_keys() -> None:
 
     assert report_keys(("--kv-cache-gib", "1")) == frozenset()
     args = ("--api-key", "sk-a", "--api-key", "sk-b", "--metrics-key", "sk-m")
-    assert report_keys(args) == {"sk-a", "sk-b", "sk-m"}
+    assert report_keys(args) == {"sk-m"}  # the metrics key alone, when there is one
+    assert report_keys(args[:4]) == {"sk-a", "sk-b"}
 
     async def no_lookup(index: int) -> dict[str, object]:
         raise AssertionError("a report asks no replica for its address")
@@ -91,11 +92,12 @@ def test_reports_need_a_key_when_the_replicas_have_keys() -> None:
             {},
             {"authorization": "Bearer sk-x"},
             {"authorization": "Bearer sk-m"},
-            {"authorization": "bearer sk-a"},  # the scheme in any case, as replicas take it
+            {"authorization": "Bearer sk-a"},  # a tenant's key: no server-wide counts
+            {"authorization": "bearer sk-m"},  # the scheme in any case, as replicas take it
         ):
             response = await forwarder.handle("GET", "/cluster/stats", "", headers, b"")
             codes.append(response.status_code)
         await forwarder.close()
         return codes
 
-    assert asyncio.run(statuses()) == [401, 401, 200, 200]
+    assert asyncio.run(statuses()) == [401, 401, 200, 401, 200]

@@ -1,8 +1,8 @@
 """Who may read what, and flag combinations that used to be silently ignored.
 
 The auth middleware alone, in process: with API keys ``/v1``, ``/openapi.json`` and
-``/metrics`` need a key (``/metrics`` also takes the metrics key, which opens nothing
-else); ``/health`` stays open. Engine and server configs refuse contradictory flags, and
+``/metrics`` need a key (with a metrics key, ``/metrics`` takes that one alone, and it
+opens nothing else); ``/health`` stays open. Engine and server configs refuse contradictory flags, and
 ``--kv-disk-dir`` alone turns the disk tier on with the default budget.
 """
 
@@ -58,6 +58,11 @@ def test_keys_guard_v1_the_spec_and_metrics() -> None:
     assert set(statuses(("k1",), None, "k1").values()) == {200}
     assert statuses(("k1",), "scrape", "scrape") == {
         "/health": 200, "/metrics": 200, "/openapi.json": 401, "/v1/models": 401,
+    }  # fmt: skip
+    # With a metrics key, a tenant's key no longer reads the server's counts (every
+    # tenant's documents and requests).
+    assert statuses(("k1",), "scrape", "k1") == {
+        "/health": 200, "/metrics": 401, "/openapi.json": 200, "/v1/models": 200,
     }  # fmt: skip
     # A metrics key alone protects /metrics only.
     assert statuses((), "scrape", None) == {
