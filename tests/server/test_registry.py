@@ -25,7 +25,7 @@ from ragserve.server.document_store import FILENAME, DocumentStore
 from ragserve.server.legacy_registry import FORMAT, VERSION, checksum, legacy_path
 from ragserve.server.registry_models import ModelRecord
 from ragserve.server.stored_document import StoredDocument
-from tests.server.server_fixtures import BLOCK_SIZE, running_server, wait_ready
+from tests.server.server_fixtures import BLOCK_SIZE, running_server, wait_for, wait_ready
 
 KEY = "sk-registry-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -325,6 +325,32 @@ def test_documents_survive_a_restart(tmp_path: Path) -> None:
         )
         assert upload.status_code == 202
     assert [d.id for d in opened(tmp_path / "kv", _fingerprint(registry)).load()] == [doc["id"]]
+
+
+@pytest.mark.e2e
+def test_a_document_the_pin_budget_leaves_unpinned_is_written_to_disk(tmp_path: Path) -> None:
+    """Ingestion writes a document's blocks through to the disk tier as it computes them,
+    not only when it can pin them: a restart finds them there."""
+    tier = ("--kv-disk-gib", "0.1", "--kv-disk-dir", str(tmp_path / "kv"), "--api-key", KEY)
+    no_pins = ("--tenant-pin-share", "0.001")  # NOTE: not one block: nothing is pinned
+    with running_server(*tier, *no_pins, log_path=tmp_path / "first.log") as first:
+        upload = requests.post(
+            f"{first.url}/v1/documents", json={"text": DOC}, headers=AUTH, timeout=60
+        )
+        assert upload.status_code == 202, upload.text
+        doc = wait_ready(first.url, upload.json()["id"], AUTH)
+        assert doc["status"] == "ready" and doc["pinned_tokens"] == 0
+        full_blocks = int(doc["prefix_tokens"]) // BLOCK_SIZE
+
+        def on_disk() -> bool:
+            state = requests.get(f"{first.url}/v1/documents/{doc['id']}", headers=AUTH, timeout=30)
+            return bool(state.json()["kv_blocks"].get("disk", 0) >= full_blocks)
+
+        assert wait_for(on_disk, 30, interval=0.2)
+    with running_server(*tier, *no_pins, log_path=tmp_path / "second.log") as second:
+        details = question(second.url, doc["id"])["prompt_tokens_details"]
+        assert details["cached_tokens"] >= full_blocks * BLOCK_SIZE  # type: ignore[index]
+        assert second.metrics()['ragserve_kv_tier_hits_total{tier="disk"}'] >= full_blocks - 2
 
 
 def _fingerprint(registry: Path) -> str:
