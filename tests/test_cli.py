@@ -69,6 +69,24 @@ def test_bad_choice_exits_2_with_one_error_line(capsys: pytest.CaptureFixture[st
     assert errors[0].startswith("ragserve serve: error: argument --dtype: invalid choice")
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["bench", "prefix", "--num-questions", "2"], "--num-questions: must be >= 5, got 2"),
+        (["bench", "throughput", "--num-prompts", "0"], "--num-prompts: must be >= 1, got 0"),
+        (["bench", "fp8-quality", "--variants", "fp8 KV,fp8-kv"], "unknown variants ['fp8-kv']"),
+    ],
+)
+def test_bench_options_no_run_could_use_are_refused_before_any_work(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and message in errors[0], errors
+
+
 def test_a_command_that_cannot_be_imported_leaves_the_others(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -15,6 +16,18 @@ import torch
 
 from ragserve.config import EngineConfig
 from ragserve.devices import resolve_device
+
+
+def int_at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: an integer of at least ``low`` (a clear usage error otherwise)."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    return parse
 
 
 def for_its_device(config: EngineConfig) -> EngineConfig:

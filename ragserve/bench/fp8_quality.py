@@ -51,8 +51,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--docs-per-prompt", default="1,8", help="min,max")
     parser.add_argument("--answer-tokens", type=int, default=16)
     parser.add_argument("--top", type=int, default=20, help="logprobs per step (at most 20)")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated")
+    parser.add_argument(
+        "--variants",
+        type=_variant_names,
+        default=list(VARIANTS),
+        help=f"comma-separated, of: {', '.join(VARIANTS)}",
+    )
     parser.add_argument("--out", default="bench-results/fp8_quality.json")
+
+
+def _variant_names(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",")]
+    unknown = [name for name in names if name not in VARIANTS]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown variants {unknown}; choose from: {', '.join(VARIANTS)}"
+        )
+    return names
 
 
 def run(args: argparse.Namespace, config: EngineConfig) -> int:
@@ -86,7 +101,7 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
         write_json(args.out, results, quiet=True)
 
     record("baseline, teacher-forced", reference)
-    for name in args.variants.split(","):
+    for name in args.variants:
         with LLM.from_config(dataclasses.replace(config, **VARIANTS[name])) as llm:
             steps = teacher_forced(llm, prompts, answers, args.top)
         release_device_memory()
@@ -99,7 +114,7 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
             "variant",
             "top-1 vs greedy answer",
             "top-1 vs forced baseline",
-            "mean KL (top-20 + rest)",
+            f"mean KL (top-{args.top} + rest)",
         ],
         rows,
     )

@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 from ragserve.bench.common import (
+    int_at_least,
     load_transformers_model,
     random_prompts,
     time_request,
@@ -23,7 +24,8 @@ from ragserve.table import print_table
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--doc-tokens", type=int, default=4096)
-    parser.add_argument("--num-questions", type=int, default=8)
+    # NOTE: questions 2-4 time a warm first token, and 5-7 one without the document.
+    parser.add_argument("--num-questions", type=int_at_least(5), default=8)
     parser.add_argument("--question-tokens", type=int, default=20)
     parser.add_argument("--output-len", type=int, default=16)
     parser.add_argument("--skip-transformers", action="store_true")

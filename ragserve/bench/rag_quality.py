@@ -25,8 +25,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import DynamicCache
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from ragserve.bench.rag_workload import RagQuestion
 
@@ -93,6 +91,10 @@ class BlendEmulator:
 
     def _rotate(self, keys: torch.Tensor, shift: int) -> torch.Tensor:
         """Keys ``[heads, n, dim]`` moved ``shift`` positions, with transformers' own RoPE."""
+        # NOTE: imported here: the bench's parser imports this module, and ``--help`` is slow
+        # enough with torch alone.
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
         positions = torch.full((1, keys.shape[1]), shift, device=keys.device)
         cos, sin = self.model.model.rotary_emb(keys[None], positions)
         moved, _ = apply_rotary_pos_emb(keys[None], keys[None], cos, sin)
@@ -187,6 +189,8 @@ class BlendEmulator:
         recompute = [p for p in range(lead, n) if p not in served]
         layers = list(range(self.model.config.num_hidden_layers))
         keys, values = self._blended_kv(question, layers, reference)
+        from transformers import DynamicCache
+
         cache = DynamicCache()
         for layer in layers:
             cache.update(keys[layer][None], values[layer][None], layer)

@@ -12,6 +12,7 @@ import torch
 from ragserve.bench.common import (
     add_peak_arguments,
     for_its_device,
+    int_at_least,
     load_transformers_model,
     peak_rss_mib,
     random_prompts,
@@ -30,12 +31,7 @@ from ragserve.bench.shapes import (
 from ragserve.config import EngineConfig
 from ragserve.table import print_table
 
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+positive_int = int_at_least(1)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -26,8 +26,8 @@ class ServerConfig:
     )
     metrics_key: str | None = option(
         None,
-        help="a key that opens /metrics alone (for a scraper); with --api-key set, /metrics "
-        "needs an API key or this one",
+        help="the one key that opens /metrics (for a scraper: its counts are every "
+        "tenant's); it opens nothing else. Without it, with --api-key set, any API key does",
     )
     registry_dir: str | None = option(
         None,
