@@ -116,7 +116,7 @@ class TextLimit:
             raise bad_request(
                 f"this model's maximum context length is {self.context_tokens} tokens, and one "
                 f"token stands for at most {self.bytes_per_token} bytes of text, so at most "
-                f"{context_bytes} bytes fit; the {param} hold {at_least}{kept} "
+                f"{context_bytes} bytes fit; the text in {param} has {at_least}{kept} "
                 "bytes that take tokens",
                 param,
                 "context_length_exceeded",
@@ -124,7 +124,7 @@ class TextLimit:
         if size > self.max_bytes:
             raise APIError(
                 413,
-                f"the {param} hold {at_least}{size} bytes of text; this server "
+                f"the text in {param} is {at_least}{size} bytes; this server "
                 f"takes at most {self.max_bytes}",
                 param=param,
                 code="text_too_large",

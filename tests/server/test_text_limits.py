@@ -178,7 +178,7 @@ def test_check_counts_only_the_bytes_that_take_tokens() -> None:
     limit.check(["\x16" * 900, "\U00040000"], "messages")  # 3 bytes take tokens, 904 in all
     with pytest.raises(APIError) as raised:
         limit.check(["\x16" * 900, "\U00040000a"], "messages")
-    assert raised.value.code == "context_length_exceeded" and "hold 4 bytes" in raised.value.message
+    assert raised.value.code == "context_length_exceeded" and "has 4 bytes" in raised.value.message
     with pytest.raises(APIError) as raised:
         limit.check(["\x16" * 1001], "messages")  # the configured limit counts every byte
     assert raised.value.code == "text_too_large" and "at least 1001 bytes" in raised.value.message
@@ -194,4 +194,4 @@ def test_text_the_tokenizer_drops_takes_no_room(smollm_tokenizer: Any) -> None:
     with pytest.raises(APIError) as raised:
         limit.check([too_long], "messages")
     assert raised.value.code == "context_length_exceeded"
-    assert f"hold {len(too_long) - 2 * 8192 * 81} bytes" in raised.value.message
+    assert f"has {len(too_long) - 2 * 8192 * 81} bytes" in raised.value.message
