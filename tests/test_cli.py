@@ -75,6 +75,10 @@ def test_bad_choice_exits_2_with_one_error_line(capsys: pytest.CaptureFixture[st
         (["bench", "prefix", "--num-questions", "2"], "--num-questions: must be >= 5, got 2"),
         (["bench", "throughput", "--num-prompts", "0"], "--num-prompts: must be >= 1, got 0"),
         (["bench", "fp8-quality", "--variants", "fp8 KV,fp8-kv"], "unknown variants ['fp8-kv']"),
+        (
+            ["bench", "cluster", "--configs", "1:affinity,1:bogus"],
+            "'1:bogus' is not REPLICAS:ROUTER",
+        ),
     ],
 )
 def test_bench_options_no_run_could_use_are_refused_before_any_work(

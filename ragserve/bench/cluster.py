@@ -32,6 +32,7 @@ from ragserve.bench.serve_client import (
     upload_document,
     wait_healthy,
 )
+from ragserve.cluster.settings import POLICIES, Policy
 from ragserve.config import EngineConfig
 from ragserve.table import print_table
 
@@ -55,14 +56,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--configs",
+        type=cluster_runs,
         default="1:affinity,2:round_robin,2:affinity",
-        help="comma-separated REPLICAS:ROUTER runs",
+        help=f"comma-separated REPLICAS:ROUTER runs (ROUTER: {' or '.join(POLICIES)})",
     )
     parser.add_argument("--replica-threads", type=int, default=1, help="torch threads each")
     parser.add_argument("--busy-threshold", type=int, default=4)
     parser.add_argument("--proxy-port", type=int, default=8765)
     parser.add_argument("--request-timeout", type=float, default=300.0)
     parser.add_argument("--out", default="bench-results/cluster.json")
+
+
+def cluster_runs(text: str) -> list[tuple[int, Policy]]:
+    """``--configs``: (replicas, router) per run, checked before any cluster starts."""
+    runs = []
+    for item in text.split(","):
+        replicas, _, router = item.strip().partition(":")
+        if not replicas.isdigit() or int(replicas) < 1 or router not in POLICIES:
+            raise argparse.ArgumentTypeError(
+                f"{item!r} is not REPLICAS:ROUTER with REPLICAS >= 1 and ROUTER one of "
+                f"{', '.join(POLICIES)}"
+            )
+        runs.append((int(replicas), router))
+    return runs
 
 
 @dataclass
@@ -90,7 +106,7 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
 
     from ragserve.bench.common import write_json
 
-    runs = [(int(n), router) for n, router in (item.split(":") for item in args.configs.split(","))]
+    runs: list[tuple[int, Policy]] = args.configs
     results: list[RunResult] = []
     with _store(config.kv_remote_url) as url, tempfile.TemporaryDirectory() as scratch:
         config = replace(config, kv_remote_url=url)
