@@ -29,16 +29,21 @@ async def _dying_replica(received: list[bytes]) -> tuple[asyncio.Server, str]:
     return server, f"http://127.0.0.1:{port}"
 
 
-async def _replica(handler: Any) -> tuple[web.AppRunner, str]:
-    """A real loopback server answering every POST with ``handler``."""
-    app = web.Application()
-    app.router.add_post("/{tail:.*}", handler)
+async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
+    """``app`` on a real loopback server; its runner and URL."""
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     return runner, f"http://127.0.0.1:{port}"
+
+
+async def _replica(handler: Any) -> tuple[web.AppRunner, str]:
+    """A real loopback server answering every POST with ``handler``."""
+    app = web.Application()
+    app.router.add_post("/{tail:.*}", handler)
+    return await _serve(app)
 
 
 async def _live_replica() -> tuple[web.AppRunner, str]:
@@ -152,12 +157,7 @@ async def _job_replica(name: str) -> tuple[web.AppRunner, str]:
     app.router.add_post(path, create)
     app.router.add_get(path, listing)
     app.router.add_get(path + "/{id}", one)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    return runner, f"http://127.0.0.1:{port}"
+    return await _serve(app)
 
 
 async def _jobs_through_the_ingress() -> tuple[list[str], set[int], list[int], int]:
