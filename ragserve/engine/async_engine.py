@@ -122,13 +122,11 @@ class AsyncEngine:
         namespace: str = "",
         queued: Callable[[], None] | None = None,
         reuse: DocumentReuse | None = None,
-        persist: bool = False,
     ) -> AsyncIterator[RequestOutput]:
         """Stream cumulative outputs; the last one has ``finished=True``.
 
         ``queued`` is called once the request is in the engine's command queue (on the
-        first iteration): later calls (a purge) run after its admission. ``persist``: see
-        ``LLMEngine.add_request``.
+        first iteration): later calls (a purge) run after its admission.
         Raises ValueError (before any output) when the engine rejects the request.
         """
         if not self.is_alive:
@@ -142,16 +140,13 @@ class AsyncEngine:
         def add() -> None:
             try:
                 if reuse is None:
-                    self.engine.add_request(
-                        request_id, prompt, params, namespace=namespace, persist=persist
-                    )
+                    self.engine.add_request(request_id, prompt, params, namespace=namespace)
                 else:
                     self.engine.add_request(
                         request_id,
                         prompt,
                         params,
                         namespace=namespace,
-                        persist=persist,
                         documents=reuse.documents,
                         kv_reuse=reuse.kv_reuse,
                         recompute_ratio=reuse.recompute_ratio,

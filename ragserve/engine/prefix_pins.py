@@ -44,7 +44,8 @@ class PrefixPins:
         """Hold the cached full blocks of ``token_ids`` (hashed with ``alloc``'s salt).
 
         Returns how many leading tokens are pinned (the cached full blocks found now), or 0
-        when the pin would break the budget. Pinned blocks are persisted to the tiers below.
+        when the pin would break the budget. Either way the blocks are persisted to the
+        tiers below: a document outlives a restart whether or not it could be pinned.
         """
         if not 0.0 <= namespace_share <= 1.0:
             raise ValueError(f"namespace_share must be in [0, 1], got {namespace_share}")
@@ -56,6 +57,8 @@ class PrefixPins:
         except BaseException:  # NOTE: a tier's copy fault: the blocks shared so far go back
             self.kv_manager.free(alloc)
             raise
+        if tiers is not None:  # documents persist, pinned or not, whoever computed them
+            self._persist(alloc, tiers)
         blocks = set(alloc.block_table)
         limit = int(self.block_pool.num_blocks * MAX_PINNED_FRACTION)
         own_limit = int(limit * namespace_share)
@@ -66,7 +69,8 @@ class PrefixPins:
             for b in pin.alloc.block_table
         }
         if len(self.blocks() | blocks) > limit or len(own | blocks) > own_limit:
-            # NOTE: the document stays cached (and on disk with a disk tier), just evictable.
+            # NOTE: the document stays cached (and on disk with a disk tier: persisted above),
+            # just evictable.
             self.kv_manager.free(alloc)
             logger.warning(
                 "not pinning %s: pins would hold more than %d of %d KV blocks, or this "
@@ -78,12 +82,15 @@ class PrefixPins:
             )
             return 0
         self._pins[pin_id] = _Pin(namespace, alloc)
-        if tiers is not None:  # pinned documents persist, whoever computed their blocks
-            for block in alloc.block_table:
-                identity = self.block_pool.identities[block]
-                if identity is not None and not tiers.persisted(identity):
-                    tiers.persist(block, identity)
         return pinned
+
+    def _persist(self, alloc: KVAllocation, tiers: TierStack) -> None:
+        """Write the blocks of ``alloc`` the disk tier lacks through to it (and offer them
+        to the shared store): computed here, loaded from a tier, or found cached."""
+        for block in alloc.block_table:
+            identity = self.block_pool.identities[block]
+            if identity is not None and not tiers.persisted(identity):
+                tiers.persist(block, identity)
 
     def unpin(self, pin_id: str) -> bool:
         pin = self._pins.pop(pin_id, None)

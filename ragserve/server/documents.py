@@ -361,11 +361,7 @@ class DocumentService(DocumentPersistence):
             else None
         )
         try:
-            # NOTE: written through as computed: a document the pin budget leaves unpinned
-            # persists too, and reaches the shared store for the other replicas.
-            stream = self.engine.generate(
-                doc.prefix_ids, params, request_id, doc.namespace, persist=True
-            )
+            stream = self.engine.generate(doc.prefix_ids, params, request_id, doc.namespace)
             async with contextlib.aclosing(stream):  # type: ignore[type-var]
                 async for output in stream:
                     if admission is not None and ticket is not None and output.finished:
