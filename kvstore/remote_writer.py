@@ -1,9 +1,11 @@
 """The remote tier's writes: a bounded queue drained by one thread in pipelined batches.
 
 ``put`` (``WriteQueue``) queues a private copy of the block; it never waits unless asked
-to, and an open circuit (the store known to be down) drops the block. The thread takes what is queued, up to
-``batch_blocks`` blocks, encodes the records and sends them as one pipeline of SETs
-(one round trip). Values carry no expiry: the store's ``maxmemory`` policy bounds them.
+to, and an open circuit (the store known to be down) drops the block. The thread takes
+what is queued, up to ``batch_blocks`` blocks, asks the store which of their keys it
+holds (one pipeline of EXISTS), then encodes the other records and sends them as one
+pipeline of SETs: two round trips. Values carry no expiry: the store's ``maxmemory``
+policy bounds them.
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ def int_at_least(low: int) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
         return value
 
+    parse.__name__ = "int"  # NOTE: argparse names the type in "invalid int value: 'x'"
     return parse
 
 

@@ -31,11 +31,9 @@ from ragserve.bench.shapes import (
 from ragserve.config import EngineConfig
 from ragserve.table import print_table
 
-positive_int = int_at_least(1)
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--num-prompts", type=positive_int, default=32)
+    parser.add_argument("--num-prompts", type=int_at_least(1), default=32)
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument(

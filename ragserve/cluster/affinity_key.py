@@ -12,10 +12,11 @@ tokenizing (the ingress holds no tokenizer).
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
 import xxhash
+
+from ragserve.document_ids import is_document_id
 
 # NOTE: about four 16-token blocks of English text: enough to tell documents apart,
 # short enough that two questions on one pasted document share it.
@@ -23,13 +24,10 @@ LEAD_CHARS = 256
 _GENERATION = ("/v1/completions", "/v1/chat/completions")
 
 
-# NOTE: a document id's form (xxh3-128 in hex); anything else is no document, and keys
-# are kept by the router, so an unauthenticated client must not choose their size.
-_DOCUMENT_ID = re.compile(r"[0-9a-f]{32}")
-
-
 def document_key(doc_id: str) -> str | None:
-    return f"doc:{doc_id}" if _DOCUMENT_ID.fullmatch(doc_id) else None
+    """None for a string of no document id's form: keys are kept by the router, so an
+    unauthenticated client must not choose their size."""
+    return f"doc:{doc_id}" if is_document_id(doc_id) else None
 
 
 def routing_key(path: str, body: bytes) -> str | None:

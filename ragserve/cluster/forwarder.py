@@ -2,11 +2,14 @@
 forward it over HTTP to the chosen replica's ragserve server, streaming the answer back.
 
 Failure contract: a request the replica never received (connection refused: the replica is
-restarting) is sent to another replica; a request lost with its replica (reset mid-way)
-fails with an OpenAI-shaped 503, or, when its stream had started, with a final SSE
-``error`` event; no request hangs on a dead replica (the connection drops with the
-process). ``/cluster/stats`` (JSON) and ``/metrics`` (Prometheus) report the router and
-each replica (with the replicas' API keys or metrics key, when they have keys).
+restarting) is sent to another replica; a completion or chat lost with its replica before
+any answer is sent to another one, once; any other request lost with its replica (reset
+mid-way) fails with an OpenAI-shaped 503, or, when its stream had started, with a final
+SSE ``error`` event; no request hangs on a dead replica (the connection drops with the
+process). Summarization jobs live in one replica: see ``_job_request``. A body over the
+replicas' size limit is refused before it is held (``read_capped``). ``/cluster/stats``
+(JSON) and ``/metrics`` (Prometheus) report the router and each replica (with the
+replicas' metrics key, else any of their API keys, when they have keys).
 """
 
 from __future__ import annotations

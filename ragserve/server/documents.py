@@ -46,6 +46,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
+from ragserve.document_ids import document_id
 from ragserve.engine.async_engine import AsyncEngine, EngineDeadError
 from ragserve.engine.engine_info import KVModel
 from ragserve.sampling_params import SamplingParams
@@ -63,7 +64,7 @@ from ragserve.server.document_watch import RegistryWatch
 from ragserve.server.errors import APIError, bad_request
 from ragserve.server.prompts import PromptBuilder
 from ragserve.server.purge_plan import purge_plan
-from ragserve.server.registered_document import RegisteredDocument, check_document_id, document_id
+from ragserve.server.registered_document import RegisteredDocument, check_document_id
 from ragserve.server.store_registry import StoreRegistry
 from ragserve.server.tenant_limits import DocumentLimits, check_documents, check_metadata
 
@@ -251,7 +252,8 @@ class DocumentService(DocumentPersistence):
         """Register and start ingesting; returns (document, whether it is new).
 
         ``ttl`` / ``expire_time``: see :mod:`ragserve.server.document_lifecycle`; an
-        upload of a known text keeps the known document as it is. 400 for metadata over
+        upload of a known text keeps the known document as it is, unless another server
+        deleted it meanwhile. 400 for metadata over
         its size limit; 429 when the tenant's documents are at their count or token limit
         (checked again after tokenizing, since uploads run at once)."""
         expires = expire_time_from(ttl, expire_time, time.time(), self.default_ttl)
@@ -300,10 +302,9 @@ class DocumentService(DocumentPersistence):
         watch would forget the document within a round): an upload of its text then
         registers it anew, where answering with the known one lost it."""
         key = (doc.namespace, doc.id)
-        if self.shared is not None:
-            gone = await self._shared_call(self.shared.gone, [key])
-            if gone:  # NOTE: None (unreachable) or empty: the directory may still know
-                return key in gone
+        gone = await self._shared_call(self.shared.gone, [key]) if self.shared else None
+        if gone:  # NOTE: None (unreachable) or empty: the directory may still know
+            return True
         if doc.saved and self.store is not None and self.store.is_open:
             return await self._store_call("read", self.store.has, *key) is False
         return False

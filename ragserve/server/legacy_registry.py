@@ -14,17 +14,16 @@ one by one. Nothing here writes.
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 
 import xxhash
 
+from ragserve.document_ids import is_document_id
 from ragserve.server.stored_document import StoredDocument
 
 FORMAT = "ragserve-documents"
 VERSION = 1
-_ID = re.compile(r"[0-9a-f]{32}")
 
 
 def legacy_path(directory: Path, model: str) -> Path:
@@ -73,7 +72,7 @@ def _document(entry: Any) -> StoredDocument | None:
     )
     valid = (
         isinstance(doc_id, str)
-        and _ID.fullmatch(doc_id) is not None
+        and is_document_id(doc_id)
         and isinstance(namespace, str)
         and isinstance(token_ids, list)
         and bool(token_ids)

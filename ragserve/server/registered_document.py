@@ -3,28 +3,18 @@
 from __future__ import annotations
 
 import asyncio
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
-import xxhash
-
+from ragserve.document_ids import DOCUMENT_ID_LENGTH, is_document_id
 from ragserve.engine.engine_info import KVModel
 from ragserve.server.document_lifecycle import rfc3339
 from ragserve.server.errors import bad_request
 from ragserve.server.stored_document import Status, StoredDocument
 
-DOCUMENT_ID_LENGTH = 32
-_DOCUMENT_ID = re.compile(f"[0-9a-f]{{{DOCUMENT_ID_LENGTH}}}")
-
-
-def document_id(namespace: str, text: str) -> str:
-    """xxh3-128 of tenant and text: 32 lowercase hex characters."""
-    return xxhash.xxh3_128_hexdigest(namespace.encode() + b"\x00" + text.encode())
-
 
 def check_document_id(value: str, param: str = "id") -> str:
-    if not _DOCUMENT_ID.fullmatch(value):
+    if not is_document_id(value):
         raise bad_request(
             f"invalid document id {value[:40]!r}: expected {DOCUMENT_ID_LENGTH} lowercase hex characters",
             param,

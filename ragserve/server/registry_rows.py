@@ -15,13 +15,13 @@ and ``metadata`` holds ``{}``.
 from __future__ import annotations
 
 import json
-import re
 import sys
 from array import array
 from typing import Any
 
 import xxhash
 
+from ragserve.document_ids import is_document_id
 from ragserve.server.registry_cipher import RegistryCipher, SealedFieldError
 from ragserve.server.registry_ingestions import TABLE as INGESTIONS
 from ragserve.server.stored_document import StoredDocument
@@ -53,7 +53,6 @@ SCHEMA = (
     # as ``ready`` (see :mod:`ragserve.server.registry_ingestions`).
     INGESTIONS,
 )
-_ID = re.compile(r"[0-9a-f]{32}")
 Row = tuple[Any, ...]
 
 
@@ -107,7 +106,7 @@ def decode_row(row: Row, cipher: RegistryCipher | None = None) -> StoredDocument
             raise RowLocked(f"document {doc_id[:32]!r} is encrypted under another key") from None
         size = int.from_bytes(inner[:8], "little")
         blob, metadata = inner[8 : 8 + size], inner[8 + size :].decode()
-    if _ID.fullmatch(doc_id) is None or not blob or len(blob) % 4:
+    if not is_document_id(doc_id) or not blob or len(blob) % 4:
         raise RowError("malformed id or token ids")
     tokens = array("I")
     tokens.frombytes(blob)

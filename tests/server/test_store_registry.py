@@ -30,10 +30,10 @@ import pytest
 import requests
 
 from ragserve.commands.serve import CPU_THREAD_ENV
+from ragserve.document_ids import document_id
 from ragserve.engine.guarded_sampling import FAIL_SAMPLING_ENV
 from ragserve.server.auth import tenant_name
 from ragserve.server.document_watch import INTERVAL_S
-from ragserve.server.registered_document import document_id
 from ragserve.server.registry_cipher import RegistryCipher
 from ragserve.server.registry_rows import decode_row
 from ragserve.server.store_registry import PREFIX, ids_key, row_key
