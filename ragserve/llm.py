@@ -100,7 +100,12 @@ class LLM:
         use_tqdm: bool = True,
         namespace: str = "",
     ) -> list[RequestOutput]:
-        """Run every prompt to completion, batched continuously; results in prompt order."""
+        """Run every prompt to completion, batched continuously; results in prompt order.
+
+        A prompt that fails while running (a fault of its own) does not stop the others: its
+        output comes back finished with ``error`` set. Invalid prompts or parameters raise
+        ``ValueError`` before anything runs.
+        """
         prompt_list = [_prompt_value(p) for p in _as_prompt_list(prompts)]
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -170,9 +175,7 @@ class LLM:
         try:
             while engine.has_unfinished_requests():
                 for output in engine.step():
-                    if output.error:
-                        raise RuntimeError(output.error)
-                    if output.finished:
+                    if output.finished:  # NOTE: a failed request too, its error on its output
                         finished[output.request_id] = output
                         generated += sum(len(c.token_ids) for c in output.outputs)
                         progress.update(1)

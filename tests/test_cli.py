@@ -13,6 +13,7 @@ from ragserve import cli
 from ragserve.cli import COMMANDS, build_parser, engine_config_from_args, main
 from ragserve.config import EngineConfig
 from ragserve.config_flags import config_from_args, to_argv
+from ragserve.engine.guarded_sampling import FAIL_SAMPLING_ENV
 from ragserve.server.config import ServerConfig
 
 
@@ -170,3 +171,30 @@ def test_serve_flags_build_both_configs() -> None:
     assert defaults.api_key_file is None
     with pytest.raises(ValueError, match="watch round"):  # renewed too late: taken over
         ServerConfig(ingest_lease_seconds=2.0)
+
+
+@pytest.mark.slow  # loads the embedded model
+def test_generate_prints_a_failed_prompt_and_exits_1(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv(FAIL_SAMPLING_ENV, "offline-1")  # the second prompt's draws fail
+    assert (
+        main(
+            [
+                "generate",
+                "--max-tokens",
+                "2",
+                "--max-model-len",
+                "256",
+                "--kv-cache-gib",
+                "0.05",
+                "a",
+                "b",
+                "c",
+            ]
+        )
+        == 1
+    )
+    answers = capsys.readouterr().out.split("> ")[1:]
+    failed = [answer.split("\n")[1].startswith("(failed: ") for answer in answers]
+    assert failed == [False, True, False]

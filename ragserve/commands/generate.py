@@ -49,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
             [[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False
         )
     for prompt, output in zip(prompts, outputs, strict=True):
-        print(f"> {prompt}\n{output.outputs[0].text.strip()}\n")
+        answer = f"(failed: {output.error})" if output.error else output.outputs[0].text.strip()
+        print(f"> {prompt}\n{answer}\n")
     print(f"({time.perf_counter() - started:.1f}s including model load)")
-    return 0
+    return 1 if any(output.error for output in outputs) else 0

@@ -13,6 +13,7 @@ import pytest
 from ragserve.config import EngineConfig
 from ragserve.engine.async_engine import AsyncEngine, EngineStepError, RequestFailedError
 from ragserve.engine.llm_engine import LLMEngine
+from ragserve.llm import LLM
 from ragserve.outputs import RequestOutput
 from ragserve.sampling_params import SamplingParams
 from tests.model_factory import make_tiny_model
@@ -67,6 +68,25 @@ def test_a_failing_draw_fails_its_request_alone(model_dir: Path) -> None:
     assert all(out.error is None for out in mixed.values())
     engine.block_pool.check_invariants()
     assert engine.block_pool.num_used == 0
+
+
+def test_offline_generate_returns_a_failed_prompt_beside_the_others(model_dir: Path) -> None:
+    prompts = [PROMPTS[i] for i in range(3)]
+    params = PARAMS[:3]
+    clean = LLM(str(model_dir), dtype="float32", kv_cache_gib=0.01).generate(
+        prompts, params, use_tqdm=False
+    )
+    llm = LLM(str(model_dir), dtype="float32", kv_cache_gib=0.01)
+    llm.engine.sampler.fail_marker = "offline-1"  # the second prompt's draws fail
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [out.error for out in outputs[::2]] == [None, None]
+    assert outputs[1].finished and outputs[1].error_code == "request_failed"
+    assert "injected sampling fault" in (outputs[1].error or "")
+    assert [out.outputs[0].token_ids for out in outputs[::2]] == [
+        out.outputs[0].token_ids for out in clean[::2]
+    ]
+    llm.engine.block_pool.check_invariants()
+    assert llm.engine.block_pool.num_used == 0
 
 
 def test_request_parameters_are_bounded_where_they_enter(model_dir: Path) -> None:
