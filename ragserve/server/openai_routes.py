@@ -36,7 +36,6 @@ from ragserve.server.protocol import ChatCompletionRequest, CompletionRequest, G
 from ragserve.server.request_context import request_id, tenant
 from ragserve.server.responses import (
     StreamState,
-    TokenText,
     chat_logprobs,
     completion_logprobs,
     finish_reason,
@@ -55,6 +54,7 @@ from ragserve.server.state import (
     STARTED_AT,
 )
 from ragserve.server.tenant_limits import RequestsInFlight
+from ragserve.server.token_text import TextOffsets, TokenText
 
 logger = logging.getLogger(__name__)
 
@@ -311,7 +311,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
         choices = []
         for prompt_index, output in enumerate(outputs):
             for c in output.outputs:
-                logprobs, _ = completion_logprobs(c, 0, len(c.token_ids), top_n, text_of, 0)
+                logprobs = completion_logprobs(
+                    c, 0, len(c.token_ids), top_n, text_of, TextOffsets()
+                )
                 choices.append(
                     {
                         "index": prompt_index * n + c.index,
@@ -337,8 +339,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
             new_tokens = len(c.token_ids) > cursor.num_tokens and body.logprobs is not None
             if not (new_text or reason or new_tokens):
                 continue
-            logprobs, cursor.text_offset = completion_logprobs(
-                c, cursor.num_tokens, len(c.token_ids), top_n, text_of, cursor.text_offset
+            logprobs = completion_logprobs(
+                c, cursor.num_tokens, len(c.token_ids), top_n, text_of, cursor.text_offsets
             )
             choice = {
                 "index": index,

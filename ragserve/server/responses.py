@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ragserve.outputs import CompletionOutput, Logprob, RequestOutput
+from ragserve.server.token_text import TextOffsets, TokenText
 
 # JSON has no -inf; OpenAI reports impossible tokens as -9999.0.
 _LOGPROB_FLOOR = -9999.0
@@ -44,21 +45,6 @@ def _value(logprob: float) -> float:
     return max(logprob, _LOGPROB_FLOOR)
 
 
-class TokenText:
-    """Decodes single tokens for logprobs, memoized (a vocabulary is small)."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-        self._cache: dict[int, str] = {}
-
-    def __call__(self, token_id: int) -> str:
-        text = self._cache.get(token_id)
-        if text is None:
-            text = str(self.tokenizer.decode([token_id]))
-            self._cache[token_id] = text
-        return text
-
-
 def _ranked(entries: dict[int, Logprob], top_n: int) -> list[tuple[int, Logprob]]:
     ranked = sorted(entries.items(), key=lambda item: item[1].rank)
     return [(token, lp) for token, lp in ranked if lp.rank <= top_n][:top_n]
@@ -79,12 +65,12 @@ def chat_logprobs(
             {
                 "token": text,
                 "logprob": _value(entries[token].logprob),
-                "bytes": list(text.encode()),
+                "bytes": list(text_of.bytes_of(token)),
                 "top_logprobs": [
                     {
                         "token": text_of(t),
                         "logprob": _value(lp.logprob),
-                        "bytes": list(text_of(t).encode()),
+                        "bytes": list(text_of.bytes_of(t)),
                     }
                     for t, lp in _ranked(entries, top_n)
                 ],
@@ -94,28 +80,30 @@ def chat_logprobs(
 
 
 def completion_logprobs(
-    output: CompletionOutput, start: int, end: int, top_n: int, text_of: TokenText, offset: int
-) -> tuple[dict[str, Any] | None, int]:
-    """Legacy completions ``logprobs`` for tokens [start, end); returns it and the next offset."""
+    output: CompletionOutput,
+    start: int,
+    end: int,
+    top_n: int,
+    text_of: TokenText,
+    offsets: TextOffsets,
+) -> dict[str, Any] | None:
+    """Legacy completions ``logprobs`` for tokens [start, end); ``offsets`` moves past them."""
     if output.logprobs is None:
-        return None, offset
-    tokens, token_logprobs, tops, offsets = [], [], [], []
+        return None
+    tokens, token_logprobs, tops, text_offsets = [], [], [], []
     for position in range(start, min(end, len(output.logprobs))):
         token = output.token_ids[position]
         entries = output.logprobs[position]
-        text = text_of(token)
-        tokens.append(text)
+        tokens.append(text_of(token))
         token_logprobs.append(_value(entries[token].logprob))
         tops.append({text_of(t): _value(lp.logprob) for t, lp in _ranked(entries, top_n)})
-        offsets.append(offset)
-        offset += len(text)
-    body = {
+        text_offsets.append(offsets.advance(text_of.bytes_of(token)))
+    return {
         "tokens": tokens,
         "token_logprobs": token_logprobs,
         "top_logprobs": tops,
-        "text_offset": offsets,
+        "text_offset": text_offsets,
     }
-    return body, offset
 
 
 @dataclass
@@ -126,7 +114,7 @@ class ChoiceCursor:
     num_tokens: int = 0
     finished: bool = False
     started: bool = False
-    text_offset: int = 0
+    text_offsets: TextOffsets = field(default_factory=TextOffsets)
 
 
 @dataclass

@@ -21,6 +21,7 @@ QUESTION: list[ChatCompletionMessageParam] = [
     {"role": "user", "content": "What is the capital of France?"}
 ]
 PROMPT = "The three primary colors are"
+JAPANESE = "東京は日本の首都です。大阪は"  # answered in characters split over tokens
 LONG_PROMPT = " ".join(f"Fact {i}: the sky over town {i} was clear." for i in range(12))
 
 
@@ -123,6 +124,36 @@ def test_chat_top_logprobs(client: openai.OpenAI, model: str) -> None:
         assert len(entry.top_logprobs) == 3
         assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
         assert bytes(entry.bytes or []) == entry.token.encode()
+
+
+def test_completion_logprobs_of_tokens_that_split_characters(
+    client: openai.OpenAI, model: str
+) -> None:
+    kwargs: dict[str, Any] = dict(model=model, prompt=JAPANESE, max_tokens=8, temperature=0)
+    out = client.completions.create(**kwargs, logprobs=2)
+    choice = out.choices[0]
+    logprobs = choice.logprobs
+    assert logprobs is not None and logprobs.tokens and logprobs.text_offset
+    assert logprobs.top_logprobs is not None
+    assert any(token.startswith("bytes:\\x") for token in logprobs.tokens)
+    for token, start, top in zip(
+        logprobs.tokens, logprobs.text_offset, logprobs.top_logprobs, strict=True
+    ):
+        assert len(top) == 2  # raw-byte tokens no longer collide as one U+FFFD key
+        if not token.startswith("bytes:"):
+            assert choice.text[start : start + len(token)] == token
+    assert logprobs.text_offset == sorted(logprobs.text_offset)
+    assert logprobs.text_offset[-1] <= len(
+        choice.text
+    )  # the last may start a character yet unfinished
+    streamed = client.completions.create(**kwargs, logprobs=2, stream=True)
+    offsets = [
+        o
+        for c in streamed
+        if c.choices and c.choices[0].logprobs
+        for o in c.choices[0].logprobs.text_offset or []
+    ]
+    assert offsets == logprobs.text_offset
 
 
 def test_max_completion_tokens_stop_and_user(client: openai.OpenAI, model: str) -> None:
