@@ -11,6 +11,7 @@ pressure from other documents cannot evict it half way.
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
 import time
@@ -19,7 +20,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipelines.documents import Document, DocumentIndex, ErrorHandler, load_documents, log_error
+from pipelines.documents import (
+    Document,
+    DocumentIndex,
+    ErrorHandler,
+    is_utf8,
+    load_documents,
+    log_error,
+)
+from pipelines.plain_text import plain_text_tokenizer
 from pipelines.progress import BatchProgress, RequestPump
 from pipelines.summarize import chat_frame, derive_seed, encode
 from ragserve.document_reuse import DocumentReuse
@@ -49,12 +58,18 @@ def load_questions(
 ) -> list[Question]:
     """Questions from a JSONL file of ``{"doc", "question", "id"?}``; bad lines are reported."""
     records: list[tuple[str, int, Any]] = []
-    # NOTE: utf-8-sig, as documents are read: an editor's byte-order mark is no JSON.
-    with open(path, encoding="utf-8-sig") as file:
-        for number, line in enumerate(file, start=1):
+    with open(path, "rb") as file:
+        for number, raw in enumerate(file, start=1):
+            source = f"{path}:{number}"
+            if number == 1:  # NOTE: as documents are read: an editor's byte-order mark is no JSON
+                raw = raw.removeprefix(codecs.BOM_UTF8)
+            try:
+                line = raw.decode()
+            except UnicodeDecodeError as exc:
+                on_error(source, f"not UTF-8 text (invalid byte at offset {exc.start})")
+                continue
             if not line.strip():
                 continue
-            source = f"{path}:{number}"
             try:
                 records.append((source, number, json.loads(line)))
             except json.JSONDecodeError as exc:
@@ -93,7 +108,15 @@ def parse_questions(
             if not isinstance(text, str) or not text.strip():
                 on_error(source, "needs a non-empty string field 'question'")
                 continue
-            raw_id = record.get("id", f"{'+'.join(docs) or doc}#{position}")
+            if not is_utf8(text):
+                on_error(source, "'question' holds a lone UTF-16 surrogate")
+                continue
+            raw_id = record.get("id")
+            if raw_id is None:
+                raw_id = f"{'+'.join(docs) or doc}#{position}"
+            elif not _is_name(raw_id):
+                on_error(source, f"'id' must be a non-empty string or an integer, got {raw_id!r}")
+                continue
             question = Question(str(raw_id), str(doc), text, source, docs)
         if question.id in seen:
             on_error(source, f"duplicate question id {question.id!r}")
@@ -104,11 +127,20 @@ def parse_questions(
 
 
 def _is_name(doc: Any) -> bool:
-    return isinstance(doc, (str, int)) and not isinstance(doc, bool) and str(doc) != ""
+    return (
+        isinstance(doc, (str, int))
+        and not isinstance(doc, bool)
+        and str(doc) != ""
+        and is_utf8(str(doc))
+    )
 
 
 class QAPrompts:
-    """Token ids of the shared document prefix and of each question's private suffix."""
+    """Token ids of the shared document prefix and of each question's private suffix.
+
+    Documents and questions are user text: special-token strings in them are encoded as
+    plain text (:mod:`pipelines.plain_text`), the template's frame as written.
+    """
 
     def __init__(self, tokenizer: Any, template: str = DEFAULT_QA_TEMPLATE) -> None:
         if tokenizer is None:
@@ -116,15 +148,19 @@ class QAPrompts:
         if template.find(DOCUMENT_SLOT) > template.find(QUESTION_SLOT):
             raise ValueError("the QA template must put {document} before {question}")
         self.tokenizer = tokenizer
+        self.plain = plain_text_tokenizer(tokenizer)
         self.head, self.middle, self.tail = chat_frame(
             tokenizer, template, [DOCUMENT_SLOT, QUESTION_SLOT]
         )
+        self.head_ids = encode(tokenizer, self.head)
+        self.tail_ids = encode(tokenizer, self.tail)
 
     def document_prefix(self, text: str) -> list[int]:
-        return encode(self.tokenizer, self.head + text)
+        return self.head_ids + encode(self.plain, text)
 
     def question_suffix(self, question: str) -> list[int]:
-        return encode(self.tokenizer, self.middle + question + self.tail)
+        # NOTE: the frame between the slots is one user turn's text: no control tokens.
+        return encode(self.plain, self.middle + question) + self.tail_ids
 
     def prompt(self, document_text: str, question: str) -> list[int]:
         return self.document_prefix(document_text) + self.question_suffix(question)
@@ -135,10 +171,10 @@ class QAPrompts:
         """Several documents in the document slot, each tokenized on its own (so each is
         the same token ids wherever it stands), separated by a blank line; returns the
         prompt and the documents' spans in it."""
-        ids = encode(self.tokenizer, self.head)
+        ids = list(self.head_ids)
         spans = []
         for text in texts:
-            doc = encode(self.tokenizer, text + "\n\n")
+            doc = encode(self.plain, text + "\n\n")
             spans.append((len(ids), len(ids) + len(doc)))
             ids += doc
         return ids + self.question_suffix(question), spans

@@ -5,7 +5,9 @@ id) never stops a run: it is handed to ``on_error(source, reason)`` and skipped.
 
 Document ids are stable across runs (resume depends on it): a file named on the command
 line is its file name; a file found in a folder is its path relative to that folder; a
-JSONL line is its ``id`` field, else ``<file id>:<line number>``.
+JSONL line is its ``id`` field, else ``<file id>:<line number>``. A file whose id an earlier
+input already took is named by its path as given instead (two folders' ``README.md``).
+Bytes of a file name that are not UTF-8 appear as ``\\xNN``.
 """
 
 from __future__ import annotations
@@ -34,18 +36,24 @@ class Document:
     source: str = ""  # the file (and line) it came from; "" when given in memory
 
 
+Input = str | os.PathLike[str] | Document | Mapping[str, Any]
+
+
 def log_error(source: str, reason: str) -> None:
     """The default ``on_error``: a warning in the log."""
     logger.warning("skipped %s: %s", source, reason)
 
 
 def load_documents(
-    inputs: Iterable[str | os.PathLike[str] | Document | Mapping[str, Any]],
+    inputs: Input | Iterable[Input],
     on_error: ErrorHandler = log_error,
+    leave_out: Iterable[str | os.PathLike[str]] = (),
 ) -> list[Document]:
     """Documents from paths (files or folders, walked recursively), ``Document``s or dicts.
 
-    One path, document or dict may be passed alone. A dict needs a non-empty ``text`` and may carry an ``id`` (default: its position).
+    One path, document or dict may be passed alone. A dict needs a non-empty ``text`` and
+    may carry an ``id`` (default: its position). Files in ``leave_out`` (a questions file
+    inside a documents folder) are not read from folders.
     """
     if isinstance(inputs, (str, os.PathLike, Document, Mapping)):
         inputs = [inputs]  # one input, not an iterable of characters or keys
@@ -53,27 +61,52 @@ def load_documents(
     seen: dict[str, str] = {}
     for position, item in enumerate(inputs):
         if isinstance(item, Document):
-            found: Iterable[Document] = [item]
+            found: Iterable[tuple[Document, str | None]] = [(item, None)]
             if not item.text.strip():
                 on_error(item.source or item.id, "empty document")
                 continue
         elif isinstance(item, Mapping):
-            found = _from_mapping(item, f"<input {position}>", str(position), on_error)
+            found = (
+                (document, None)
+                for document in _from_mapping(item, f"<input {position}>", str(position), on_error)
+            )
         else:
-            found = _from_path(Path(item), on_error)
-        for document in found:
+            found = _from_path(Path(item), on_error, {Path(p).resolve() for p in leave_out})
+        for document, path_id in found:
+            if document.id in seen and path_id is not None and path_id not in seen:
+                document = Document(path_id, document.text, document.source)
             if document.id in seen:
                 on_error(
                     document.source or document.id,
                     f"duplicate document id {document.id!r} (first from {seen[document.id]})",
                 )
                 continue
+            if not is_utf8(document.text):
+                on_error(document.source or document.id, "text holds a lone UTF-16 surrogate")
+                continue
             seen[document.id] = document.source or document.id
             documents.append(document)
     return documents
 
 
-def _from_path(path: Path, on_error: ErrorHandler) -> Iterator[Document]:
+def is_utf8(text: str) -> bool:
+    """False for a lone surrogate (JSON's ``"\\ud83d"``): no UTF-8 encodes it."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _name(path: Path | str) -> str:
+    """A file name as text: undecodable bytes (kept by Python as surrogates) as ``\\xNN``."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
+
+
+def _from_path(
+    path: Path, on_error: ErrorHandler, leave_out: set[Path]
+) -> Iterator[tuple[Document, str | None]]:
+    """Documents of a file or folder, each with its id by the path as given (or None)."""
     if path.is_dir():
         files = sorted(
             p
@@ -81,23 +114,30 @@ def _from_path(path: Path, on_error: ErrorHandler) -> Iterator[Document]:
             if p.suffix.lower() in TEXT_SUFFIXES | JSONL_SUFFIXES
             and not any(part.startswith(".") for part in p.relative_to(path).parts)
             and (p.is_file() or p.is_symlink())
+            and p.resolve() not in leave_out
         )
         for file in files:
-            yield from _from_file(file, file.relative_to(path).as_posix(), on_error)
+            yield from _from_file(file, _name(file.relative_to(path).as_posix()), on_error)
     elif path.exists() or path.is_symlink():
-        yield from _from_file(path, path.name, on_error)
+        yield from _from_file(path, _name(path.name), on_error)
     else:
-        on_error(str(path), "no such file or folder")
+        on_error(_name(path), "no such file or folder")
 
 
-def _from_file(path: Path, file_id: str, on_error: ErrorHandler) -> Iterator[Document]:
+def _from_file(
+    path: Path, file_id: str, on_error: ErrorHandler
+) -> Iterator[tuple[Document, str | None]]:
     text = read_text_file(path, on_error)
     if text is None:
         return
+    path_id = _name(path.as_posix())
     if path.suffix.lower() in JSONL_SUFFIXES:
-        yield from _from_jsonl(text, path, file_id, on_error)
+        for document in _from_jsonl(text, path, file_id, on_error):
+            line = document.source.rsplit(":", 1)[-1]
+            default = document.id == f"{file_id}:{line}"
+            yield document, f"{path_id}:{line}" if default else None
     else:
-        yield Document(file_id, text, str(path))
+        yield Document(file_id, text, path_id), path_id
 
 
 def read_text_file(path: Path, on_error: ErrorHandler) -> str | None:
@@ -105,18 +145,18 @@ def read_text_file(path: Path, on_error: ErrorHandler) -> str | None:
     try:
         data = path.read_bytes()
     except OSError as exc:
-        on_error(str(path), f"unreadable: {exc.strerror or exc}")
+        on_error(_name(path), f"unreadable: {exc.strerror or exc}")
         return None
     if b"\x00" in data[:65536]:
-        on_error(str(path), "binary file (contains NUL bytes)")
+        on_error(_name(path), "binary file (contains NUL bytes)")
         return None
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
-        on_error(str(path), f"not UTF-8 text (invalid byte at offset {exc.start})")
+        on_error(_name(path), f"not UTF-8 text (invalid byte at offset {exc.start})")
         return None
     if not text.strip():
-        on_error(str(path), "empty file")
+        on_error(_name(path), "empty file")
         return None
     return text
 
@@ -125,7 +165,7 @@ def _from_jsonl(text: str, path: Path, file_id: str, on_error: ErrorHandler) -> 
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
-        source = f"{path}:{number}"
+        source = f"{_name(path)}:{number}"
         try:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
@@ -145,7 +185,12 @@ def _from_mapping(
         on_error(source, "needs a non-empty string field 'text'")
         return
     raw_id = record.get("id", default_id)
-    if not isinstance(raw_id, (str, int)) or isinstance(raw_id, bool) or str(raw_id) == "":
+    if (
+        not isinstance(raw_id, (str, int))
+        or isinstance(raw_id, bool)
+        or str(raw_id) == ""
+        or not is_utf8(str(raw_id))
+    ):
         on_error(source, f"'id' must be a non-empty string or an integer, got {raw_id!r}")
         return
     yield Document(str(raw_id), text, source)

@@ -126,6 +126,12 @@ def repair_and_read_keys(path: Path, key: str = "id") -> set[str]:
             ) from None
         if isinstance(record, dict) and record.get(key) is not None:
             keys.add(str(record[key]))
+    if torn and not tail.lstrip().startswith(b"{"):
+        # NOTE: no cut-off record of ours: someone else's file (one line of notes, say),
+        # refused rather than emptied.
+        raise ValueError(
+            f"the last line of {path} is neither JSON nor a cut-off result; fix or remove it"
+        )
     if torn:
         logger.warning("%s: cutting off a torn last line (%d bytes)", path, len(tail))
         with open(path, "r+b") as file:

@@ -161,9 +161,13 @@ class LLM:
         engine = self.engine
         request_ids: list[str] = []
         try:
-            for prompt, params in zip(prompts, params_list, strict=True):
+            for index, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
                 request_id = f"offline-{next(self._ids)}"
-                engine.add_request(request_id, prompt, params, namespace=namespace)
+                try:
+                    engine.add_request(request_id, prompt, params, namespace=namespace)
+                except ValueError as exc:
+                    where = f"prompt {index}: " if len(prompts) > 1 else ""
+                    raise ValueError(f"{where}{exc}") from None
                 request_ids.append(request_id)
         except BaseException:  # NOTE: none of them is left to run in a later call
             for request_id in request_ids:

@@ -55,7 +55,7 @@ def _docqa(
     from pipelines.documents import DocumentIndex, load_documents
 
     questions = load_questions(args.questions, reporter)
-    documents = load_documents(args.docs, reporter)
+    documents = load_documents(args.docs, reporter, leave_out=[args.questions])
     index = DocumentIndex(documents)
     todo = []
     for question in questions:

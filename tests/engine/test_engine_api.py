@@ -195,7 +195,7 @@ def test_bad_prompts_are_clear_errors_and_leave_nothing_behind(llm: LLM) -> None
     with pytest.raises(ValueError, match="2 sampling params for 1 prompts"):
         llm.generate(["a"], [SamplingParams(), SamplingParams()], use_tqdm=False)
     # A good prompt before a bad one is not left queued.
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="^prompt 1: .*empty"):
         llm.generate(["fine", ""], use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
     assert_no_leak(llm)
@@ -255,8 +255,8 @@ def test_pinned_documents_never_starve_requests(smollm_path: str) -> None:
     assert engine.pin_prefix("doc-1", first) == 64
     assert engine.pin_prefix("doc-2", second) == 0, "4 + 3 pinned blocks exceed half of 10"
     assert engine.kv_usage()["pinned"] == 4
-    with pytest.raises(RuntimeError, match="pinned documents hold 4 of 10 blocks"):
-        llm.generate([[15] * 100], SamplingParams(max_tokens=8), use_tqdm=False)  # needs 7 blocks
+    blocked = llm.generate([[15] * 100], SamplingParams(max_tokens=8), use_tqdm=False)[0]
+    assert blocked.finished and "pinned documents hold 4 of 10 blocks" in (blocked.error or "")
     ok = llm.generate([[16] * 40], SamplingParams(max_tokens=8), use_tqdm=False)[0]
     assert len(ok.outputs[0].token_ids) >= 1
     assert engine.unpin_prefix("doc-1")

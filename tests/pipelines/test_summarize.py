@@ -305,6 +305,12 @@ def test_resume_cuts_a_torn_last_line_and_refuses_a_damaged_one(tmp_path: Path) 
     with pytest.raises(ValueError, match="line 1 of"):
         JsonlWriter(out, resume=True)
     assert out.read_bytes() == notes
+    for one_line in (b"my important notes, no newline", b"[1, 2"):
+        out.write_bytes(one_line)  # one line that is no cut-off result: left whole too
+        with pytest.raises(ValueError, match="neither JSON nor a cut-off result"):
+            JsonlWriter(out, resume=True)
+        assert out.read_bytes() == one_line
+    out.write_bytes(notes)
     with JsonlWriter(out, overwrite=True) as writer:
         assert not writer.done
     assert out.read_bytes() == notes  # NOTE: replaced at the first result, not before
