@@ -195,7 +195,7 @@ def test_bad_prompts_are_clear_errors_and_leave_nothing_behind(llm: LLM) -> None
     with pytest.raises(ValueError, match="2 sampling params for 1 prompts"):
         llm.generate(["a"], [SamplingParams(), SamplingParams()], use_tqdm=False)
     # A good prompt before a bad one is not left queued.
-    with pytest.raises(ValueError, match="^prompt 1: .*empty"):
+    with pytest.raises(ValueError, match=r"^prompt 1: .*empty"):
         llm.generate(["fine", ""], use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
     assert_no_leak(llm)
