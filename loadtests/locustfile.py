@@ -56,6 +56,7 @@ from loadtests.metrics import (
     json_object,
     meta,
     read_chat_stream,
+    record_job,
     record_stream,
     retry_after,
     settle,
@@ -269,6 +270,7 @@ class SummarizeUser(RagUser):
         """Run one summarization job; False when the server has no such route."""
         body = {"text": doc.text, "max_summary_tokens": self.max_tokens}
         name = f"{self.label} {SUMMARIZE_PATH}"
+        submitted = time.perf_counter()
         with self.client.post(
             SUMMARIZE_PATH, json=body, name=name, catch_response=True, timeout=self.timeout
         ) as response:
@@ -280,17 +282,19 @@ class SummarizeUser(RagUser):
                 return False
             _pipeline["available"] = True
             outcome = settle(response, expected=(200, 201, 202))
-            job: dict[str, Any] = {}
-            if outcome == "ok" and (answer := json_object(response)) is not None:
-                job = answer
+            job: dict[str, Any] | None = None
+            if outcome == "ok" and (job := json_object(response)) is not None:
                 response.success()
         if outcome == "rejected":
             gevent.sleep(retry_after(response))
-        elif job.get("status") in _PENDING and "id" in job:
-            self._poll_job(str(job["id"]))
+        elif job is not None and job.get("status") in _PENDING and "id" in job:
+            job = self._poll_job(str(job["id"]))
+        if job is not None and job.get("status") not in _PENDING:
+            record_job(self.label, job, time.perf_counter() - submitted)
         return True
 
-    def _poll_job(self, job_id: str) -> None:
+    def _poll_job(self, job_id: str) -> dict[str, Any] | None:
+        """The job once it has ended; None after a failed poll or the time limit."""
         deadline = time.monotonic() + self.timeout
         while time.monotonic() < deadline:
             gevent.sleep(_POLL_S)
@@ -302,12 +306,12 @@ class SummarizeUser(RagUser):
             ) as response:
                 job = json_object(response) if settle(response) == "ok" else None
                 if job is None:
-                    return
-                status = job.get("status")
+                    return None
                 response.success()
-            if status not in _PENDING:
-                return
+            if job.get("status") not in _PENDING:
+                return job
         fire_timeout(f"{self.label} {SUMMARIZE_PATH}/{{id}}", self.timeout, "job not done")
+        return None
 
 
 class IngestUser(RagUser):

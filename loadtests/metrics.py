@@ -12,6 +12,8 @@ Rows a run adds to locust's stats, besides one per HTTP request kind:
   (``usage.prompt_tokens_details.cached_tokens / usage.prompt_tokens``), stored in the
   response-time column (locust only has that one), cached tokens as the content size.
 - ``READY ingest``: from a document upload to its ``ready`` status, in ms.
+- ``JOB summarize``: from a summarization job's submission to its success, in ms; a job
+  that failed or was cancelled is a failure in ``JOB summarize [failed]`` instead.
 
 A 503 is the server's documented overload answer: it is reported as a success in a row
 of its own, ``<name> [rejected]``, with its latency, never as a failure. Failures carry a
@@ -38,9 +40,11 @@ TTFT = "TTFT"
 ITL = "ITL"
 CACHED = "CACHED%"
 READY = "READY"
-CUSTOM_TYPES = (TTFT, ITL, CACHED, READY)
+JOB = "JOB"
+CUSTOM_TYPES = (TTFT, ITL, CACHED, READY, JOB)
 REJECTED_SUFFIX = " [rejected]"
 ABSENT_SUFFIX = " [absent]"  # a route the server does not have (yet)
+FAILED_JOB_SUFFIX = " [failed]"  # a job that ended failed or cancelled: no job time
 SUMMARIZE_PATH = "/v1/pipelines/summarize"
 MAX_RETRY_AFTER_S = 5.0
 _TAG = re.compile(r"\[([a-z]+)[^\]]*\]")
@@ -114,7 +118,8 @@ def read_chat_stream(
 
 @dataclass
 class TokenTotals:
-    """Token counts over every complete stream of this process (from ``usage``)."""
+    """Token counts over every complete stream of this process (from ``usage``); output
+    tokens also count those of finished summarization jobs (their ``progress``)."""
 
     streams: int = 0
     prompt_tokens: int = 0
@@ -128,6 +133,9 @@ class TokenTotals:
             (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
         )
         self.completion_tokens += int(usage.get("completion_tokens", 0))
+
+    def add_job(self, generated_tokens: int) -> None:
+        self.completion_tokens += generated_tokens
 
 
 TOTALS = TokenTotals()
@@ -152,6 +160,25 @@ def fire_timeout(name: str, seconds: float, what: str) -> None:
         response_time=seconds * 1000,
         response_length=0,
         exception=TimeoutError(f"[timeout] {what} after {seconds:.0f} s"),
+        context={},
+    )
+
+
+def record_job(label: str, job: dict[str, Any], seconds: float) -> None:
+    """A ``JOB`` row for a job that succeeded (its tokens counted); a failure row otherwise."""
+    status = job.get("status")
+    if status == "succeeded":
+        fire(JOB, label, seconds * 1000)
+        progress = job.get("progress")
+        generated = progress.get("generated_tokens") if isinstance(progress, dict) else None
+        TOTALS.add_job(generated if isinstance(generated, int) else 0)
+        return
+    events.request.fire(
+        request_type=JOB,
+        name=label + FAILED_JOB_SUFFIX,
+        response_time=seconds * 1000,
+        response_length=0,
+        exception=RuntimeError(f"[job {status}] {job.get('error') or ''}".rstrip()),
         context={},
     )
 
@@ -254,6 +281,7 @@ class ClientSummary:
     itl_ms: EntrySummary
     cached_pct: EntrySummary
     ready_ms: EntrySummary
+    job_ms: EntrySummary
     tokens: TokenTotals
     failures_by_kind: dict[str, int] = field(default_factory=dict)
     failure_examples: list[str] = field(default_factory=list)
@@ -292,6 +320,7 @@ def summarize(environment: Environment) -> ClientSummary:
         itl_ms=merged(lambda e: e.method == ITL),
         cached_pct=merged(lambda e: e.method == CACHED),
         ready_ms=merged(lambda e: e.method == READY),
+        job_ms=merged(lambda e: e.method == JOB and not e.name.endswith(FAILED_JOB_SUFFIX)),
         tokens=TOTALS,
         failures_by_kind=failures,
         failure_examples=examples[:20],

@@ -190,7 +190,8 @@ def build_summary(
         "duration_s": round(client["elapsed_s"], 2),
         "requests": {
             "count": http["count"],
-            "failures": http["failures"],
+            # NOTE: every failure row, failed jobs and timed-out waits included.
+            "failures": sum(client["failures_by_kind"].values()),
             "rejected": client["rejected"]["count"],
             "per_s": _round(http["count"] / elapsed),
             "failures_by_kind": client["failures_by_kind"],
@@ -201,6 +202,7 @@ def build_summary(
         "ttft_ms": _percentiles(client["ttft_ms"]),
         "itl_ms": _percentiles(client["itl_ms"]),
         "document_ready_ms": _percentiles(client["ready_ms"]),
+        "summarize_job_ms": _percentiles(client["job_ms"]),
         "streams": tokens["streams"],
         "output_tokens": tokens["completion_tokens"],
         "output_tokens_per_s": _round(tokens["completion_tokens"] / elapsed),
@@ -264,6 +266,10 @@ def write_summary(summary: dict[str, Any], path: Path) -> None:
     path.write_text(json.dumps(summary, indent=2, allow_nan=False))
 
 
+def _or_dash(value: Any) -> str:
+    return "-" if value is None else str(value)
+
+
 def format_table(summary: dict[str, Any]) -> str:
     """A short human-readable digest of ``summary``."""
     config, requests, server = summary["config"], summary["requests"], summary["server"]
@@ -286,9 +292,11 @@ def format_table(summary: dict[str, Any]) -> str:
             "output tokens/s",
             f"{summary['output_tokens_per_s']}  ({summary['output_tokens']} tokens)",
         ),
+        ("summarize job ms", pct(summary["summarize_job_ms"])),
         (
             "cache hit ratio",
-            f"{summary['cache_hit_ratio']}  (server: {server['prefix_cache_hit_ratio']})",
+            f"{_or_dash(summary['cache_hit_ratio'])} of streamed prompts  "
+            f"(server: {_or_dash(server['prefix_cache_hit_ratio'])})",
         ),
         (
             "server RSS MiB",

@@ -12,6 +12,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -53,11 +54,14 @@ EXPECTED_ROWS = (  # (Type, Name) in locust's stats: every user kind and custom 
     ("ITL", "docqa"),
     ("CACHED%", "chat"),
     ("READY", "ingest"),
+    ("JOB", "summarize"),
 )
 
 
-def run_command(*args: str, timeout: float = 240.0) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}
+def run_command(
+    *args: str, timeout: float = 240.0, **extra_env: str
+) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false", **extra_env}
     return subprocess.run(
         [sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
     )
@@ -92,8 +96,9 @@ def test_smoke_run_passes_and_writes_the_report(tmp_path: Path) -> None:
     assert 0 < latency["p50"] <= latency["p95"] <= latency["p99"] <= latency["max"] * 1.05 + 1
     assert summary["ttft_ms"]["count"] >= 5 and summary["ttft_ms"]["p50"] > 0
     assert summary["itl_ms"]["count"] >= 5 and summary["itl_ms"]["p50"] > 0
-    # Every stream generated its tokens: 8 each unless the model stopped earlier.
-    assert 0 < summary["output_tokens"] <= 8 * summary["streams"]
+    # Streams and summarization jobs generated their tokens.
+    assert summary["output_tokens"] > 0 and summary["streams"] > 0
+    assert summary["summarize_job_ms"]["count"] >= 1
     assert summary["output_tokens_per_s"] > 0
     # Documents are uploaded once and shared: most of a question's prompt is cached.
     assert 0.3 < summary["cache_hit_ratio"] <= 1.0
@@ -109,6 +114,25 @@ def test_smoke_run_passes_and_writes_the_report(tmp_path: Path) -> None:
     names = {(row["Type"], row["Name"]) for row in stats_rows(out)}
     for expected in EXPECTED_ROWS:
         assert expected in names, (expected, sorted(names))
+
+
+@pytest.mark.e2e
+@needs_locust
+@pytest.mark.slow
+def test_failed_summarization_jobs_fail_the_run(tmp_path: Path) -> None:
+    out = tmp_path / "report"
+    run = shlex.split("--user-classes SummarizeUser --users 2 --spawn-rate 2 --duration 8")
+    done = run_command(
+        "-m", "ragserve", "loadtest", *run, *WORKLOAD, "--out", str(out),
+        RAGSERVE_TEST_FAIL_SAMPLING_MARKER="summarize-",  # every job's calls fail
+    )  # fmt: skip
+    assert done.returncode != 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary: dict[str, Any] = json.loads((out / "summary.json").read_text())
+    failures = summary["requests"]["failures_by_kind"]["job"]
+    assert summary["ok"] is False and failures >= 1
+    assert summary["requests"]["failures"] == failures
+    assert summary["summarize_job_ms"]["count"] == 0
+    assert re.search(r"cache hit ratio +- of streamed prompts", done.stdout)
 
 
 @pytest.mark.e2e
