@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import time
 import uuid
 from collections.abc import Callable
@@ -173,6 +174,9 @@ class RequestPump(Generic[Tag]):
         self.abort_all()
 
 
+REDRAW_S = 0.5
+
+
 class BatchProgress:
     """One tqdm bar over documents (or questions), with requests done and token rates."""
 
@@ -180,6 +184,7 @@ class BatchProgress:
         self._bar = tqdm(
             total=total, unit=unit, desc=f"{unit}s", disable=not enabled, dynamic_ncols=True
         )
+        self._drawn = -math.inf
 
     def advance(self, count: int = 1) -> None:
         self._bar.update(count)
@@ -191,8 +196,17 @@ class BatchProgress:
             requests=done,
             prefill_tok_s=f"{pump.prompt_tokens_computed / seconds:.0f}",
             gen_tok_s=f"{pump.generated_tokens / seconds:.1f}",
-            refresh=False,
+            refresh=self._due(),
         )
+
+    def _due(self) -> bool:
+        """Whether to draw now: the bar moves once per document, which can take minutes,
+        so the request counts and rates are drawn on their own, twice a second at most."""
+        now = time.monotonic()
+        if now - self._drawn < REDRAW_S:
+            return False
+        self._drawn = now
+        return True
 
     def close(self) -> None:
         self._bar.close()

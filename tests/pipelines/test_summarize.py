@@ -365,3 +365,15 @@ def test_document_text_never_becomes_control_tokens(smollm_tokenizer: Any) -> No
     special = set(smollm_tokenizer.all_special_ids)
     frame_specials = [t for t in head + tail if t in special]
     assert frame_specials and [t for t in call.prompt if t in special] == frame_specials
+
+
+def test_the_bar_draws_request_counts_before_any_document_is_done(
+    llm: LLM, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bar = progress.BatchProgress(total=1, unit="document", enabled=True)
+    pump = progress.RequestPump(llm.engine, concurrency=2)
+    bar.show(pump, 10)
+    bar.show(pump, 10)  # at once again: not drawn twice
+    drawn = capsys.readouterr().err
+    bar.close()
+    assert drawn.count("requests=0/10") == 1
