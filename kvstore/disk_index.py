@@ -214,6 +214,8 @@ class DiskIndex:
                 os.unlink(path)
         except FileNotFoundError:
             pass
+        except OSError as exc:  # NOTE: a read-only or failing drive: the read is a miss anyway
+            self._warn(f"unlink-{exc.errno}", "cannot remove a rejected KV record: %s", exc)
         finally:
             self._removed([key])
 

@@ -137,6 +137,22 @@ def test_damaged_record_is_a_miss_and_removed(
         assert tier.load_into(make_meta(0), dest) and bit_equal(dest, make_block(0))
 
 
+def test_damaged_record_on_a_read_only_drive_is_a_miss(tiny_tmpfs: Path) -> None:
+    """It cannot be removed, but the read is a miss all the same, never an error."""
+    with DiskTier(SHAPE, torch.float32, 1 << 17, tiny_tmpfs) as tier:
+        assert tier.put(make_meta(0), make_block(0), blocking=True)
+        tier.flush()
+        path = record_path(tiny_tmpfs, make_meta(0))
+        flip_byte(-1)(path)
+        subprocess.run(["mount", "-o", "remount,ro", str(tiny_tmpfs)], check=True)
+        try:
+            for _ in range(2):  # again: the file is still there, and still rejected
+                assert not tier.load_into(make_meta(0), torch.empty(SHAPE))
+            assert path.exists() and tier.metrics().corrupt_records == 2
+        finally:
+            subprocess.run(["mount", "-o", "remount,rw", str(tiny_tmpfs)], check=True)
+
+
 def test_wrong_token_ids_are_a_mismatch(tmp_path: Path) -> None:
     with DiskTier(SHAPE, torch.float32, 1 << 20, tmp_path) as tier:
         tier.put(make_meta(0), make_block(0), blocking=True)
