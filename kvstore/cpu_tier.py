@@ -97,6 +97,15 @@ class CpuTier(KVTier):
         with self._lock:
             return record_key(meta) in self._index
 
+    def keep_for_load(self, metas: Sequence[BlockLike]) -> None:
+        with self._lock:
+            # NOTE: last to first, so if room must still be made among them, the run's
+            # tail goes and its head (a prefix, so the part that is used) stays.
+            for meta in reversed(metas):
+                key = record_key(meta)
+                if key in self._index:
+                    self._index.move_to_end(key)
+
     def put(self, meta: BlockLike, block: torch.Tensor, *, blocking: bool = False) -> bool:
         """Copy ``block`` (any device) into a slot, evicting the LRU block if needed.
 

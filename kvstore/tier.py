@@ -197,6 +197,10 @@ class KVTier(abc.ABC):
         """``contains`` of each block; a remote tier answers a run in one round trip."""
         return [self.contains(meta) for meta in metas]
 
+    def keep_for_load(self, metas: Sequence[BlockLike]) -> None:  # noqa: B027 (a hint)
+        """Make the blocks about to be loaded the last this tier evicts: the device's room
+        for them is made by evictions that demote blocks into this tier."""
+
     @abc.abstractmethod
     def load_into(self, meta: BlockLike, dest: torch.Tensor) -> bool:
         """Copy the verified block named by ``meta`` into ``dest`` (shape ``block_shape``)."""

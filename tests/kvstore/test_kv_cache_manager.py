@@ -103,6 +103,22 @@ def test_demotions_caused_by_the_batch_allocation_cut_the_run_cleanly(tokens: li
     assert rig.pool.num_free == rig.pool.num_blocks
 
 
+def test_room_made_for_a_cpu_run_never_evicts_the_run() -> None:
+    """An idle document is the CPU tier's oldest: the demotions that make device room for
+    its load must evict other blocks, not the document itself."""
+    rig = TieredCache(64, cpu_slots=64)
+    document = [10_000 + t for t in range(20 * BS)]
+    kv = rig.compute(document)
+    rig.evict_to_tiers()
+    rig.compute([20_000 + t for t in range(44 * BS)])  # newer traffic fills the CPU tier
+    rig.evict_to_tiers()
+    rig.compute([30_000 + t for t in range(60 * BS)])  # cached on the device, to demote
+    alloc, computed, _ = load_all(rig, [*document, 7, 7, 7])
+    assert computed == 20 * BS and rig.stack.traffic.loaded_from_cpu == 20
+    assert all(bit_equal(rig.cache[b], kv[i]) for i, b in enumerate(alloc.block_table))
+    rig.pool.check_invariants([alloc.block_table])
+
+
 def test_load_budget_bounds_blocks_per_call() -> None:
     rig = TieredCache(48, cpu_slots=48)
     long_tokens = list(range(40 * BS + 1))
