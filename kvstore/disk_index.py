@@ -80,7 +80,8 @@ class DiskIndex:
 
     def __init__(self, root: Path, capacity_bytes: int) -> None:
         self.root = root
-        self.capacity_bytes = capacity_bytes
+        self.configured_bytes = capacity_bytes
+        self.capacity_bytes = capacity_bytes  # less while the drive has less room
         self.temp_files_removed = 0
         self._lock = threading.Lock()
         self._sizes: OrderedDict[BlockRecordKey, int] = OrderedDict()
@@ -218,6 +219,18 @@ class DiskIndex:
             self._warn(f"unlink-{exc.errno}", "cannot remove a rejected KV record: %s", exc)
         finally:
             self._removed([key])
+
+    def fit_to_drive(self) -> None:
+        """Take as capacity the configured bytes, or what this tier's records use plus the
+        drive's free room where that is less: on a full drive (other files, or a budget
+        larger than the drive) the oldest records then make room for new ones."""
+        try:
+            info = os.statvfs(self.root)
+        except OSError:
+            return
+        with self._lock:
+            room = self._used + info.f_bavail * info.f_frsize
+            self.capacity_bytes = min(self.configured_bytes, room)
 
     def reserve(self, size: int) -> bool:
         """Evict LRU records until ``size`` more bytes fit, then reserve them.

@@ -196,7 +196,7 @@ class DiskTier(KVTier):
         return self._index.lru_keys()
 
     def metrics(self) -> TierMetrics:
-        snapshot = TierMetrics(capacity_bytes=self.capacity_bytes)
+        snapshot = TierMetrics(capacity_bytes=self._index.capacity_bytes)  # fitted to the drive
         self._index.add_metrics(snapshot)
         self._reader.add_metrics(snapshot)
         self._writer.add_metrics(snapshot)

@@ -8,7 +8,8 @@ fsync, rename) and indexes it.
 Disk full (ENOSPC/EDQUOT): the failed record is removed, one warning is logged, the
 ``disk_full`` flag is set and ``disk_full_events`` counts it; writes are dropped for
 ``disk_full_retry_s`` seconds, after which they are tried again (the flag clears on the
-first successful write). Other write errors are counted (``write_errors``) and logged once
+first successful write) within a capacity fitted to the drive's room: the tier's oldest
+records make room for new ones, and the capacity grows back as the drive frees up. Other write errors are counted (``write_errors``) and logged once
 per errno; the record is simply not stored.
 """
 
@@ -132,6 +133,8 @@ class DiskWriter(WriteQueue[BlockRecordKey]):
                 )
                 payload = memoryview(sealed)
             size = len(head) + len(payload)
+            if self._full or self.index.capacity_bytes < self.index.configured_bytes:
+                self.index.fit_to_drive()  # NOTE: shrinks after a full drive, grows back later
             if not self.index.reserve(size):
                 with self._lock:
                     self._counts.dropped_demotions += 1

@@ -207,13 +207,17 @@ def test_directory_removed_while_running_is_recreated(
 
 
 # ---------------------------------------------------------------------- disk full
-def test_full_disk_stops_demotion_once_and_recovers(
+def test_full_disk_pauses_writes_then_keeps_the_newest_records(
     tiny_tmpfs: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """A budget larger than the drive: once full, writes pause, then the tier fits its
+    capacity to the drive and its oldest records make room; it grows back with the room."""
     caplog.set_level(logging.INFO, logger="kvstore")
     tier = DiskTier(
         BIG_SHAPE, torch.float32, 1 << 30, tiny_tmpfs, num_writers=1, disk_full_retry_s=0.5
     )
+    other_program = tiny_tmpfs / "other-program.bin"
+    other_program.write_bytes(bytes(96 * 1024))
     written = []
     for index in range(40):
         tier.put(make_meta(index), make_block(index, shape=BIG_SHAPE), blocking=True)
@@ -222,7 +226,7 @@ def test_full_disk_stops_demotion_once_and_recovers(
             break
         written.append(index)
     stats = tier.metrics()
-    assert stats.disk_full and stats.disk_full_events == 1 and len(written) >= 3
+    assert stats.disk_full and stats.disk_full_events == 1 and len(written) >= 2
     assert temp_files(tiny_tmpfs) == [], "the failed record must not stay behind"
 
     start = time.perf_counter()
@@ -235,18 +239,23 @@ def test_full_disk_stops_demotion_once_and_recovers(
         assert tier.load_into(make_meta(index), dest)
         assert bit_equal(dest, make_block(index, shape=BIG_SHAPE))
 
-    time.sleep(0.6)  # the retry finds the disk still full: no new event, no new warning
-    tier.put(make_meta(101), make_block(101, shape=BIG_SHAPE), blocking=True)
-    tier.flush()
-    assert tier.metrics().disk_full_events == 1 and not tier.contains(make_meta(101))
-
-    for index in written[:3]:  # room appears; after the pause writes resume
-        tier.discard(make_meta(index))
-    time.sleep(0.6)
-    assert tier.put(make_meta(102), make_block(102, shape=BIG_SHAPE), blocking=True)
+    time.sleep(0.6)  # after the pause: the oldest record makes room for the newest
+    assert tier.put(make_meta(101), make_block(101, shape=BIG_SHAPE), blocking=True)
     tier.flush()
     stats = tier.metrics()
-    assert tier.contains(make_meta(102)) and not stats.disk_full
+    assert tier.contains(make_meta(101)) and not tier.contains(make_meta(written[0]))
+    assert not stats.disk_full and stats.disk_full_events == 1
+    assert stats.capacity_bytes < 160 * 1024 and stats.evictions >= 1
+    assert tier.load_into(make_meta(101), dest) and bit_equal(
+        dest, make_block(101, shape=BIG_SHAPE)
+    )
+
+    fitted = stats.capacity_bytes
+    other_program.unlink()  # room appears: the capacity grows back
+    assert tier.put(make_meta(102), make_block(102, shape=BIG_SHAPE), blocking=True)
+    tier.flush()
+    assert tier.contains(make_meta(101)) and tier.contains(make_meta(102))
+    assert tier.metrics().capacity_bytes >= fitted + 64 * 1024
     tier.close()
     warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1 and "full" in warnings[0].getMessage()
