@@ -64,7 +64,7 @@ class BlendPlan:
         self.installs = []
         for planned in self.planned:
             planned.installed = False
-            if planned.start >= exact_prefix:
+            if planned.doc_start >= exact_prefix:  # NOTE: not only its install's start
                 self.installs.append(
                     Install(
                         planned.start,

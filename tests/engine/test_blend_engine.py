@@ -82,6 +82,25 @@ def test_one_document_or_cached_order_equals_prefix_caching(model_dir: str) -> N
         assert got.num_blended_tokens == 0
 
 
+def test_a_document_the_exact_prefix_reaches_into_is_completed_as_prefix_caching_would(
+    model_dir: str,
+) -> None:
+    """A blended request caches exact KV up to its first install, inside a document's
+    recomputed lead: asked again in that order, the rest of the document is computed, not
+    installed, so the answer is prefix caching's, and from then on all of it is cached."""
+    blend = engine(model_dir, kv_reuse="blend", blend_recompute_ratio=0.2)
+    prefix = engine(model_dir)
+    blend.run(prompt("bc"))  # b's and c's segments
+    first = blend.run(prompt("abc"))
+    assert first.num_blended_tokens > 0
+    prefix.run(prompt("abc"))
+    for question in (1, 2):
+        got, expected = blend.run(prompt("abc", question)), prefix.run(prompt("abc", question))
+        assert tokens_of(got) == tokens_of(expected)
+        assert got.num_blended_tokens == 0
+    assert got.num_cached_tokens == expected.num_cached_tokens
+
+
 def test_blend_installs_rotated_segments_and_counts_them_apart(model_dir: str) -> None:
     blend, full = (
         engine(model_dir, kv_reuse="blend"),
@@ -153,25 +172,23 @@ def test_segments_from_every_tier_give_the_same_outputs(
         "cpu": {"kv_cpu_gib": 0.001},
         "disk": {"kv_disk_dir": str(tmp_path), "kv_disk_gib": 0.01},
     }[tier]
+    reference = engine(model_dir, kv_reuse="blend", blend_recompute_ratio=0.2)
+    reference.run(prompt("abc"))
+    on_device = reference.run(prompt("cab", 1))  # its segments on the device
+    assert on_device.num_blended_tokens > 0
     first = engine(model_dir, kv_reuse="blend", blend_recompute_ratio=0.2, **args)
     first.run(prompt("abc"))
-    first.run(prompt("cab", 1))
-    on_device = first.run(prompt("cab", 1))  # its exact prefix is cached now, too
-    assert on_device.num_blended_tokens > 0
     first.engine.reset_prefix_cache()  # every cached block demoted to the tier
     assert first.engine.tiers is not None
     first.engine.tiers.flush()
-    runs = [first.run(prompt("cab", 1))]
-    assert runs[0].cached_tokens_by_tier[tier] == runs[0].num_cached_tokens > 0
     if tier == "disk":
         first.engine.shutdown()
-        restarted = engine(model_dir, kv_reuse="blend", blend_recompute_ratio=0.2, **args)
-        runs.append(restarted.run(prompt("cab", 1)))
-        assert restarted.engine.stats.prompt_tokens_computed < len(prompt("cab", 1).token_ids)
-    for run in runs:
-        assert tokens_of(run) == tokens_of(on_device)
-        assert run.num_blended_tokens == on_device.num_blended_tokens
-        assert run.num_cached_tokens == on_device.num_cached_tokens
+        first = engine(model_dir, kv_reuse="blend", blend_recompute_ratio=0.2, **args)
+    run = first.run(prompt("cab", 1))
+    assert run.cached_tokens_by_tier[tier] == run.num_cached_tokens > 0
+    assert tokens_of(run) == tokens_of(on_device)
+    assert run.num_blended_tokens == on_device.num_blended_tokens
+    assert run.num_cached_tokens == on_device.num_cached_tokens
 
 
 def test_segments_whose_records_fail_verification_are_recomputed(
