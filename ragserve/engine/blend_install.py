@@ -18,17 +18,24 @@ from kvstore.segments import Segment, hold_segment, release_segment
 from ragserve.engine.blend_plan import Install
 from ragserve.engine.sequence import Sequence
 
+# Steps an install waits for a segment whose request is queued but not running before the
+# document is computed in place: the slots or blocks that request waits for may be held by
+# the very sequences that wait for it.
+MAX_QUEUED_WAIT_STEPS = 8
+
 
 class BlendInstaller:
-    """``in_flight(segment)``: a sequence computing that segment is queued or running, so
-    an install that misses it waits for it instead of computing the document itself."""
+    """``in_flight(segment)``: a sequence computing that segment is queued (False) or
+    running (True), else None. An install that misses the segment waits for a running one,
+    and for a queued one ``MAX_QUEUED_WAIT_STEPS`` steps, instead of computing the document
+    itself."""
 
     def __init__(
         self,
         kv_cache: torch.Tensor,
         inv_freq: torch.Tensor,
         kv_manager: KVCacheManager,
-        in_flight: Callable[[Segment], bool],
+        in_flight: Callable[[Segment], bool | None],
     ) -> None:
         self.kv_cache = kv_cache  # [num_blocks, num_layers, 2, block_size, kv_heads, head_dim]
         self.inv_freq = inv_freq.to(kv_cache.device)
@@ -52,7 +59,7 @@ class BlendInstaller:
         try:
             available = hold.tokens - install.source
             if available < install.length:
-                if hold.waiting or self.in_flight(install.segment):
+                if hold.waiting or self._worth_waiting(install):
                     return False
                 seq.blend.shrink(install, available)  # NOTE: evicted for good: compute the rest
                 if install not in seq.blend.installs:
@@ -77,6 +84,13 @@ class BlendInstaller:
             return False  # NOTE: other sequences hold the room: tried again next step
         seq.blend.shrink(install, 0)
         return True
+
+    def _worth_waiting(self, install: Install) -> bool:
+        running = self.in_flight(install.segment)
+        if running is None:
+            return False
+        install.waited_steps += 1
+        return running or install.waited_steps <= MAX_QUEUED_WAIT_STEPS
 
     def _copy(
         self, source_slots: list[int], start: int, end: int, table: list[int], shift: int

@@ -40,7 +40,7 @@ from ragserve.engine.model_runner import ModelRunner
 from ragserve.engine.prefix_pins import PrefixPins
 from ragserve.engine.sampler import SampleRequest, read_samples, to_device_async
 from ragserve.engine.scheduler import Scheduler
-from ragserve.engine.sequence import Sequence
+from ragserve.engine.sequence import Sequence, SequenceStatus
 from ragserve.models.loader import LoadedModel, load_model_from_config
 from ragserve.outputs import RequestOutput
 from ragserve.sampling_params import SamplingParams
@@ -133,7 +133,7 @@ class LLMEngine:
             self.kv_cache,
             self.loaded.model.model.rotary_emb.inv_freq,
             self.kv_manager,
-            self._segment_in_flight,
+            self._segment_running,
         )
         self._next_seq_id = 0
         async_scheduling = config.async_scheduling
@@ -318,6 +318,13 @@ class LLMEngine:
 
     def _segment_in_flight(self, segment: Segment) -> bool:
         return segment_request_id(segment) in self._requests
+
+    def _segment_running(self, segment: Segment) -> bool | None:
+        """Whether the request computing ``segment`` runs (False: queued; None: none)."""
+        request = self._requests.get(segment_request_id(segment))
+        if request is None:
+            return None
+        return any(seq.status is SequenceStatus.RUNNING for seq in request.seqs)
 
     def _fresh_seed(self) -> int:
         return (self.config.seed * 1_000_003 + self._next_seq_id) & 0x7FFF_FFFF_FFFF_FFFF

@@ -265,3 +265,27 @@ def test_a_segment_whose_copy_does_not_fit_beside_it_is_computed_in_place(
     assert done.num_blended_tokens == 0
     blend.engine.block_pool.check_invariants()
     assert blend.engine.block_pool.num_used == 0
+
+
+def test_installs_waiting_on_a_queued_segment_never_stall_the_engine(model_dir: str) -> None:
+    """One running slot, held by a request whose install waits for a segment that the next
+    request queued again (the segment was evicted): the segment's request cannot run until
+    the slot is free, so after a few steps the document is computed in place instead."""
+    blend = engine(model_dir, kv_reuse="blend", max_num_seqs=1, blend_recompute_ratio=0.0)
+    full = engine(model_dir, enable_prefix_caching=False)
+    blend.run(prompt("ab"))  # b's segment
+    first, second = prompt("cb"), prompt("cb", 1)
+    blend.engine.add_request("first", first.token_ids, GREEDY, documents=first.documents)
+    blend.engine.step()  # admitted, with an install of b's segment planned
+    blend.engine.reset_prefix_cache()  # the segment leaves, as an eviction would take it
+    blend.engine.add_request("second", second.token_ids, GREEDY, documents=second.documents)
+    done: dict[str, list[int]] = {}
+    for _ in range(500):  # NOTE: bounded: the bug waited for good
+        for output in blend.engine.step():
+            if output.finished:
+                done[output.request_id] = tokens_of(output)
+        if not blend.engine.has_unfinished_requests():
+            break
+    assert done == {"first": tokens_of(full.run(first)), "second": tokens_of(full.run(second))}
+    blend.engine.block_pool.check_invariants()
+    assert blend.engine.block_pool.num_used == 0
