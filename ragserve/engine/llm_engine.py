@@ -722,10 +722,12 @@ class LLMEngine:
             seq.cumulative_logprob += logprob or 0.0
         self.kv_manager.update_hashes(seq.kv, seq.token_ids)
         past_min = seq.num_output_tokens >= params.min_tokens
-        stop_string = seq.detokenizer.append(token, past_min) if seq.detokenizer else None
         if past_min and token in (params.stop_token_ids or ()):
+            # NOTE: its text is left out of the output, as OpenAI and vLLM leave it out.
             seq.finish_reason, seq.stop_reason = "stop", token
-        elif past_min and not params.ignore_eos and token in self.eos_token_ids:
+            return
+        stop_string = seq.detokenizer.append(token, past_min) if seq.detokenizer else None
+        if past_min and not params.ignore_eos and token in self.eos_token_ids:
             seq.finish_reason = "stop"
         elif past_min and stop_string is not None:
             seq.finish_reason, seq.stop_reason = "stop", stop_string

@@ -120,6 +120,7 @@ def _sampling_params(
         max_tokens=max_tokens,
         min_tokens=body.min_tokens,
         stop=body.stop,
+        stop_token_ids=body.stop_token_ids,
         ignore_eos=body.ignore_eos,
         logprobs=logprobs,
     )

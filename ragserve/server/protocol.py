@@ -49,6 +49,9 @@ class GenerationRequest(_Strict):
     top_k: int = -1
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    repetition_penalty: float = 1.0  # not implemented: accepted at its neutral value only
+    min_p: float = 0.0  # likewise
 
     @model_validator(mode="after")
     def _check_common(self) -> GenerationRequest:
@@ -58,6 +61,8 @@ class GenerationRequest(_Strict):
             raise ValueError("presence_penalty and frequency_penalty are not supported (use 0)")
         if self.logit_bias:
             raise ValueError("logit_bias is not supported")
+        if self.repetition_penalty != 1.0 or self.min_p:
+            raise ValueError("repetition_penalty and min_p are not supported (use 1 and 0)")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         return self

@@ -114,6 +114,8 @@ def test_stop_token_ids_min_tokens_and_max_tokens(llm: LLM) -> None:
         use_tqdm=False,
     )[0].outputs[0]
     assert out.token_ids == tokens[: first + 1] and out.stop_reason == stop_token
+    # The stop token's text is left out, as OpenAI and vLLM leave it out.
+    assert out.text == llm.get_tokenizer().decode(tokens[:first])
     eos_early = llm.chat(
         [{"role": "user", "content": "Say OK."}],
         SamplingParams(temperature=0.0, max_tokens=40),

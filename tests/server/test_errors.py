@@ -96,6 +96,18 @@ BAD_REQUESTS: list[tuple[str, str, Any, str, int, str | None, str | None]] = [
         None,
     ),
     ("penalty", C, {"prompt": "x", "presence_penalty": 1.0}, JSON, 400, None, None),
+    ("repetition penalty", C, {"prompt": "x", "repetition_penalty": 1.5}, JSON, 400, None, None),
+    ("min_p", C, {"prompt": "x", "min_p": 0.1}, JSON, 400, None, None),
+    (
+        "stop token beyond the vocabulary",
+        C,
+        {"prompt": "x", "stop_token_ids": [10**9]},
+        JSON,
+        400,
+        None,
+        None,
+    ),
+    ("stop token ids not a list", C, {"prompt": "x", "stop_token_ids": 30}, JSON, 400, None, None),
     (
         "stream_options without stream",
         C,

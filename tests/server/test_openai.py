@@ -156,6 +156,20 @@ def test_completion_logprobs_of_tokens_that_split_characters(
     assert offsets == logprobs.text_offset
 
 
+def test_stop_token_ids_end_the_answer_without_their_text(
+    client: openai.OpenAI, model: str, smollm_tokenizer: Any
+) -> None:
+    kwargs: dict[str, Any] = dict(model=model, prompt=PROMPT, max_tokens=12, temperature=0)
+    base = client.completions.create(**kwargs).choices[0].text
+    comma = smollm_tokenizer.convert_tokens_to_ids(",")
+    assert "," in base  # the greedy answer lists colors
+    out = client.completions.create(
+        **kwargs, extra_body={"stop_token_ids": [comma], "repetition_penalty": 1.0}
+    )
+    choice = out.choices[0]
+    assert choice.finish_reason == "stop" and choice.text == base[: base.index(",")]
+
+
 def test_max_completion_tokens_stop_and_user(client: openai.OpenAI, model: str) -> None:
     base = client.completions.create(
         model=model, prompt=PROMPT, max_tokens=10, temperature=0, user="u1"
