@@ -9,6 +9,7 @@ it is indexing and element-wise work on the device: no document leaves it.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Literal
 
 import torch
 
@@ -18,52 +19,71 @@ from kvstore.segments import Segment, hold_segment, release_segment
 from ragserve.engine.blend_plan import Install
 from ragserve.engine.sequence import Sequence
 
-# Steps an install waits for a segment whose request is queued but not running before the
-# document is computed in place: the slots or blocks that request waits for may be held by
-# the very sequences that wait for it.
-MAX_QUEUED_WAIT_STEPS = 8
+# Where the request computing a segment is: running, queued, or none (None).
+SegmentWork = Literal["running", "queued"] | None
+# What an install did: moved the sequence on, or left it waiting (for a queued segment:
+# the one wait that can last for good, see ``install_ready``).
+Outcome = Literal["moved", "waits", "waits for a queued segment"]
 
 
 class BlendInstaller:
-    """``in_flight(segment)``: a sequence computing that segment is queued (False) or
-    running (True), else None. An install that misses the segment waits for a running one,
-    and for a queued one ``MAX_QUEUED_WAIT_STEPS`` steps, instead of computing the document
-    itself."""
+    """``segment_work(segment)`` tells where the request computing a segment is. An install
+    that misses its segment waits for that request instead of computing the document
+    itself, unless nothing else could ever let that request run (see ``install_ready``)."""
 
     def __init__(
         self,
         kv_cache: torch.Tensor,
         inv_freq: torch.Tensor,
         kv_manager: KVCacheManager,
-        in_flight: Callable[[Segment], bool | None],
+        segment_work: Callable[[Segment], SegmentWork],
     ) -> None:
         self.kv_cache = kv_cache  # [num_blocks, num_layers, 2, block_size, kv_heads, head_dim]
         self.inv_freq = inv_freq.to(kv_cache.device)
         self.kv = kv_manager
         self.block_size = kv_cache.shape[3]
-        self.in_flight = in_flight
+        self.segment_work = segment_work
 
-    def install_ready(self, seqs: Iterable[Sequence]) -> None:
-        """Install every segment run that a sequence of ``seqs`` has reached."""
+    def install_ready(self, running: Iterable[Sequence]) -> None:
+        """Install every segment run that a running sequence has reached.
+
+        NOTE: when every running sequence waits for a segment whose request is queued, that
+        request waits for a slot or blocks they hold, and nothing would ever move: they
+        compute their documents in place instead."""
+        seqs = list(running)
+        stalled: list[tuple[Sequence, Install]] = []
         for seq in seqs:
             plan = seq.blend
             while plan is not None:
                 install = plan.install_at(seq.num_computed_tokens)
-                if install is None or not self._install(seq, install):
+                if install is None:
                     break
+                outcome = self._install(seq, install)
+                if outcome == "waits for a queued segment":
+                    stalled.append((seq, install))
+                if outcome != "moved":
+                    break
+        if stalled and len(stalled) == len(seqs):
+            for seq, install in stalled:
+                assert seq.blend is not None
+                seq.blend.shrink(install, 0)
 
-    def _install(self, seq: Sequence, install: Install) -> bool:
-        """True when the sequence moved on (installed, or left to compute what is missing)."""
+    def _install(self, seq: Sequence, install: Install) -> Outcome:
         assert seq.blend is not None
         hold = hold_segment(self.kv, install.segment)
         try:
             available = hold.tokens - install.source
             if available < install.length:
-                if hold.waiting or self._worth_waiting(install):
-                    return False
+                if hold.waiting:
+                    return "waits"
+                work = self.segment_work(install.segment)
+                if work == "running":
+                    return "waits"
+                if work == "queued":
+                    return "waits for a queued segment"
                 seq.blend.shrink(install, available)  # NOTE: evicted for good: compute the rest
                 if install not in seq.blend.installs:
-                    return True
+                    return "moved"
             if self.kv.allocate(seq.kv, install.end):
                 self._copy(
                     hold.slots(install.source, install.source + install.length),
@@ -74,23 +94,16 @@ class BlendInstaller:
                 )
                 seq.num_computed_tokens = install.end
                 install.installed = True
-                return True
+                return "moved"
         finally:
             release_segment(self.kv, hold)
         # NOTE: the segment and its copy do not fit together. If the document fits without
         # the segment, compute it in place: waiting for room another sequence frees may
         # wait for good (none may be running).
         if not self.kv.allocate(seq.kv, install.end):
-            return False  # NOTE: other sequences hold the room: tried again next step
+            return "waits"  # NOTE: other sequences hold the room: tried again next step
         seq.blend.shrink(install, 0)
-        return True
-
-    def _worth_waiting(self, install: Install) -> bool:
-        running = self.in_flight(install.segment)
-        if running is None:
-            return False
-        install.waited_steps += 1
-        return running or install.waited_steps <= MAX_QUEUED_WAIT_STEPS
+        return "moved"
 
     def _copy(
         self, source_slots: list[int], start: int, end: int, table: list[int], shift: int

@@ -36,7 +36,6 @@ class Install:
     doc_start: int  # where the document begins in the prompt
     doc_end: int
     installed: bool = False
-    waited_steps: int = 0  # steps spent waiting for its segment to be computed
 
     @property
     def length(self) -> int:

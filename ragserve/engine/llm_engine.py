@@ -23,7 +23,7 @@ from kvstore.pool_prefault import PoolPrefaulter
 from kvstore.segments import Segment, segment_salt
 from ragserve.config import EngineConfig
 from ragserve.devices import resolve_device
-from ragserve.engine.blend_install import BlendInstaller
+from ragserve.engine.blend_install import BlendInstaller, SegmentWork
 from ragserve.engine.blend_requests import (
     SEGMENT_PARAMS,
     BlendRequest,
@@ -133,7 +133,7 @@ class LLMEngine:
             self.kv_cache,
             self.loaded.model.model.rotary_emb.inv_freq,
             self.kv_manager,
-            self._segment_running,
+            self._segment_work,
         )
         self._next_seq_id = 0
         async_scheduling = config.async_scheduling
@@ -319,12 +319,12 @@ class LLMEngine:
     def _segment_in_flight(self, segment: Segment) -> bool:
         return segment_request_id(segment) in self._requests
 
-    def _segment_running(self, segment: Segment) -> bool | None:
-        """Whether the request computing ``segment`` runs (False: queued; None: none)."""
+    def _segment_work(self, segment: Segment) -> SegmentWork:
         request = self._requests.get(segment_request_id(segment))
         if request is None:
             return None
-        return any(seq.status is SequenceStatus.RUNNING for seq in request.seqs)
+        running = any(seq.status is SequenceStatus.RUNNING for seq in request.seqs)
+        return "running" if running else "queued"
 
     def _fresh_seed(self) -> int:
         return (self.config.seed * 1_000_003 + self._next_seq_id) & 0x7FFF_FFFF_FFFF_FFFF

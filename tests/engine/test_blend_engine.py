@@ -270,7 +270,7 @@ def test_a_segment_whose_copy_does_not_fit_beside_it_is_computed_in_place(
 def test_installs_waiting_on_a_queued_segment_never_stall_the_engine(model_dir: str) -> None:
     """One running slot, held by a request whose install waits for a segment that the next
     request queued again (the segment was evicted): the segment's request cannot run until
-    the slot is free, so after a few steps the document is computed in place instead."""
+    the slot is free, and nothing else runs: the document is computed in place instead."""
     blend = engine(model_dir, kv_reuse="blend", max_num_seqs=1, blend_recompute_ratio=0.0)
     full = engine(model_dir, enable_prefix_caching=False)
     blend.run(prompt("ab"))  # b's segment
