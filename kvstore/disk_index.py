@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import os
 import secrets
 import stat
 import threading
+import time
 from collections import OrderedDict
 from pathlib import Path
 
@@ -68,6 +70,9 @@ def check_writable(root: Path) -> None:
         ) from exc
 
 
+FIT_INTERVAL_S = 1.0
+
+
 class DiskIndex:
     """The records under ``root`` this process knows of, in LRU order, within a byte budget.
 
@@ -82,6 +87,8 @@ class DiskIndex:
         self.root = root
         self.configured_bytes = capacity_bytes
         self.capacity_bytes = capacity_bytes  # less while the drive has less room
+        self._fitted_at = -math.inf
+        self._reserved = 0  # bytes reserved for writes not committed yet
         self.temp_files_removed = 0
         self._lock = threading.Lock()
         self._sizes: OrderedDict[BlockRecordKey, int] = OrderedDict()
@@ -223,14 +230,20 @@ class DiskIndex:
     def fit_to_drive(self) -> None:
         """Take as capacity the configured bytes, or what this tier's records use plus the
         drive's free room where that is less: on a full drive (other files, or a budget
-        larger than the drive) the oldest records then make room for new ones."""
+        larger than the drive) the oldest records then make room for new ones. Asked of
+        the drive once a second at most."""
+        now = time.monotonic()
+        if now - self._fitted_at < FIT_INTERVAL_S:
+            return
+        self._fitted_at = now
         try:
             info = os.statvfs(self.root)
         except OSError:
             return
+        free = info.f_bavail * (info.f_frsize or info.f_bsize)
         with self._lock:
-            room = self._used + info.f_bavail * info.f_frsize
-            self.capacity_bytes = min(self.configured_bytes, room)
+            # NOTE: reserved bytes not written yet are still free on the drive: not twice.
+            self.capacity_bytes = min(self.configured_bytes, self._used - self._reserved + free)
 
     def reserve(self, size: int) -> bool:
         """Evict LRU records until ``size`` more bytes fit, then reserve them.
@@ -244,6 +257,7 @@ class DiskIndex:
             fits = self._used + size <= self.capacity_bytes
             if fits:
                 self._used += size
+                self._reserved += size
         self.remove_files(victims)
         return fits
 
@@ -251,6 +265,7 @@ class DiskIndex:
         """Return a reservation whose write failed."""
         with self._lock:
             self._used -= size
+            self._reserved -= size
 
     def commit(self, key: BlockRecordKey, size: int) -> None:
         """Index a record written under a reservation of ``size`` bytes (most recent)."""
@@ -259,6 +274,7 @@ class DiskIndex:
             # (written by another process) is replaced, so subtract its size.
             self._used -= self._sizes.pop(key, 0)
             self._sizes[key] = size
+            self._reserved -= size
 
     def _evict_locked(self, incoming: int) -> list[BlockRecordKey]:
         victims = []

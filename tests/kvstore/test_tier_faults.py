@@ -21,6 +21,7 @@ import pytest
 import torch
 import xxhash
 
+from kvstore.disk_index import FIT_INTERVAL_S
 from kvstore.disk_tier import DiskTier, TierDirectoryError
 from kvstore.record_format import PREFIX, encode_head, encode_record, tensor_bytes
 from kvstore.tier import BlockMeta, salt_fingerprint
@@ -252,6 +253,7 @@ def test_full_disk_pauses_writes_then_keeps_the_newest_records(
 
     fitted = stats.capacity_bytes
     other_program.unlink()  # room appears: the capacity grows back
+    time.sleep(FIT_INTERVAL_S)  # the drive is asked once a second at most
     assert tier.put(make_meta(102), make_block(102, shape=BIG_SHAPE), blocking=True)
     tier.flush()
     assert tier.contains(make_meta(101)) and tier.contains(make_meta(102))
