@@ -67,6 +67,15 @@ def load_transformers_model(
     return model.to(device).eval()
 
 
+def succeeded(outputs: list[Any]) -> list[Any]:
+    """``outputs`` of ``LLM.generate``; RuntimeError naming the first failed request (a
+    figure over failed requests would mislead)."""
+    for output in outputs:
+        if output.error:
+            raise RuntimeError(f"request {output.request_id} failed: {output.error}")
+    return outputs
+
+
 @torch.inference_mode()
 def transformers_generate(
     model: Any, prompts: list[list[int]], max_new_tokens: int, batch_size: int, pad_token_id: int

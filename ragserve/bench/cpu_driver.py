@@ -32,6 +32,7 @@ def _write(path: str, results: dict[str, Any]) -> None:
 
 def ragserve_engine(spec: dict[str, Any], results: dict[str, Any]) -> Generate:
     from ragserve import LLM, SamplingParams
+    from ragserve.bench.common import succeeded
     from ragserve.config import EngineConfig
 
     llm = LLM.from_config(EngineConfig(**spec["ragserve_config"]))
@@ -42,7 +43,7 @@ def ragserve_engine(spec: dict[str, Any], results: dict[str, Any]) -> Generate:
 
     def generate(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        outputs = llm.generate(prompts, params, use_tqdm=False)
+        outputs = succeeded(llm.generate(prompts, params, use_tqdm=False))
         return [list(o.outputs[0].token_ids) for o in outputs]
 
     return generate

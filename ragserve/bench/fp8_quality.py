@@ -26,7 +26,7 @@ import dataclasses
 import math
 from typing import Any
 
-from ragserve.bench.common import release_device_memory, write_json
+from ragserve.bench.common import release_device_memory, succeeded, write_json
 from ragserve.bench.rag_workload import make_pool, make_questions
 from ragserve.config import EngineConfig
 from ragserve.table import print_table
@@ -126,7 +126,7 @@ def greedy_answers(llm: Any, prompts: list[list[int]], length: int) -> list[list
     from ragserve import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=length, ignore_eos=True)
-    return [list(out.outputs[0].token_ids) for out in llm.generate(prompts, params)]
+    return [list(out.outputs[0].token_ids) for out in succeeded(llm.generate(prompts, params))]
 
 
 def teacher_forced(
@@ -139,7 +139,7 @@ def teacher_forced(
     steps: list[list[TopLogprobs]] = [[] for _ in prompts]
     for t in range(len(answers[0])):
         batch = [p + a[:t] for p, a in zip(prompts, answers, strict=True)]
-        for row, out in enumerate(llm.generate(batch, params, use_tqdm=False)):
+        for row, out in enumerate(succeeded(llm.generate(batch, params, use_tqdm=False))):
             (logprobs,) = out.outputs[0].logprobs
             steps[row].append({token: lp.logprob for token, lp in logprobs.items()})
     return steps

@@ -15,6 +15,7 @@ from ragserve.bench.common import (
     int_at_least,
     load_transformers_model,
     random_prompts,
+    succeeded,
     time_request,
     transformers_generate,
     write_json,
@@ -71,10 +72,12 @@ def run(args: argparse.Namespace, config: Any) -> int:
     first_token = SamplingParams(temperature=0.0, max_tokens=1)
 
     def sequential(llm: Any) -> float:
-        return _timed(lambda: [llm.generate([p], answer, use_tqdm=False) for p in prompts])
+        return _timed(
+            lambda: [succeeded(llm.generate([p], answer, use_tqdm=False)) for p in prompts]
+        )
 
     def concurrent(llm: Any) -> float:
-        return _timed(lambda: llm.generate(prompts, answer, use_tqdm=False))
+        return _timed(lambda: succeeded(llm.generate(prompts, answer, use_tqdm=False)))
 
     results: dict[str, Any] = {"workload": {k: v for k, v in vars(args).items() if k != "func"}}
 

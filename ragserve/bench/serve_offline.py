@@ -28,6 +28,7 @@ from typing import Any
 
 def main(argv: Sequence[str] | None = None) -> int:
     from ragserve import LLM, SamplingParams
+    from ragserve.bench.common import succeeded
     from ragserve.cli import add_engine_args, engine_config_from_args
     from ragserve.server.prompts import PromptBuilder
 
@@ -47,14 +48,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 
     def serve_commands() -> None:
-        llm.generate([ids], params, use_tqdm=False)
+        succeeded(llm.generate([ids], params, use_tqdm=False))
         _reply({"ready": True, "prompt_tokens": len(ids)})
         for line in sys.stdin:
             if line.strip() != "run":
                 _reply({"error": f"unknown command {line.strip()[:40]!r}"})
                 continue
             started = time.perf_counter()
-            output = llm.generate([ids], params, use_tqdm=False)[0]
+            output = succeeded(llm.generate([ids], params, use_tqdm=False))[0]
             seconds = time.perf_counter() - started
             _reply(
                 {

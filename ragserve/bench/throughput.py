@@ -18,6 +18,7 @@ from ragserve.bench.common import (
     random_prompts,
     release_device_memory,
     resolve_peaks,
+    succeeded,
     transformers_generate,
     transformers_generate_batch,
     write_json,
@@ -85,7 +86,9 @@ def _run_ragserve(
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
 
     first = time.perf_counter()
-    llm.generate([prompts[0]], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+    succeeded(
+        llm.generate([prompts[0]], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+    )
     startup = load_seconds + time.perf_counter() - first
     llm.reset_prefix_cache()
 
@@ -95,7 +98,7 @@ def _run_ragserve(
     seconds_by_run = []
     for _ in range(2):
         started = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=True)
+        outputs = succeeded(llm.generate(prompts, params, use_tqdm=True))
         if info.device.type == "cuda":
             torch.cuda.synchronize()
         seconds_by_run.append(time.perf_counter() - started)
