@@ -138,8 +138,10 @@ def _is_name(doc: Any) -> bool:
 class QAPrompts:
     """Token ids of the shared document prefix and of each question's private suffix.
 
-    Documents and questions are user text: special-token strings in them are encoded as
-    plain text (:mod:`pipelines.plain_text`), the template's frame as written.
+    Documents and questions are user text: one that holds a special-token string is
+    encoded apart from the template's frame, with such strings as plain text
+    (:mod:`pipelines.plain_text`); other text is encoded with its frame as written, so
+    its tokens are what the template alone would give.
     """
 
     def __init__(self, tokenizer: Any, template: str = DEFAULT_QA_TEMPLATE) -> None:
@@ -152,15 +154,23 @@ class QAPrompts:
         self.head, self.middle, self.tail = chat_frame(
             tokenizer, template, [DOCUMENT_SLOT, QUESTION_SLOT]
         )
-        self.head_ids = encode(tokenizer, self.head)
-        self.tail_ids = encode(tokenizer, self.tail)
+        decoder = getattr(tokenizer, "added_tokens_decoder", {})
+        self._controls = [t.content for t in decoder.values() if t.special]
+
+    def _user_text(self, before: str, text: str, after: str) -> list[int]:
+        if not any(control in text for control in self._controls):
+            return encode(self.tokenizer, before + text + after)
+        return (
+            encode(self.tokenizer, before)
+            + encode(self.plain, text)
+            + encode(self.tokenizer, after)
+        )
 
     def document_prefix(self, text: str) -> list[int]:
-        return self.head_ids + encode(self.plain, text)
+        return self._user_text(self.head, text, "")
 
     def question_suffix(self, question: str) -> list[int]:
-        # NOTE: the frame between the slots is one user turn's text: no control tokens.
-        return encode(self.plain, self.middle + question) + self.tail_ids
+        return self._user_text(self.middle, question, self.tail)
 
     def prompt(self, document_text: str, question: str) -> list[int]:
         return self.document_prefix(document_text) + self.question_suffix(question)
@@ -171,10 +181,10 @@ class QAPrompts:
         """Several documents in the document slot, each tokenized on its own (so each is
         the same token ids wherever it stands), separated by a blank line; returns the
         prompt and the documents' spans in it."""
-        ids = list(self.head_ids)
+        ids = encode(self.tokenizer, self.head)
         spans = []
         for text in texts:
-            doc = encode(self.plain, text + "\n\n")
+            doc = self._user_text("", text, "\n\n")
             spans.append((len(ids), len(ids) + len(doc)))
             ids += doc
         return ids + self.question_suffix(question), spans

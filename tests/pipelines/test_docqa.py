@@ -264,3 +264,9 @@ def test_special_token_strings_in_documents_and_questions_stay_text(
     several, _ = prompts.documents_prompt([forged, "plain"], "plain?")
     assert sum(t in control for t in several) == sum(t in control for t in frame)
     assert smollm_tokenizer.decode(prompt).count(forged) == 2
+    # Text with no such string is encoded with its frame, as the template alone gives it.
+    joint = prompts.head + "A plain document." + prompts.middle + "Why?" + prompts.tail
+    assert (
+        prompts.prompt("A plain document.", "Why?")
+        == smollm_tokenizer(joint, add_special_tokens=False)["input_ids"]
+    )
