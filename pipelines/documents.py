@@ -5,8 +5,8 @@ id) never stops a run: it is handed to ``on_error(source, reason)`` and skipped.
 
 Document ids are stable across runs (resume depends on it): a file named on the command
 line is its file name; a file found in a folder is its path relative to that folder; a
-JSONL line is its ``id`` field, else ``<file id>:<line number>``. A file whose id an earlier
-input already took is named by its path as given instead (two folders' ``README.md``).
+JSONL line is its ``id`` field, else ``<file id>:<line number>``. Files that would share an
+id (two folders' ``README.md``) are each named by their path as given instead.
 Bytes of a file name that are not UTF-8 appear as ``\\xNN``.
 """
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,35 +58,38 @@ def load_documents(
     """
     if isinstance(inputs, (str, os.PathLike, Document, Mapping)):
         inputs = [inputs]  # one input, not an iterable of characters or keys
-    documents: list[Document] = []
-    seen: dict[str, str] = {}
+    skipped = {Path(p).resolve() for p in leave_out}
+    found: list[tuple[Document, str | None]] = []
     for position, item in enumerate(inputs):
         if isinstance(item, Document):
-            found: Iterable[tuple[Document, str | None]] = [(item, None)]
             if not item.text.strip():
                 on_error(item.source or item.id, "empty document")
                 continue
+            found.append((item, None))
         elif isinstance(item, Mapping):
-            found = (
-                (document, None)
-                for document in _from_mapping(item, f"<input {position}>", str(position), on_error)
-            )
+            mapped = _from_mapping(item, f"<input {position}>", str(position), on_error)
+            found += ((document, None) for document in mapped)
         else:
-            found = _from_path(Path(item), on_error, {Path(p).resolve() for p in leave_out})
-        for document, path_id in found:
-            if document.id in seen and path_id is not None and path_id not in seen:
-                document = Document(path_id, document.text, document.source)
-            if document.id in seen:
-                on_error(
-                    document.source or document.id,
-                    f"duplicate document id {document.id!r} (first from {seen[document.id]})",
-                )
-                continue
-            if not is_utf8(document.text):
-                on_error(document.source or document.id, "text holds a lone UTF-16 surrogate")
-                continue
-            seen[document.id] = document.source or document.id
-            documents.append(document)
+            found += _from_path(Path(item), on_error, skipped)
+    # NOTE: files of one name in several places are all named by their paths, whatever
+    # the order of the inputs (resume depends on it).
+    names = Counter(document.id for document, path_id in found if path_id is not None)
+    documents: list[Document] = []
+    seen: dict[str, str] = {}
+    for document, path_id in found:
+        if path_id is not None and names[document.id] > 1:
+            document = Document(path_id, document.text, document.source)
+        if document.id in seen:
+            on_error(
+                document.source or document.id,
+                f"duplicate document id {document.id!r} (first from {seen[document.id]})",
+            )
+            continue
+        if not is_utf8(document.text):
+            on_error(document.source or document.id, "text holds a lone UTF-16 surrogate")
+            continue
+        seen[document.id] = document.source or document.id
+        documents.append(document)
     return documents
 
 
