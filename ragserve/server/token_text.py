@@ -3,6 +3,8 @@
 A byte-level tokenizer splits a character of several UTF-8 bytes (an emoji, most CJK) over
 tokens, and decoding such a token alone gives U+FFFD. OpenAI reports its raw ``bytes`` and
 shows it as ``bytes:\\xNN``; a token's ``text_offset`` is the character it starts in.
+NOTE: offsets add up each token decoded alone, exact for byte-level tokenizers; one that
+drops a word's leading space when its token is decoded alone (SentencePiece) undercounts.
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ class TokenText:
 
     def _raw_bytes(self, token_id: int) -> bytes | None:
         piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        if isinstance(piece, bytes):  # tokenizers whose vocabulary is bytes (tiktoken's)
+            return piece
         if not isinstance(piece, str):
             return None
         match = _BYTE_TOKEN.fullmatch(piece)
