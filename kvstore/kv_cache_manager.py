@@ -194,6 +194,7 @@ class KVCacheManager:
         run = candidates[: self.tiers.leading_present(candidates)]
         if not run:
             return 0
+        self.tiers.keep_for_load(run)
         # NOTE: allocating may evict cached device blocks (demoting them), never live ones.
         # Sorted: evicted cached blocks come in LRU order (a chain's tail first), and in
         # ascending order the rows of a run of slots follow each other: one copy.

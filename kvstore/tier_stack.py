@@ -176,8 +176,7 @@ class TierStack:
         return self._durable is not None and self._durable.contains(identity)
 
     def leading_present(self, identities: Sequence[BlockLike], window: int = 64) -> int:
-        """How many leading ``identities`` some tier holds (a load may still miss); the
-        chained tiers keep those they hold for the load that follows (``keep_for_load``).
+        """How many leading ``identities`` some tier holds (a load may still miss).
 
         The chained tiers are asked block by block up to their first miss; the shared
         tiers, past that point, about at most ``window`` blocks in one call each (one round
@@ -185,8 +184,6 @@ class TierStack:
         count = 0
         while count < len(identities) and any(t.contains(identities[count]) for t in self._chain):
             count += 1
-        for tier in self._chain:
-            tier.keep_for_load(identities[:count])
         if count == len(identities) or not self._shared:
             return count
         rest = identities[count : count + window]
@@ -199,6 +196,12 @@ class TierStack:
                 break
             count += 1
         return count
+
+    def keep_for_load(self, identities: Sequence[BlockLike]) -> None:
+        """Make the chained tiers evict these blocks last: the device room for their load
+        is made by evictions that demote other blocks into those tiers."""
+        for tier in self._chain:
+            tier.keep_for_load(identities)
 
     def load_many(
         self,
