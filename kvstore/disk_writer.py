@@ -9,8 +9,9 @@ Disk full (ENOSPC/EDQUOT): the failed record is removed, one warning is logged, 
 ``disk_full`` flag is set and ``disk_full_events`` counts it; writes are dropped for
 ``disk_full_retry_s`` seconds, after which they are tried again (the flag clears on the
 first successful write) within a capacity fitted to the drive's room: the tier's oldest
-records make room for new ones, and the capacity grows back as the drive frees up. Other write errors are counted (``write_errors``) and logged once
-per errno; the record is simply not stored.
+records make room for new ones, and the capacity grows back as the drive frees up. Other
+write errors are counted (``write_errors``) and logged once per errno; the record is simply
+not stored.
 """
 
 from __future__ import annotations

@@ -136,10 +136,7 @@ def _from_file(
         return
     path_id = _name(path.as_posix())
     if path.suffix.lower() in JSONL_SUFFIXES:
-        for document in _from_jsonl(text, path, file_id, on_error):
-            line = document.source.rsplit(":", 1)[-1]
-            default = document.id == f"{file_id}:{line}"
-            yield document, f"{path_id}:{line}" if default else None
+        yield from _from_jsonl(text, path, file_id, path_id, on_error)
     else:
         yield Document(file_id, text, path_id), path_id
 
@@ -165,7 +162,10 @@ def read_text_file(path: Path, on_error: ErrorHandler) -> str | None:
     return text
 
 
-def _from_jsonl(text: str, path: Path, file_id: str, on_error: ErrorHandler) -> Iterator[Document]:
+def _from_jsonl(
+    text: str, path: Path, file_id: str, path_id: str, on_error: ErrorHandler
+) -> Iterator[tuple[Document, str | None]]:
+    """Each line's document, with its id by path when the line gives no id of its own."""
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
@@ -178,7 +178,9 @@ def _from_jsonl(text: str, path: Path, file_id: str, on_error: ErrorHandler) -> 
         if not isinstance(record, dict):
             on_error(source, f"a line must be a JSON object, got {type(record).__name__}")
             continue
-        yield from _from_mapping(record, source, f"{file_id}:{number}", on_error)
+        by_path = None if "id" in record else f"{path_id}:{number}"
+        for document in _from_mapping(record, source, f"{file_id}:{number}", on_error):
+            yield document, by_path
 
 
 def _from_mapping(
