@@ -1,8 +1,9 @@
 """The application factory and the serving loop.
 
-Middlewares, outermost first: request id → metrics → errors → auth. So every response,
-errors included, carries ``X-Request-Id`` and is counted with its final status, and an
-authentication failure is an ordinary OpenAI-style error.
+Middlewares, outermost first: heap release → request id → metrics → errors → auth. So
+every response, errors included, carries ``X-Request-Id`` and is counted with its final
+status, an authentication failure is an ordinary OpenAI-style error, and a large body's
+memory goes back to the system once its request is gone.
 
 The application owns the engine it is given: its cleanup stops ingestion and shuts the
 engine down.
@@ -33,6 +34,7 @@ from ragserve.server.connections import ConnectionLimits, ServingRunner, ensure_
 from ragserve.server.document_store import DocumentStore
 from ragserve.server.documents import DocumentService
 from ragserve.server.errors import error_middleware
+from ragserve.server.heap_release import HeapRelease, make_heap_release_middleware
 from ragserve.server.metrics import ServerMetrics, make_metrics_middleware
 from ragserve.server.prompts import PromptBuilder
 from ragserve.server.registry_cipher import RegistryCipher
@@ -81,9 +83,11 @@ def create_app(
     document registry is shared through it too); None: no shared registry."""
     config = config or ServerConfig()
     metrics = ServerMetrics()
+    heap_release = HeapRelease()
     app = web.Application(
         client_max_size=config.max_request_bytes,
         middlewares=[
+            make_heap_release_middleware(heap_release),
             request_id_middleware,
             make_metrics_middleware(metrics),
             error_middleware,
@@ -124,8 +128,13 @@ def create_app(
     pipeline_routes.add_routes(app)
     ops_routes.add_routes(app)
     app.on_shutdown.append(_start_draining)
+    app.on_cleanup.append(lambda _app: _close(heap_release))
     app.cleanup_ctx.append(_engine_lifecycle)
     return app
+
+
+async def _close(heap_release: HeapRelease) -> None:
+    heap_release.close()
 
 
 async def _start_draining(app: web.Application) -> None:

@@ -13,12 +13,12 @@ larger; ``malloc_trim(0)`` brought that down to 19 MB.
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import ctypes.util
 import functools
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
+
+from ragserve.server.heap_release import release_free_memory
 
 T = TypeVar("T")
 
@@ -78,24 +78,3 @@ def _then_trim(fn: Callable[..., T], *args: Any) -> T:
         return fn(*args)
     finally:
         release_free_memory()
-
-
-@functools.cache
-def _malloc_trim() -> Callable[[int], int] | None:
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
-    try:
-        trim = ctypes.CDLL(name).malloc_trim
-    except (OSError, AttributeError):  # not glibc
-        return None
-    trim.argtypes = [ctypes.c_size_t]
-    trim.restype = ctypes.c_int
-    return trim
-
-
-def release_free_memory() -> None:
-    """Return the heap's free pages to the system, where the C library can (glibc)."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
