@@ -59,6 +59,11 @@ class DocumentPersistence:
     locks: DocumentLocks
     _docs: dict[tuple[str, str], RegisteredDocument]
     _store_thread: ThreadPoolExecutor
+    # Keys whose latest row (an upload's, a PATCH's) failed to be written, and keys whose
+    # rows' delete failed: written again by the watch and at shutdown, so that a restart
+    # neither forgets an answered upload nor brings back a deleted document.
+    _unsaved: set[tuple[str, str]]
+    _undeleted: set[tuple[str, str]]
 
     def _check_fits(self, num_tokens: int, num_prefix_tokens: int) -> None:
         raise NotImplementedError
@@ -273,12 +278,50 @@ class DocumentPersistence:
             return self.store.expired_models(namespace, doc_id, now)
         return self.store.sharing_models()
 
-    def _delete_rows(self, namespace: str, doc_id: str) -> None:
-        """Every model's row."""
+    def _delete_rows(self, namespace: str, doc_id: str) -> bool:
+        """Every model's row; True once done."""
         if self.store is not None:
             self.store.delete(namespace, doc_id)
         if self.shared is not None:
             self.shared.publish_gone(namespace, doc_id)
+        return True
+
+    def _rewrite_row(self, doc: StoredDocument, saved: bool) -> int:
+        """Write again a row whose write failed: a PATCH's over the row it changes
+        (``saved``), else an upload's, with how its ingestion here ended since."""
+        if saved:
+            return self._put_row(doc, patch=True, saved=True)
+        version = self._put_row(doc)
+        if self.store is not None and doc.status != "ingesting":
+            self.store.settle(doc.namespace, doc.id, doc.status, doc.error)
+        return version
+
+    async def _write_pending_rows(self) -> None:
+        """Delete the rows whose delete failed and write those whose write failed (see
+        ``_unsaved``), until one fails again: the registry is still failing then, and
+        the rest wait for the next round rather than each waiting out its error."""
+        for key in sorted(self._undeleted):
+            async with self.locks.hold(*key):
+                # NOTE: uploaded again since: that upload's row replaced (or will) the old.
+                gone = key not in self._docs
+                if gone and not await self._store_call("deleted", self._delete_rows, *key):
+                    return
+                self._undeleted.discard(key)
+        for key in sorted(self._unsaved):
+            async with self.locks.hold(*key):
+                doc = self._docs.get(key)
+                if doc is not None:
+                    try:
+                        version = await self._store_call(
+                            "saved", self._rewrite_row, doc.stored(), doc.saved
+                        )
+                    except RowGone:  # NOTE: deleted elsewhere: the watch forgets it
+                        version = 0
+                    if version is None:
+                        return
+                    doc.saved, doc.version = True, version or doc.version
+                    logger.info("document %s: registry row written", doc.id)
+                self._unsaved.discard(key)
 
     def _delete_expired_rows(self, namespace: str, doc_id: str, now: float) -> None:
         if self.store is not None:
@@ -436,8 +479,8 @@ class DocumentPersistence:
         """Run a registry write on the registry thread; its result, or None when there is
         no registry or the write failed (errors are logged, never raised).
 
-        NOTE: an upload or delete whose row could not be written still succeeds in memory:
-        the document is served until the restart that forgets (or restores) it."""
+        NOTE: an upload, PATCH or delete whose row could not be written still succeeds in
+        memory; its row is written later (see ``_write_pending_rows``)."""
         if self.store is None and self.shared is None:
             return None
         try:

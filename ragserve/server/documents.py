@@ -108,6 +108,8 @@ class DocumentService(DocumentPersistence):
         self.locks = DocumentLocks()
         self._docs: dict[tuple[str, str], RegisteredDocument] = {}
         self._ids = itertools.count()
+        self._unsaved: set[tuple[str, str]] = set()
+        self._undeleted: set[tuple[str, str]] = set()
         # NOTE: one thread, so registry writes happen in the order they were asked for
         # (an upload's row is written before a later delete removes it).
         self._store_thread = ThreadPoolExecutor(1, thread_name_prefix="registry")
@@ -291,6 +293,7 @@ class DocumentService(DocumentPersistence):
             logger.info("document %s: %d tokens, ingesting", doc_id, len(token_ids))
             version = await self._store_call("saved", self._put_row, doc.stored())
             doc.saved, doc.version = version is not None, version or 0
+            self._pending_write((namespace, doc_id), written=version is not None)
             return doc, True
 
         # NOTE: a DELETE of this text still running finishes first (its row delete and
@@ -451,6 +454,7 @@ class DocumentService(DocumentPersistence):
             doc.saved = True
         if version:
             doc.version = version
+        self._pending_write((doc.namespace, doc.id), written=version is not None)
         return doc
 
     def _expiring(self) -> list[tuple[str, str, float]]:
@@ -486,6 +490,7 @@ class DocumentService(DocumentPersistence):
         :mod:`ragserve.server.document_watch`): unpinned, this model's KV purged here;
         then follow the ingestions (see ``_sync_ingestions``). Returns how many were
         forgotten."""
+        await self._write_pending_rows()
         forgotten = await self._sync_shared() if self.shared is not None else 0
         if self.store is None or not self.store.is_open:
             return forgotten
@@ -549,7 +554,10 @@ class DocumentService(DocumentPersistence):
         if rows == "expired":
             await self._store_call("deleted", self._delete_expired_rows, doc.namespace, doc.id, now)
         elif rows == "all":
-            await self._store_call("deleted", self._delete_rows, doc.namespace, doc.id)
+            deleted = await self._store_call("deleted", self._delete_rows, doc.namespace, doc.id)
+            if deleted is None and self._has_registry:
+                self._undeleted.add((doc.namespace, doc.id))
+        self._unsaved.discard((doc.namespace, doc.id))
         self.orders.forget(doc.namespace, doc.id)
         return doc
 
@@ -577,6 +585,16 @@ class DocumentService(DocumentPersistence):
             whose = "" if model is None else f" of model {model.fingerprint[:12]}"
             logger.info("document %s: KV%s purged (%s blocks)", doc.id, whose, removed)
 
+    @property
+    def _has_registry(self) -> bool:
+        return self.store is not None or self.shared is not None
+
+    def _pending_write(self, key: tuple[str, str], written: bool) -> None:
+        if written or not self._has_registry:
+            self._unsaved.discard(key)
+        else:
+            self._unsaved.add(key)
+
     async def close(self) -> None:
         await self.expiry.stop()
         await self.watch.stop()
@@ -585,6 +603,7 @@ class DocumentService(DocumentPersistence):
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await self.locks.drain()  # NOTE: uploads, PATCHes and DELETEs whose clients left
+        await self._write_pending_rows()  # NOTE: a last try, so a restart loses none
         if self.store is not None:
             await asyncio.get_running_loop().run_in_executor(self._store_thread, self.store.close)
         if self.shared is not None:

@@ -4,13 +4,17 @@
   answers from its cached blocks;
 - ``kill -9`` during a burst of uploads and deletes: after a restart the registry holds
   every document whose upload returned and none whose delete returned;
-- two servers on one directory: the uploads of both are all there after a restart.
+- two servers on one directory: the uploads of both are all there after a restart;
+- a registry whose drive is full: uploads and deletes still answer, their rows are
+  written once there is room, and a restart keeps the one and not the other.
 """
 
 from __future__ import annotations
 
+import errno
 import signal
 import sqlite3
+import subprocess
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,7 +24,14 @@ import pytest
 import requests
 
 from ragserve.server.document_store import FILENAME
-from tests.server.server_fixtures import BLOCK_SIZE, running_server, start_server, wait_ready
+from tests.kvstore.test_tier_faults import mount_tmpfs
+from tests.server.server_fixtures import (
+    BLOCK_SIZE,
+    running_server,
+    start_server,
+    wait_for,
+    wait_ready,
+)
 from tests.server.test_document_purge import files_holding, grams, needles, stored_tokens
 
 pytestmark = pytest.mark.e2e
@@ -202,3 +213,58 @@ def test_a_kill_9_during_a_delete_never_leaves_a_deleted_documents_kv(tmp_path: 
         if doc["id"] in listed(second.url):
             return  # NOTE: the DELETE was not answered: the document lives on, KV and all
         assert files_holding(kv, patterns) == []
+
+
+def fill(directory: Path) -> Path:
+    """A file that takes every free byte of ``directory``'s drive."""
+    filler = directory / "filler"
+    with open(filler, "wb", buffering=0) as out:
+        try:
+            while True:
+                out.write(b"\0" * 4096)
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC, exc
+    return filler
+
+
+def rows(registry: Path) -> set[str]:
+    db = sqlite3.connect(registry / FILENAME)
+    try:
+        return {doc_id for (doc_id,) in db.execute("SELECT id FROM documents")}
+    finally:
+        db.close()
+
+
+def test_rows_that_a_full_drive_refused_are_written_once_there_is_room(tmp_path: Path) -> None:
+    registry = tmp_path / "registry"
+    mount_tmpfs(registry, "size=2m")
+    args = (*tier(tmp_path / "kv"), "--registry-dir", str(registry))
+    try:
+        with running_server(*args, log_path=tmp_path / "first.log") as server:
+            gone, patched = (upload(server.url, text(t)).json()["id"] for t in ("slate", "umber"))
+            for doc_id in (gone, patched):
+                assert wait_ready(server.url, doc_id, AUTH)["status"] == "ready"
+            filler = fill(registry)
+            kept = upload(server.url, text("tallow")).json()["id"]
+            assert wait_ready(server.url, kept, AUTH)["status"] == "ready"
+            deleted = requests.delete(f"{server.url}/v1/documents/{gone}", headers=AUTH, timeout=60)
+            assert deleted.status_code == 200, deleted.text
+            changed = requests.patch(
+                f"{server.url}/v1/documents/{patched}",
+                json={"metadata": {"shelf": "B"}},
+                headers=AUTH,
+                timeout=60,
+            )
+            assert changed.status_code == 200, changed.text
+            assert listed(server.url) == {kept, patched}
+            assert rows(registry) == {gone, patched}  # none of the three reached it
+            assert "document not saved" in server.log()
+            filler.unlink()
+            assert wait_for(lambda: rows(registry) == {kept, patched}, 20), rows(registry)
+        with running_server(*args, log_path=tmp_path / "second.log") as again:
+            assert listed(again.url) == {kept, patched}
+            assert wait_ready(again.url, kept, AUTH)["status"] == "ready"
+            shown = requests.get(f"{again.url}/v1/documents/{patched}", headers=AUTH, timeout=30)
+            assert shown.json()["metadata"] == {"shelf": "B"}, shown.text
+    finally:
+        subprocess.run(["umount", "-l", str(registry)], check=False)
