@@ -25,10 +25,10 @@ from kvstore.disk_index import (
     check_writable,
     resolve_disk_dir,
 )
+from kvstore.disk_links import DiskLinks
 from kvstore.disk_reader import DiskReader
 from kvstore.disk_writer import DiskWriter
 from kvstore.record_cipher import RecordCipher
-from kvstore.record_format import RecordError, read_head_file
 from kvstore.tier import (
     BlockLike,
     BlockRecordKey,
@@ -88,6 +88,7 @@ class DiskTier(KVTier):
         self.capacity_bytes = int(capacity_bytes)
         self._index = DiskIndex(self.root, self.capacity_bytes)
         self._reader = DiskReader(self._index, self.block_shape, dtype, num_readers, cipher)
+        self._links = DiskLinks()
         self._writer = DiskWriter(
             self._index,
             self.block_shape,
@@ -158,7 +159,9 @@ class DiskTier(KVTier):
         self.check_block(block, "block")
         if not self._usable():
             return False
-        return self._writer.put(record_key(meta), meta, block, blocking)
+        key = record_key(meta)
+        self._links.wrote(self._index.path(key), meta.block_hash, meta.parent_hash)
+        return self._writer.put(key, meta, block, blocking)
 
     def has_room(self) -> bool:
         return self._usable() and self._writer.has_room()
@@ -167,19 +170,13 @@ class DiskTier(KVTier):
         return self._index.discard(record_key(meta))
 
     def block_links(self, fingerprint: str) -> list[tuple[bytes, bytes | None]]:
-        """Reads the header of every record under ``fingerprint`` (other processes' too);
-        records that cannot be read are left out."""
+        """The links of every record under ``fingerprint`` (other processes' too): read
+        from the headers of records this tier has not read or written before; records
+        that cannot be read are left out."""
         if not self._usable():
             return []
         self.flush()
-        links = []
-        for path in self._index.record_paths(fingerprint):
-            try:
-                header = read_head_file(path)
-            except (OSError, RecordError):
-                continue
-            links.append((header.block_hash, header.parent_hash))
-        return links
+        return self._links.links(self._index.record_paths(fingerprint))
 
     def purge(self, fingerprint: str, hashes: Collection[bytes]) -> int:
         """Waits for queued writes first, so none of them lands after the purge.

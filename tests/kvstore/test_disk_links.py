@@ -1,0 +1,75 @@
+"""The disk tier's record links (block → parent) on real files: read from the headers
+once, remembered for records read or written before, others' records read, removed
+records forgotten."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+import xxhash
+
+from kvstore.disk_links import DiskLinks
+from kvstore.disk_tier import DiskTier
+from kvstore.tier import BlockMeta, salt_fingerprint
+from tests.kvstore.tier_blocks import SALT, SHAPE, random_block
+
+FINGERPRINT = salt_fingerprint(SALT)
+
+
+def chain(length: int, start: int = 0) -> list[BlockMeta]:
+    metas: list[BlockMeta] = []
+    parent = None
+    for index in range(start, start + length):
+        block_hash = xxhash.xxh3_128_digest(SALT + index.to_bytes(8, "little"))
+        metas.append(BlockMeta(block_hash, parent, (index,) * 4, SALT))
+        parent = block_hash
+    return metas
+
+
+def write(tier: DiskTier, metas: list[BlockMeta]) -> None:
+    for index, meta in enumerate(metas):
+        assert tier.put(meta, random_block(torch.float32, index), blocking=True)
+    tier.flush()
+
+
+def expected(metas: list[BlockMeta]) -> list[tuple[bytes, bytes | None]]:
+    return sorted((meta.block_hash, meta.parent_hash) for meta in metas)
+
+
+def record_paths(root: Path) -> list[str]:
+    return sorted(str(path) for path in (root / FINGERPRINT).glob("*.kv"))
+
+
+def test_links_of_written_records_and_of_another_process(tmp_path: Path) -> None:
+    ours, theirs = chain(5), chain(3, start=100)
+    with DiskTier(SHAPE, torch.float32, 1 << 20, tmp_path) as tier:
+        write(tier, ours)
+        with DiskTier(SHAPE, torch.float32, 1 << 20, tmp_path) as other:
+            write(other, theirs)  # another server on the directory
+        assert sorted(tier.block_links(FINGERPRINT)) == expected(ours + theirs)
+
+
+def test_a_known_link_is_not_read_again(tmp_path: Path) -> None:
+    metas = chain(4)
+    with DiskTier(SHAPE, torch.float32, 1 << 20, tmp_path) as tier:
+        write(tier, metas)
+    links = DiskLinks()
+    assert sorted(links.links(record_paths(tmp_path))) == expected(metas)
+    for path in record_paths(tmp_path):
+        os.truncate(path, 10)  # its header can no longer be read
+    assert sorted(links.links(record_paths(tmp_path))) == expected(metas)
+    assert DiskLinks().links(record_paths(tmp_path)) == []  # a fresh one must read them
+
+
+def test_removed_records_are_forgotten(tmp_path: Path) -> None:
+    metas = chain(1200)
+    links = DiskLinks()
+    with DiskTier(SHAPE, torch.float32, 1 << 30, tmp_path) as tier:
+        write(tier, metas)
+        assert len(links.links(record_paths(tmp_path))) == 1200
+        tier.purge(FINGERPRINT, [meta.block_hash for meta in metas[10:]])
+    remaining = record_paths(tmp_path)
+    assert sorted(links.links(remaining)) == expected(metas[:10])
+    assert len(links) == 10
