@@ -12,31 +12,32 @@ and answer tokens ``D`` really generated, and fits ``T ≈ a·P + b·D`` by leas
 over the last ``num_windows`` windows.
 
 A new request's expected time to finish is the time to get through its tenant's
-outstanding work and its own, ``own = a·(P_tenant + P_new) + b·(D_tenant + D_new)``, plus
-the other tenants' prompt work served meanwhile: the engine shares each step's tokens
-among tenants in turn, so each other tenant ``u`` takes ``min(a·P_u, a·(P_tenant +
-P_new))`` (all its prompt work, or as much as this tenant's), while answer tokens of
-different requests share steps rather than wait for each other. With a single tenant that
-is the time to get through all the outstanding work, as it was; with several, one
-tenant's flood lengthens its own estimate, and another's by at most its own prompt work
-per active tenant. A request is refused when the estimate exceeds ``max_queue_seconds``;
+outstanding prompt work and its own, ``a·(P_tenant + P_new)``, plus the other tenants'
+prompt work served meanwhile: the engine shares each step's tokens among tenants in turn,
+so each other tenant ``u`` takes ``min(a·P_u, a·(P_tenant + P_new))`` (all its prompt work,
+or as much as this tenant's); plus its own answer: ``steps_new`` decode steps, each
+costing ``b`` per sequence in the batch it joins (``S_answering + S_new``). Answer tokens
+of other requests share those steps rather than wait for each other: a long answer being
+generated makes each step of a new request a little dearer, it does not queue in front of
+it. With a single tenant the prompt part is all the outstanding prompt work; with several,
+one tenant's flood lengthens its own estimate, and another's by at most its own prompt
+work per active tenant. A request is refused when the estimate exceeds ``max_queue_seconds``;
 with a budget well below the clients' timeout, overload turns into quick 503s (with
 ``Retry-After``: the seconds over the budget) instead of timeouts.
 
-NOTE: this is the time to drain the queue. A request's own answer comes one token per
-engine step, and under sustained load each step also carries the answers (and prefill
-chunks) of requests admitted after it, so its latency can exceed the estimate: by up to
-about 2x in the 64-user CPU load test. Hence the default budget of 20 s for clients that
-time out after 60 s. (Modelling the steps instead, a fixed cost per step plus one per
-sequence in the batch, is the better estimator; it needs the engine's step count.)
+NOTE: under sustained load each step also carries the answers (and prefill chunks) of
+requests admitted after this one, so its latency can exceed the estimate. Hence the
+default budget of 20 s for clients that time out after 60 s.
 
 Until ``min_windows`` windows are measured, and whenever nothing is outstanding, every
 request is admitted (the request-count limit still applies): a request that is slow on
 its own is served on an idle server rather than refused forever.
 
-NOTE: ``b`` is an average over the recent mix of batch sizes; one sequence decoding alone
-costs a whole step per token, a batch shares the step. Under sustained load, which is when
-admission matters, the windows are from that load.
+NOTE: ``b`` is an average over the recent mix of batch sizes: one sequence decoding alone
+costs a whole step per token, a batch shares the step, so ``b`` times the batch is the
+step's time at the batch sizes measured (and an overestimate for a batch much larger than
+those). Under sustained load, which is when admission matters, the windows are from that
+load.
 """
 
 from __future__ import annotations
@@ -144,18 +145,18 @@ class WorkAdmission:
         self, prompt_tokens: int = 0, decode_steps: int = 0, sequences: int = 1, tenant: str = ""
     ) -> float | None:
         """Time to finish a new request of ``tenant`` that computes ``prompt_tokens`` and
-        generates ``decode_steps`` tokens in each of its ``sequences``, with the work
-        outstanding shared among tenants in turn (see the module docstring); None while
-        unmeasured."""
+        generates ``decode_steps`` tokens in each of its ``sequences``: the prompt work
+        outstanding shared among tenants in turn, then its decode steps in the batch of
+        the sequences answering now (see the module docstring); None while unmeasured."""
         costs = self._costs
         if costs is None:
             return None
-        prompt, answer = self._by_tenant.get(tenant, (0, 0))
-        own_prompt = prompt + prompt_tokens
+        own_prompt = self._by_tenant.get(tenant, (0, 0))[0] + prompt_tokens
         others = sum(
             min(work[0], own_prompt) for other, work in self._by_tenant.items() if other != tenant
         )
-        return costs.seconds(own_prompt + others, answer + decode_steps * sequences)
+        batch = self.sequences_answering + sequences
+        return costs.seconds(own_prompt + others, decode_steps * batch)
 
     def tenant_outstanding(self, tenant: str) -> tuple[int, int]:
         """(prompt tokens, answer tokens) outstanding for ``tenant``."""

@@ -93,7 +93,7 @@ async def run_job(
     releases the job's ticket from ``admission``.
     """
     started = time.perf_counter()
-    last_seen: dict[int, tuple[float, int]] = {}
+    last_seen: dict[int, tuple[float, list[int]]] = {}
     ticket = None
     if admission is not None and job.work is not None:
         sequences = len(job.prompts) * job.params.n
@@ -116,19 +116,21 @@ async def run_job(
         async with contextlib.aclosing(_merge(streams)) as outputs:
             async for index, output in outputs:
                 now = time.perf_counter()
-                num_tokens = sum(len(c.token_ids) for c in output.outputs)
-                previous_time, previous_tokens = last_seen.get(index, (started, 0))
-                if num_tokens > previous_tokens:
+                counts = [len(c.token_ids) for c in output.outputs]
+                num_tokens = sum(counts)
+                previous_time, previous = last_seen.get(index, (started, [0] * len(counts)))
+                # NOTE: the choices of a prompt advance together, one token a step each,
+                # until some finish: the latency is per step of the choice furthest on.
+                steps = max(
+                    (count - was for count, was in zip(counts, previous, strict=True)), default=0
+                )
+                if steps > 0:
                     if index not in last_seen:
                         metrics.time_to_first_token.labels(endpoint).observe(now - started)
                     else:
-                        per_token = (
-                            (now - previous_time)
-                            / (num_tokens - previous_tokens)
-                            * len(output.outputs)
-                        )
+                        per_token = (now - previous_time) / steps
                         metrics.inter_token_latency.labels(endpoint).observe(per_token)
-                    last_seen[index] = (now, num_tokens)
+                    last_seen[index] = (now, counts)
                 if output.finished:
                     metrics.record_finished(endpoint, output)
                 if admission is not None and ticket is not None and job.work is not None:

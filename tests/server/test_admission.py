@@ -92,6 +92,22 @@ def test_a_kind_the_windows_cannot_measure_never_costs_zero_or_an_answers_price(
     assert fit_costs([(1.0, 10, 10), (2.0, 20, 20)]) == Costs(0.05, 0.05)
 
 
+def test_a_long_answer_does_not_queue_in_front_of_a_short_request() -> None:
+    """One sequence generating 1,200 tokens, its cost measured alone: a one-token request
+    of the same tenant shares its steps, and is admitted; a second long one is not."""
+    clock = Clock()
+    admission = WorkAdmission(20.0, window_s=1.0, min_windows=1, clock=clock)
+    long = admission.admit(0, 1200)
+    clock.now += 1.0
+    admission.progress(long, generated=33)  # 30 ms per token, alone
+    costs = admission.costs()
+    assert costs is not None and costs.answer_s == pytest.approx(1 / 33)
+    assert admission.check(5, 1) is None
+    assert admission.expected_seconds(5, 1) == pytest.approx(5 * costs.prompt_s + 2 / 33)
+    assert admission.check(5, 1200) is not None  # 1,200 steps of a batch of two: 73 s
+    admission.release(long)
+
+
 def test_check_refuses_past_the_budget_with_retry_after() -> None:
     clock = Clock()
     admission = WorkAdmission(10.0, window_s=1.0, min_windows=1, clock=clock)
@@ -100,11 +116,12 @@ def test_check_refuses_past_the_budget_with_retry_after() -> None:
     clock.now += 1.0
     admission.progress(first, generated=50)  # 20 ms per token, either kind
     assert admission.answer_outstanding == 50
-    assert admission.check(0, 450) is None  # (50 + 450) * 0.02 = 10 s <= 10 s
-    verdict = admission.check(100, 500)  # (100 + 50 + 500) * 0.02 = 13 s
+    # Its own steps, each with one more sequence than answer now: 250 * 2 * 0.02 = 10 s.
+    assert admission.check(0, 250) is None
+    verdict = admission.check(100, 300)  # 100 * 0.02 + 300 * 2 * 0.02 = 14 s
     assert verdict is not None
-    assert verdict.expected_s == pytest.approx(13.0) and verdict.retry_after_s == 3
-    assert admission.expected_seconds(0, 100, sequences=3) == pytest.approx(350 * 0.02)
+    assert verdict.expected_s == pytest.approx(14.0) and verdict.retry_after_s == 4
+    assert admission.expected_seconds(0, 100, sequences=3) == pytest.approx(100 * 4 * 0.02)
     huge = admission.check(10**9, 0)
     assert huge is not None and huge.retry_after_s == MAX_RETRY_AFTER_S
     admission.progress(first, generated=50)  # its answer is complete: no longer answering

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import openai
@@ -361,3 +362,39 @@ def test_raw_sse_framing(server: ServerProcess) -> None:
     chunks = _chunks(response.text)
     assert all(c["object"] == "chat.completion.chunk" and "usage" not in c for c in chunks)
     assert len({c["id"] for c in chunks}) == 1
+
+
+def test_inter_token_latency_counts_steps_once_some_choices_have_stopped(
+    server: ServerProcess,
+) -> None:
+    """n = 4 with a stop string: the choices stop at different steps, and the last one's
+    steps each count once, not n times (the latencies of one request add up to no more
+    than it took)."""
+    key = 'ragserve_inter_token_latency_seconds_sum{endpoint="/v1/completions"}'
+    body = {
+        "prompt": PROMPT,
+        "max_tokens": 48,
+        "n": 4,
+        "temperature": 1.0,
+        "stop": ["."],
+        "stream": True,
+    }
+    for seed in range(8):
+        before = server.metrics().get(key, 0.0)
+        started = time.perf_counter()
+        response = requests.post(
+            f"{server.url}/v1/completions", json={**body, "seed": seed}, stream=True, timeout=120
+        )
+        assert response.status_code == 200, response.text
+        texts = ["", "", "", ""]
+        for line in response.iter_lines():
+            if line.startswith(b"data: {"):
+                for choice in json.loads(line[6:])["choices"]:
+                    texts[choice["index"]] += choice["text"]
+        elapsed = time.perf_counter() - started
+        lengths = {len(text) for text in texts}
+        if len(lengths) > 1 and max(lengths) > 8:
+            break
+    else:
+        pytest.fail("no seed gave choices that stop at different steps")
+    assert server.metrics()[key] - before <= elapsed

@@ -47,11 +47,11 @@ def test_a_submit_refused_as_over_capacity_drops_no_finished_job(smollm_path: st
             assert first.task is not None
             await first.task
             assert first.status == "succeeded"
-            # Another request's work, measured at a second per token: the next job would
-            # take minutes, over the 1 s budget.
-            busy = admission.admit(0, 100, tenant="tenant")
+            # Another request's prompt work, measured at about 50 ms per token: the next
+            # job would wait for it about 50 s, over the 1 s budget.
+            busy = admission.admit(1000, 0, tenant="tenant")
             clock.now += 1.0
-            admission.progress(busy, generated=1)
+            admission.progress(busy, prompt=1, computed=1)
             with pytest.raises(APIError) as refused:
                 jobs.submit("tenant", [Document("b", "A note about disks.")], summarizer)
             assert refused.value.status == 503

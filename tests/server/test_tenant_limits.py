@@ -174,11 +174,12 @@ def test_one_tenants_queued_work_does_not_refuse_another() -> None:
     assert verdict is not None and verdict.expected_s == pytest.approx(30.0)
     # With a single tenant the estimate is all the outstanding work, as before.
     assert admission.expected_seconds(100, 0, tenant="a") == pytest.approx(31.0)
-    # A's answers share steps with B's: they do not delay B's request.
+    # A's answer shares steps with B's: it makes each dearer (a batch of two), it does not
+    # queue in front of B's request, nor in front of A's own next one.
     answers = admission.admit(0, 5000, tenant="a")
-    assert admission.expected_seconds(100, 50, tenant="b") == pytest.approx(2.5)
+    assert admission.expected_seconds(100, 50, tenant="b") == pytest.approx(2.0 + 50 * 2 * 0.01)
     assert admission.check(100, 50, tenant="b") is None
-    assert admission.expected_seconds(0, 0, tenant="a") == pytest.approx(80.0)
+    assert admission.expected_seconds(0, 0, tenant="a") == pytest.approx(30.0)
     admission.release(flood)
     admission.release(answers)
     assert admission.active_tenants == 0 and admission.outstanding == 0
