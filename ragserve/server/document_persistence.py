@@ -371,6 +371,20 @@ class DocumentPersistence:
             self.shared.watch_round, sorted(self._docs), renewing, claiming
         )
         stamps = read.stamps if read is not None else {}
+        # NOTE: rows the store lost (evicted, restarted empty), and rows of an older
+        # version than this server holds (another server offered its older copy first).
+        lost = (read.missing if read is not None else set()) | {
+            key
+            for key, stamp in stamps.items()
+            if not stamp.gone and key in self._docs and stamp.version < self._docs[key].version
+        }
+        if lost:
+            held = [
+                (self._docs[key].stored(), self._docs[key].version)
+                for key in sorted(lost)
+                if key in self._docs
+            ]
+            await self._shared_call(self.shared.offer, held)
         newer = [
             key
             for key, stamp in stamps.items()

@@ -38,8 +38,10 @@ counted in ``rejected`` and ignored, never served.
 The store is a cache (its LRU may evict a row, it may restart empty), each server's own
 SQLite stays its durable copy: a publish that fails is kept pending and tried again at
 every watch round, and after an outage (or at start) every row this server holds is
-offered again where the store lacks it (or holds an older version). A retried or offered
-row never replaces a tombstone: a document deleted elsewhere meanwhile stays deleted.
+offered again where the store lacks it (or holds an older version); so is a row, or a
+tenant's listing, that a watch round finds missing (evicted, with no failed call to
+tell). A retried or offered row never replaces a tombstone: a document deleted elsewhere
+meanwhile stays deleted.
 
 Blocking calls, thread-safe: the document service runs them on its registry thread.
 """
@@ -86,6 +88,9 @@ class WatchRound(NamedTuple):
 
     stamps: dict[Key, Stamp]
     claimed: set[Key]  # the ingestions this server now holds the lease of, to take over
+    # Keys whose row the store lacks, or whose tenant's listing it lacks: evicted by its
+    # LRU, or it restarted empty (see :meth:`StoreRegistry.offer`).
+    missing: set[Key]
 
 
 def row_key(model: str, namespace: str, doc_id: str, prefix: str = PREFIX) -> str:
@@ -359,7 +364,8 @@ class StoreRegistry:
         and the lease lapsed: only one server wins each (see ``CLAIM``). Raises
         StoreUnavailable / redis.RedisError."""
         if not keys and not renewing and not claiming:
-            return WatchRound({}, set())
+            return WatchRound({}, set(), set())
+        namespaces = sorted({namespace for namespace, _ in keys})
 
         def row(key: Key) -> str:
             return row_key(self.model, *key, self.prefix)
@@ -374,16 +380,32 @@ class StoreRegistry:
                 self._claim(
                     keys=[row(key), lease_key(row(key))], args=[self._lease_ms], client=pipe
                 )
+            for namespace in namespaces:
+                pipe.exists(ids_key(self.model, namespace, self.prefix))
             return list(pipe.execute())
 
         answers = self.store.call(read)
         stamps: dict[Key, Stamp] = {}
+        missing: set[Key] = set()
         for key, head in zip(keys, answers[: len(keys)], strict=True):
             stamp = stamp_of(_raw(head)) if head else None
             if stamp is not None:
                 stamps[key] = stamp
-        claims = answers[len(keys) + len(renewing) :]
-        return WatchRound(stamps, {key for key, won in zip(claiming, claims, strict=True) if won})
+            elif not head:
+                missing.add(key)
+        claims = answers[len(keys) + len(renewing) : len(keys) + len(renewing) + len(claiming)]
+        listings = answers[len(answers) - len(namespaces) :]
+        unlisted = {ns for ns, there in zip(namespaces, listings, strict=True) if not there}
+        missing |= {key for key in keys if key[0] in unlisted}
+        claimed = {key for key, won in zip(claiming, claims, strict=True) if won}
+        return WatchRound(stamps, claimed, missing)
+
+    def offer(self, holding: Iterable[Held]) -> None:
+        """Offer the rows of ``holding`` (documents this server serves, with the version
+        it holds) where the store lacks them or holds an older version: after the store
+        lost them (see :attr:`WatchRound.missing`). A tombstone stays. Raises
+        StoreUnavailable / redis.RedisError."""
+        self._offer(holding)
 
     def gone(self, keys: list[Key]) -> set[Key]:
         """Which of (namespace, id) ``keys`` the store holds a tombstone for (see

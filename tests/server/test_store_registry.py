@@ -10,7 +10,7 @@ ids in the clear (the servers have a key), the other server shows the status of 
 ingestion on the first (``ingesting`` until it ends, then ``ready`` or ``failed`` with its
 error), an upload while the store is down reaches the other server once the store is
 back, and the other server takes over an ingestion whose server died (``kill -9``) once
-its lease lapsed. The tests run in order on one pair of servers; the last one kills the
+its lease lapsed, and rows or listings the store lost are offered again. The tests run in order on one pair of servers; the last one kills the
 first server.
 """
 
@@ -432,6 +432,35 @@ def test_an_upload_while_the_store_is_down_reaches_the_other_once_it_is_back(
     # server's watch settles it.
     two = pair.two
     assert wait_for(lambda: document(two.url, doc_id).json()["status"] == "ready", 10, 0.2)
+
+
+def test_rows_the_store_lost_are_offered_again(pair: Pair) -> None:
+    """The store is a cache: its LRU may evict a document's row, or the listing of its
+    tenant, with no failed call to tell. The server holding the document offers them
+    again at its next watch round, so a server that never saw it still finds it."""
+    client = pair.store.client()
+    namespace = tenant_name(KEY)
+
+    def upload(text: str) -> str:
+        response = requests.post(
+            f"{pair.one.url}/v1/documents", json={"text": text}, headers=AUTH, timeout=120
+        )
+        assert response.status_code == 202, response.text
+        doc_id: str = response.json()["id"]
+        row = row_key(model_of_rows(pair), namespace, doc_id)
+        assert wait_for(lambda: client.exists(row) == 1, 10, interval=0.2)
+        return doc_id
+
+    evicted = upload(TEXT + " Addendum whose row the store evicts.")
+    for key in client.scan_iter(match=f"{PREFIX}:*"):  # every row, listing and tombstone
+        client.delete(key)
+    assert wait_for(lambda: evicted in listed(pair.two.url), 4 * INTERVAL_S + 10, 0.5)
+    assert document(pair.two.url, evicted).status_code == 200
+
+    unlisted = upload(TEXT + " Addendum whose tenant's listing the store evicts.")
+    client.delete(ids_key(model_of_rows(pair), namespace))
+    assert wait_for(lambda: unlisted in listed(pair.two.url), 4 * INTERVAL_S + 10, 0.5)
+    assert evicted in listed(pair.two.url)
 
 
 def test_an_ingestion_whose_server_died_is_taken_over_by_the_other(pair: Pair) -> None:
