@@ -36,13 +36,13 @@ from ragserve.timeouts import within
 
 logger = logging.getLogger(__name__)
 
-# Headers that belong to one connection, or that aiohttp sets again itself.
+# Headers that belong to one connection, or that aiohttp sets again itself. NOTE: not
+# Content-Encoding: bodies pass through as they came (compressed), both ways.
 _HOP = {
     "connection",
     "keep-alive",
     "transfer-encoding",
     "content-length",
-    "content-encoding",
     "host",
     "upgrade",
     "te",
@@ -199,7 +199,7 @@ class Forwarder:
         up = [i for i, slot in enumerate(self.slots) if slot.up]
         if path == JOBS_PATH:
             answers = await asyncio.gather(
-                *(self._forward(i, method, path, query, headers, body) for i in up)
+                *(self._fan_out(i, method, path, query, headers, body) for i in up)
             )
             replies = [a for a in answers if isinstance(a, Response)]
             lists = [a for a in replies if a.status_code == 200]
@@ -211,13 +211,37 @@ class Forwarder:
             return Response(listing, media_type="application/json")
         owner = self.router.owner(f"job:{path.removeprefix(JOBS_PATH + '/')}")
         reply: Response | None = None
-        for index in [owner] if owner in up else up:
-            answer = await self._forward(index, method, path, query, headers, body)
-            if isinstance(answer, Response):
-                reply = answer
-                if answer.status_code != 404:
+        if owner in up:
+            answer = await self._forward(owner, method, path, query, headers, body)
+            return answer if isinstance(answer, Response) else _no_replica()
+        for index in up:  # NOTE: not bound here: asked in turn, each for a short while
+            found = await self._fan_out(index, method, path, query, headers, body)
+            if found is not None:
+                reply = found
+                if found.status_code != 404:
                     break
         return reply if reply is not None else _no_replica()
+
+    async def _fan_out(
+        self,
+        index: int,
+        method: str,
+        path: str,
+        query: str,
+        headers: Mapping[str, str],
+        body: bytes,
+    ) -> Response | None:
+        """A call the ingress makes to every replica: the replica's response, or None when
+        it does not answer within ``fan_out_timeout_s``."""
+        try:
+            answer = await asyncio.wait_for(
+                self._forward(index, method, path, query, headers, body),
+                self.settings.fan_out_timeout_s,
+            )
+        except asyncio.TimeoutError:
+            logger.warning("replica %d did not answer %s in time; left out", index, path)
+            return None
+        return answer if isinstance(answer, Response) else None
 
     async def _forward(
         self,
@@ -336,13 +360,16 @@ class Forwarder:
 
     async def _metrics(self, headers: Mapping[str, str]) -> Response:
         send = {k: v for k, v in headers.items() if k.lower() == "authorization"}
+        scrape_timeout = aiohttp.ClientTimeout(total=self.settings.fan_out_timeout_s)
 
         async def scrape(url: str) -> str | None:
             try:
-                async with self._session_now().get(f"{url}/metrics", headers=send) as reply:
+                async with self._session_now().get(
+                    f"{url}/metrics", headers=send, timeout=scrape_timeout
+                ) as reply:
                     return await reply.text() if reply.status == 200 else None
             except (aiohttp.ClientError, asyncio.TimeoutError):
-                return None
+                return None  # NOTE: reported as not scraped (replica_up 0)
 
         urls = {i: slot.url for i, slot in enumerate(self.slots) if slot.url is not None}
         texts = await asyncio.gather(*(scrape(url) for url in urls.values()))

@@ -27,7 +27,10 @@ class ClusterSettings:
     advertises its node's address). ``replica_threads``: torch threads per replica (None:
     torch's default). ``start_timeout_s``: how long the first requests wait for a replica
     that has not told its address yet (still starting, or restarting) before they go to
-    the others; it is looked for in the background after that."""
+    the others; it is looked for in the background after that. ``fan_out_timeout_s``: how
+    long a replica may take to answer the calls the ingress makes to every replica (a
+    metrics scrape, a job listing, the search for a job) before it is left out: one
+    stalled replica must not hold up the cluster's answer."""
 
     replicas: int = 2
     policy: Policy = "affinity"
@@ -39,6 +42,7 @@ class ClusterSettings:
     forward_timeout_s: float = 600.0
     address_timeout_s: float = 5.0
     start_timeout_s: float = 60.0
+    fan_out_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -51,8 +55,17 @@ class ClusterSettings:
             raise ValueError(f"replica_threads must be >= 1, got {self.replica_threads}")
         if not self.replica_cpus > 0:  # NOTE: NaN too
             raise ValueError(f"replica_cpus must be > 0, got {self.replica_cpus}")
-        if not min(self.forward_timeout_s, self.address_timeout_s, self.start_timeout_s) > 0:
-            raise ValueError("forward_timeout_s, address_timeout_s and start_timeout_s must be > 0")
+        timeouts = (
+            self.forward_timeout_s,
+            self.address_timeout_s,
+            self.start_timeout_s,
+            self.fan_out_timeout_s,
+        )
+        if not min(timeouts) > 0:
+            raise ValueError(
+                "forward_timeout_s, address_timeout_s, start_timeout_s and fan_out_timeout_s "
+                "must be > 0"
+            )
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> ClusterSettings:
@@ -72,6 +85,7 @@ class ClusterSettings:
             replica_threads=None if threads in (None, "") else int(threads),
             forward_timeout_s=float(values.get("forward_timeout_s", 600.0)),
             start_timeout_s=float(values.get("start_timeout_s", 60.0)),
+            fan_out_timeout_s=float(values.get("fan_out_timeout_s", 5.0)),
         )
 
 

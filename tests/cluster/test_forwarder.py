@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import gzip
 import json
 from typing import Any
 
@@ -345,3 +346,77 @@ async def _streams(iterate: bool) -> list[int]:
 @pytest.mark.parametrize("iterate", [True, False], ids=["streamed", "dropped unread"])
 def test_a_stream_gives_its_in_flight_count_back_once(iterate: bool) -> None:
     assert asyncio.run(_streams(iterate)) == [1, 0]
+
+
+async def _stalled_replica() -> tuple[asyncio.Server, str]:
+    """Accepts, reads a request and never answers (a wedged process)."""
+
+    async def hang(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        await asyncio.sleep(3600)
+
+    server = await asyncio.start_server(hang, "127.0.0.1", 0)
+    return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+
+async def _fan_out_past_a_stalled_replica() -> tuple[float, str, list[dict[str, Any]]]:
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(text="# TYPE ragserve_up gauge\nragserve_up 1\n")
+
+    async def jobs(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "a1", "created": 1}]})
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/v1/pipelines/summarize", jobs)
+    live, live_url = await _serve(app)
+    stalled, stalled_url = await _stalled_replica()
+    urls = [live_url, stalled_url]
+
+    async def lookup(index: int) -> dict[str, object]:
+        return {"url": urls[index], "pid": 1000 + index}
+
+    forwarder = Forwarder(ClusterSettings(replicas=2, fan_out_timeout_s=0.5), lookup)
+    await forwarder.start()
+    try:
+        started = asyncio.get_running_loop().time()
+        scraped = await forwarder.handle("GET", "/metrics", "", {}, b"")
+        listed = await forwarder.handle("GET", "/v1/pipelines/summarize", "", {}, b"")
+        elapsed = asyncio.get_running_loop().time() - started
+        assert scraped.status_code == listed.status_code == 200
+        return elapsed, bytes(scraped.body).decode(), json.loads(bytes(listed.body))["data"]
+    finally:
+        await forwarder.close()
+        stalled.close()
+        await live.cleanup()
+
+
+def test_a_stalled_replica_is_left_out_of_the_metrics_and_job_listing() -> None:
+    elapsed, text, jobs = asyncio.run(_fan_out_past_a_stalled_replica())
+    assert elapsed < 5.0  # two fan-outs of 0.5 s each, not the forwarding time-out
+    assert 'ragserve_router_replica_up{replica="0"} 1' in text
+    assert 'ragserve_router_replica_up{replica="1"} 0' in text
+    assert "ragserve_up" in text
+    assert jobs == [{"id": "a1", "created": 1}]
+
+
+async def _gzip_through_the_ingress() -> tuple[int, bytes]:
+    async def echo(request: web.Request) -> web.Response:
+        return web.json_response(await request.json())  # decompressed by the replica
+
+    live, url = await _replica(echo)
+    forwarder = await _one_replica_forwarder(url)
+    body = gzip.compress(json.dumps({"prompt": "hi"}).encode())
+    headers = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
+    try:
+        response = await forwarder.handle("POST", "/v1/completions", "", headers, body)
+        return response.status_code, bytes(response.body)
+    finally:
+        await forwarder.close()
+        await live.cleanup()
+
+
+def test_a_compressed_request_body_reaches_the_replica_with_its_encoding() -> None:
+    status, body = asyncio.run(_gzip_through_the_ingress())
+    assert status == 200, body
+    assert json.loads(body) == {"prompt": "hi"}
