@@ -323,11 +323,15 @@ class DocumentPersistence:
                     logger.info("document %s: registry row written", doc.id)
                 self._unsaved.discard(key)
 
-    def _delete_expired_rows(self, namespace: str, doc_id: str, now: float) -> None:
+    def _delete_expired_rows(
+        self, namespace: str, doc_id: str, now: float, version: int = 0
+    ) -> None:
+        """The rows that expired at ``now``; ``version``: of the store's row this server
+        holds (see :meth:`StoreRegistry.publish_expired`)."""
         if self.store is not None:
             self.store.delete_expired(namespace, doc_id, now)
         if self.shared is not None:
-            self.shared.publish_expired(namespace, doc_id, now)
+            self.shared.publish_expired(namespace, doc_id, now, version)
 
     # -- the registry shared through the store -------------------------------------------
     async def _from_shared(

@@ -552,7 +552,9 @@ class DocumentService(DocumentPersistence):
         # was never answered), where rows deleted first left a deleted document's KV on
         # disk with nothing to say it should go.
         if rows == "expired":
-            await self._store_call("deleted", self._delete_expired_rows, doc.namespace, doc.id, now)
+            await self._store_call(
+                "deleted", self._delete_expired_rows, doc.namespace, doc.id, now, doc.version
+            )
         elif rows == "all":
             deleted = await self._store_call("deleted", self._delete_rows, doc.namespace, doc.id)
             if deleted is None and self._has_registry:

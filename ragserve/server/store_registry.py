@@ -211,15 +211,18 @@ class StoreRegistry:
         """Replace the document's row by a tombstone (DELETE, expiry)."""
         return self._write(namespace, doc_id, None, "gone") is not None
 
-    def publish_expired(self, namespace: str, doc_id: str, now: float) -> bool:
+    def publish_expired(self, namespace: str, doc_id: str, now: float, version: int = 0) -> bool:
         """A tombstone for a document that expired here, unless the store's row says it
         lives on (a PATCH on another server moved its expiry, as its own registry row
-        decides for a shared directory). False when the store could not be read or written."""
+        decides for a shared directory). ``version``: of the row this server holds. False
+        when the store could not be read or written."""
         key = row_key(self.model, namespace, doc_id, self.prefix)
         try:
             value = self.store.call(lambda c: c.get(key))
-        except _FAILED:  # NOTE: expired here: the tombstone is written when it can be
-            return self.publish_gone(namespace, doc_id)
+        except _FAILED:
+            # NOTE: kept pending, only over the row this server holds: a PATCH that reached
+            # the store meanwhile wins (every server expires the row by its own time).
+            return self._write(namespace, doc_id, None, "expire", version=version) is not None
         raw = _raw(value) if value is not None else b""
         stamp = stamp_of(raw)
         if stamp is not None and not stamp.gone:

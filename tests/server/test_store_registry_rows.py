@@ -316,3 +316,29 @@ def test_a_text_uploaded_again_while_the_store_is_down_replaces_its_tombstone_on
         assert two.gone([(TENANT, "06" * 16)]) == set()
     finally:
         store.stop()
+
+
+def test_an_expiry_while_the_store_is_down_never_tombstones_a_later_patch(
+    tmp_path: Path,
+) -> None:
+    store = DurableValkey(tmp_path)
+    store.start()
+    try:
+        one, two = registry(store.url), registry(store.url)
+        doc_id = "07" * 16
+        held = one.publish(doc(doc_id, expire_time=time.time() + 0.5))
+        assert held
+        # PATCHed on the other server: it lives an hour more.
+        assert two.publish(doc(doc_id, expire_time=time.time() + 3600), patch=True)
+        store.kill()
+        time.sleep(0.6)  # expired on the first server, as it holds it
+        assert not one.publish_expired(TENANT, doc_id, time.time(), held)  # kept pending
+        store.start()  # back, with the PATCH's row
+        deadline = time.monotonic() + 10
+        while one.retry() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert one.counts["pending"] == 0
+        assert two.gone([(TENANT, doc_id)]) == set()
+        assert (two.fetch(TENANT, [doc_id])[doc_id][0].expire_time or 0) > time.time() + 3000
+    finally:
+        store.stop()
