@@ -498,9 +498,11 @@ class LLMEngine:
         self.background_work()
         launched = self._take_lookahead() or self._launch_scheduled()
         if launched is None:
-            head = self.scheduler.waiting.peek()
-            if head is not None and not self.scheduler.running:
-                return [*self._take_failed(), self._reject_unschedulable(head)]
+            # NOTE: the sequence that did not fit, not the head of the queue: another
+            # tenant's request may be first in turn and fit once that one is gone.
+            stuck = self.scheduler.short_of_blocks or self.scheduler.waiting.peek()
+            if stuck is not None and not self.scheduler.running:
+                return [*self._take_failed(), self._reject_unschedulable(stuck)]
             return self._take_failed()
         if self._may_look_ahead(launched):
             self._lookahead = self._launch_lookahead(launched)
@@ -661,19 +663,21 @@ class LLMEngine:
         return outputs
 
     def _reject_unschedulable(self, seq: Sequence) -> RequestOutput:
-        """Nothing runs and the head of the queue still cannot get its blocks: fail it alone,
-        or, a request without ``max_tokens`` that has generated tokens, finish it (length).
+        """Nothing runs and ``seq`` still cannot get its blocks: fail its request alone, or,
+        a sequence without ``max_tokens`` that has generated tokens, finish it (length; the
+        other samples of its request go on).
 
         Validation guarantees a request fits an empty cache, so this happens only while
         pinned documents hold the room it needs.
         """
         request = self._requests[seq.request_id]
-        if seq.params.max_tokens is None and seq.num_output_tokens and len(request.seqs) == 1:
+        if seq.params.max_tokens is None and seq.num_output_tokens:
             # NOTE: it asked for no limit and had as much as fits beside the pins.
             seq.finish_reason = "length"
             self.scheduler.finish(seq)
-            del self._requests[seq.request_id]
-            self.stats.num_finished += 1
+            if request.finished:
+                del self._requests[seq.request_id]
+                self.stats.num_finished += 1
             return request.output(self.config.block_size)
         usage = self.kv_usage()
         output = request.output(self.config.block_size)

@@ -75,12 +75,17 @@ class Scheduler:
         self.running: list[Sequence] = []  # oldest first
         self.usage = TenantUsage()
         self.num_preemptions = 0
+        # The sequence whose blocks did not fit in the last schedule (one waiting, or one
+        # running that had to give its own up), None if none: the one to fail when nothing
+        # runs (see ``LLMEngine._reject_unschedulable``).
+        self.short_of_blocks: Sequence | None = None
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
     def schedule(self) -> ScheduledBatch:
         self.kv.begin_step()
+        self.short_of_blocks = None
         batch = ScheduledBatch()
         budget, shares = self._schedule_running(batch)
         if not batch.num_preempted:  # else blocks are short: admit nothing new this step
@@ -129,6 +134,7 @@ class Scheduler:
             self._preempt(victim)
             batch.num_preempted += 1
             if victim is seq:
+                self.short_of_blocks = seq
                 return False
             pending.remove(victim)
         return True
@@ -233,6 +239,7 @@ class Scheduler:
             if num_new and not self._make_room(seq, seq.num_computed_tokens + num_new, batch):
                 self.kv.free(seq.kv)
                 seq.num_computed_tokens = 0
+                self.short_of_blocks = seq
                 return budget, True
             self.waiting.pop(seq)
             seq.status = SequenceStatus.RUNNING

@@ -266,6 +266,52 @@ def test_pinned_documents_never_starve_requests(smollm_path: str) -> None:
     assert engine.block_pool.num_used == 0
 
 
+def run_all(engine: Any) -> dict[str, Any]:
+    """Step until every request is done; the finished outputs by request id."""
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    return finished
+
+
+def test_a_request_that_fits_is_not_failed_for_another_tenants_that_does_not(
+    smollm_path: str,
+) -> None:
+    """Tenant a asks about its pinned document (served last, so b is first in turn); b's
+    request fits an empty cache but not beside the pin: b's alone fails."""
+    block_bytes = 16 * 46080
+    llm = LLM(smollm_path, kv_cache_gib=10 * block_bytes / 2**30, max_num_batched_tokens=64)
+    engine = llm.engine
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    document = [21] * 64 + [22]  # 4 full blocks
+    engine.add_request("ingest", document, SamplingParams(max_tokens=1), namespace="a")
+    engine.add_request("earlier", [26] * 48, SamplingParams(max_tokens=1), namespace="a")
+    run_all(engine)
+    assert engine.pin_prefix("doc", document, namespace="a") == 64  # 6 of 10 blocks left
+    engine.add_request("question", [*document, 23, 24], greedy, namespace="a")
+    engine.add_request("too-big", [25] * 100, greedy, namespace="b")  # 7 blocks with its answer
+    done = run_all(engine)
+    assert done["question"].error is None and len(done["question"].outputs[0].token_ids) == 8
+    assert "pinned documents hold 4 of 10 blocks" in str(done["too-big"].error)
+    assert engine.unpin_prefix("doc")
+    assert_no_leak(llm)
+
+
+def test_samples_without_max_tokens_each_end_at_the_room_pins_leave(smollm_path: str) -> None:
+    block_bytes = 16 * 46080
+    llm = LLM(smollm_path, kv_cache_gib=12 * block_bytes / 2**30, max_num_batched_tokens=64)
+    document = [41] * 80 + [42]  # 5 full blocks: 7 of 12 left
+    llm.generate([document], SamplingParams(max_tokens=1), use_tqdm=False)
+    assert llm.engine.pin_prefix("doc", document) == 80
+    unbounded = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True, n=2)
+    out = llm.generate([[43] * 40], unbounded, use_tqdm=False)[0]
+    assert out.error is None
+    assert [c.finish_reason for c in out.outputs] == ["length", "length"]
+    assert all(len(c.token_ids) > 0 for c in out.outputs)
+    assert llm.engine.unpin_prefix("doc")
+    assert_no_leak(llm)
+
+
 def test_a_prefix_in_a_tier_that_pins_leave_no_room_to_load_fails_and_never_hangs(
     smollm_path: str,
 ) -> None:
