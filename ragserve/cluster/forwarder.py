@@ -199,7 +199,10 @@ class Forwarder:
         up = [i for i, slot in enumerate(self.slots) if slot.up]
         if path == JOBS_PATH:
             answers = await asyncio.gather(
-                *(self._fan_out(i, method, path, query, headers, body) for i in up)
+                *(
+                    self._fan_out(i, self._forward(i, method, path, query, headers, body))
+                    for i in up
+                )
             )
             replies = [a for a in answers if isinstance(a, Response)]
             lists = [a for a in replies if a.status_code == 200]
@@ -215,7 +218,8 @@ class Forwarder:
             answer = await self._forward(owner, method, path, query, headers, body)
             return answer if isinstance(answer, Response) else _no_replica()
         for index in up:  # NOTE: not bound here: asked in turn, each for a short while
-            found = await self._fan_out(index, method, path, query, headers, body)
+            forwarding = self._forward(index, method, path, query, headers, body)
+            found = await self._fan_out(index, forwarding)
             if found is not None:
                 reply = found
                 if found.status_code != 404:
@@ -223,23 +227,15 @@ class Forwarder:
         return reply if reply is not None else _no_replica()
 
     async def _fan_out(
-        self,
-        index: int,
-        method: str,
-        path: str,
-        query: str,
-        headers: Mapping[str, str],
-        body: bytes,
+        self, index: int, forwarding: Awaitable[Response | Literal["unreached", "lost"]]
     ) -> Response | None:
-        """A call the ingress makes to every replica: the replica's response, or None when
-        it does not answer within ``fan_out_timeout_s``."""
+        """A call the ingress makes to every replica (``forwarding``: its ``_forward`` to
+        replica ``index``): the replica's response, or None when it does not answer
+        within ``fan_out_timeout_s``."""
         try:
-            answer = await asyncio.wait_for(
-                self._forward(index, method, path, query, headers, body),
-                self.settings.fan_out_timeout_s,
-            )
+            answer = await asyncio.wait_for(forwarding, self.settings.fan_out_timeout_s)
         except asyncio.TimeoutError:
-            logger.warning("replica %d did not answer %s in time; left out", index, path)
+            logger.warning("replica %d did not answer in time; left out", index)
             return None
         return answer if isinstance(answer, Response) else None
 

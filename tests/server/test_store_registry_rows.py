@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -295,50 +296,52 @@ class DurableValkey(ValkeyServer):
         return [*super()._options(), "--appendonly", "yes", "--appendfsync", "always"]
 
 
-def test_a_text_uploaded_again_while_the_store_is_down_replaces_its_tombstone_once_back(
-    tmp_path: Path,
-) -> None:
+@pytest.fixture
+def durable(tmp_path: Path) -> Iterator[DurableValkey]:
     store = DurableValkey(tmp_path)
     store.start()
     try:
-        one, two = registry(store.url), registry(store.url)
-        entry = doc("06" * 16)
-        assert one.publish(entry)
-        assert one.publish_gone(TENANT, "06" * 16)  # deleted: a tombstone, kept on disk
-        store.kill()
-        assert not one.publish(entry)  # uploaded again: kept pending
-        store.start()  # back, with its tombstone
-        deadline = time.monotonic() + 10
-        while one.retry() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert one.counts["pending"] == 0
-        assert two.listed(TENANT) == {"06" * 16}
-        assert two.gone([(TENANT, "06" * 16)]) == set()
+        yield store
     finally:
         store.stop()
+
+
+def retry_all(one: StoreRegistry) -> None:
+    """Retry what is pending until nothing is (10 s at most)."""
+    deadline = time.monotonic() + 10
+    while one.retry() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert one.counts["pending"] == 0
+
+
+def test_a_text_uploaded_again_while_the_store_is_down_replaces_its_tombstone_once_back(
+    durable: DurableValkey,
+) -> None:
+    one, two = registry(durable.url), registry(durable.url)
+    entry = doc("06" * 16)
+    assert one.publish(entry)
+    assert one.publish_gone(TENANT, "06" * 16)  # deleted: a tombstone, kept on disk
+    durable.kill()
+    assert not one.publish(entry)  # uploaded again: kept pending
+    durable.start()  # back, with its tombstone
+    retry_all(one)
+    assert two.listed(TENANT) == {"06" * 16}
+    assert two.gone([(TENANT, "06" * 16)]) == set()
 
 
 def test_an_expiry_while_the_store_is_down_never_tombstones_a_later_patch(
-    tmp_path: Path,
+    durable: DurableValkey,
 ) -> None:
-    store = DurableValkey(tmp_path)
-    store.start()
-    try:
-        one, two = registry(store.url), registry(store.url)
-        doc_id = "07" * 16
-        held = one.publish(doc(doc_id, expire_time=time.time() + 0.5))
-        assert held
-        # PATCHed on the other server: it lives an hour more.
-        assert two.publish(doc(doc_id, expire_time=time.time() + 3600), patch=True)
-        store.kill()
-        time.sleep(0.6)  # expired on the first server, as it holds it
-        assert not one.publish_expired(TENANT, doc_id, time.time(), held)  # kept pending
-        store.start()  # back, with the PATCH's row
-        deadline = time.monotonic() + 10
-        while one.retry() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert one.counts["pending"] == 0
-        assert two.gone([(TENANT, doc_id)]) == set()
-        assert (two.fetch(TENANT, [doc_id])[doc_id][0].expire_time or 0) > time.time() + 3000
-    finally:
-        store.stop()
+    one, two = registry(durable.url), registry(durable.url)
+    doc_id = "07" * 16
+    held = one.publish(doc(doc_id, expire_time=time.time() + 0.5))
+    assert held
+    # PATCHed on the other server: it lives an hour more.
+    assert two.publish(doc(doc_id, expire_time=time.time() + 3600), patch=True)
+    durable.kill()
+    time.sleep(0.6)  # expired on the first server, as it holds it
+    assert not one.publish_expired(TENANT, doc_id, time.time(), held)  # kept pending
+    durable.start()  # back, with the PATCH's row
+    retry_all(one)
+    assert two.gone([(TENANT, doc_id)]) == set()
+    assert (two.fetch(TENANT, [doc_id])[doc_id][0].expire_time or 0) > time.time() + 3000
