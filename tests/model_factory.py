@@ -142,11 +142,13 @@ def _default_inv_freq(config: PretrainedConfig) -> np.ndarray:
     return 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
 
 
-def make_tiny_gguf(tmp_path: Path, arch: str, *, seed: int = 0) -> tuple[Path, torch.nn.Module]:
+def make_tiny_gguf(
+    tmp_path: Path, arch: str, *, seed: int = 0, metadata: dict[str, int] | None = None
+) -> tuple[Path, torch.nn.Module]:
     """Write tiny llama ``arch`` as an F32 GGUF file; return it and the transformers twin.
 
     Llama 3 rope scaling is stored like llama.cpp does: default rope metadata plus a
-    ``rope_freqs`` tensor of per-frequency divisors.
+    ``rope_freqs`` tensor of per-frequency divisors. ``metadata``: more keys (uint32).
     """
     model = make_tiny_hf_model(arch, seed=seed)
     config = model.config
@@ -163,6 +165,8 @@ def make_tiny_gguf(tmp_path: Path, arch: str, *, seed: int = 0) -> tuple[Path, t
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
     writer.add_vocab_size(config.vocab_size)
+    for key, value in (metadata or {}).items():
+        writer.add_uint32(key, value)
     if config.rope_parameters["rope_type"] == "llama3":
         hf_inv_freq = model.model.rotary_emb.inv_freq.double().numpy()
         factors = _default_inv_freq(config) / hf_inv_freq

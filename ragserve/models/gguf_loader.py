@@ -117,6 +117,13 @@ def open_gguf(path: Path) -> GGUFCheckpoint:
             f"GGUF architecture {architecture!r} in {path} is not supported; "
             f"supported: {sorted(GGUF_ARCHITECTURES)}"
         )
+    if int(header.metadata.get(f"{architecture}.expert_count", 0) or 0) > 0:
+        raise ValueError(f"{path} is a mixture-of-experts model, which is not supported")
+    if int(header.metadata.get("split.count", 1) or 1) > 1:
+        raise ValueError(
+            f"{path} is one part of a split GGUF file, which is not supported; "
+            "merge the parts first (llama-gguf-split --merge)"
+        )
     return GGUFCheckpoint(header, architecture, gguf_config(header, architecture))
 
 
@@ -155,10 +162,15 @@ def gguf_config(header: GGUFHeader, architecture: str) -> PretrainedConfig:
         tie_word_embeddings="output.weight" not in tensor_shapes,
         rope_parameters=_rope_parameters(arch_field, rope_theta),
     )
-    for token in ("bos", "eos", "pad", "unk"):
-        token_id = metadata.get(f"tokenizer.ggml.{token}_token_id")
+    for token, key in (("bos", "bos"), ("pad", "padding"), ("unk", "unknown")):
+        token_id = metadata.get(f"tokenizer.ggml.{key}_token_id")
         if token_id is not None:
             values[f"{token}_token_id"] = int(token_id)
+    # NOTE: llama.cpp ends generation at the end-of-turn and end-of-message tokens too.
+    ends = [metadata.get(f"tokenizer.ggml.{key}_token_id") for key in ("eos", "eot", "eom")]
+    eos = list(dict.fromkeys(int(token_id) for token_id in ends if token_id is not None))
+    if eos:
+        values["eos_token_id"] = eos[0] if len(eos) == 1 else eos
     return config_class(**values)
 
 

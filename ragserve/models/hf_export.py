@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ragserve.models.default_model import default_model_path
 from ragserve.models.gguf_loader import iter_gguf_weights, open_gguf, rope_frequency_factors
+from ragserve.models.hf_config import read_hf_config
 from ragserve.models.llama import ModelShape, shape_from_config
 from ragserve.models.tokenizer import cache_root, load_gguf_tokenizer
 
@@ -26,9 +27,7 @@ def model_shape(model: str | None) -> ModelShape:
     path = model_path(model)
     if path.suffix == ".gguf":
         return shape_from_config(open_gguf(path).config)
-    from transformers import AutoConfig
-
-    return shape_from_config(AutoConfig.from_pretrained(path))
+    return shape_from_config(read_hf_config(path))
 
 
 def hf_dir_for(model: str | None) -> Path:

@@ -67,6 +67,9 @@ _FUSED_SHARDS = {
 
 logger = logging.getLogger(__name__)
 
+# Checkpoint scales this engine computes for itself (see ``load_weights``).
+_UNUSED_SCALES = (".input_scale", ".k_scale", ".v_scale", ".kv_scale")
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -424,7 +427,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> None:
         super().__init__()
         act = getattr(config, "hidden_act", "silu")
-        if act != "silu":
+        if act not in ("silu", "swish"):  # NOTE: one function under two names
             raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
         self.max_model_len = int(max_model_len or config.max_position_embeddings)
         check_no_sliding_window(config, self.max_model_len)
@@ -552,9 +555,10 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if name.endswith("rotary_emb.inv_freq"):
                 continue
-            # NOTE: a static activation scale of an FP8 checkpoint is not used: activations
-            # get dynamic per-token scales, which fit each token at least as well.
-            if name.endswith(".input_scale"):
+            # NOTE: the static scales of an FP8 checkpoint are not used: activations get
+            # dynamic per-token scales, and an FP8 KV cache its own per-block ones, which fit
+            # at least as well.
+            if name.endswith(_UNUSED_SCALES):
                 continue
             if self.tie_word_embeddings and name == "lm_head.weight":
                 continue

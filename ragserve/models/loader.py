@@ -42,6 +42,7 @@ from ragserve.models import gguf_loader
 from ragserve.models.default_model import DEFAULT_MODEL_NAME, default_model_path
 from ragserve.models.fp8_checkpoint import resolve_quantization
 from ragserve.models.fp8_linear import Fp8Linear
+from ragserve.models.hf_config import read_hf_config
 from ragserve.models.llama import QUANTIZATIONS, LlamaForCausalLM, ModelShape
 from ragserve.models.registry import model_class_for
 from ragserve.models.tokenizer import has_tokenizer_files, load_gguf_tokenizer, load_hf_tokenizer
@@ -199,13 +200,7 @@ def _build(config: PretrainedConfig, options: _Options) -> tuple[LlamaForCausalL
 
 
 def _load_hf_dir(directory: Path, options: _Options) -> LoadedModel:
-    # NOTE: imported here: building its model mappings costs GGUF start-ups 0.6 s.
-    from transformers import AutoConfig
-
-    try:
-        config = AutoConfig.from_pretrained(str(directory))
-    except (OSError, ValueError, KeyError) as exc:
-        raise ValueError(f"cannot read the config of {directory}: {exc}") from exc
+    config = read_hf_config(directory)
     model, max_len = _build(config, options)
     if options.dummy:
         init_dummy_weights(model, options.seed)

@@ -80,6 +80,9 @@ def write_checkpoints(source: Path, root: Path) -> tuple[Path, Path]:
         fp8[name] = codes
         fp8[f"{module}.weight_scale"] = scale
         fp8[f"{module}.input_scale"] = torch.tensor(0.5)  # static: ignored on load
+        if projection in ("k_proj", "v_proj"):  # an FP8 KV cache's scales: ignored too
+            attention = module.rsplit(".", 1)[0]
+            fp8[f"{attention}.{projection[0]}_scale"] = torch.tensor(0.25)
         dequantized[name] = codes.float() * scale.reshape(-1, 1)
     config = json.loads((source / "config.json").read_text())
     paths = []

@@ -28,6 +28,7 @@ from transformers import AutoModelForCausalLM, GPT2Config
 
 from kernels.interface import AttentionMetadata
 from kernels.reference import ReferenceBackend
+from ragserve import LLM, SamplingParams
 from ragserve.config import EngineConfig
 from ragserve.models import default_model
 from ragserve.models.forward_context import ForwardContext, forward_context
@@ -198,6 +199,36 @@ def test_gguf_header_agrees_with_gguf_reader(tmp_path: Path) -> None:
     for info, tensor in zip(header.tensors, reader.tensors, strict=True):
         assert (info.tensor_type, info.offset) == (tensor.tensor_type, tensor.data_offset)
         assert np.array_equal(header.tensor_data(info), tensor.data)
+
+
+def test_gguf_end_of_turn_tokens_end_generation_too(tmp_path: Path) -> None:
+    metadata = {
+        "tokenizer.ggml.eos_token_id": 0,
+        "tokenizer.ggml.eot_token_id": 2,
+        "tokenizer.ggml.eom_token_id": 3,
+        "tokenizer.ggml.padding_token_id": 5,
+        "tokenizer.ggml.unknown_token_id": 6,
+    }
+    path, _ = make_tiny_gguf(tmp_path, "llama", metadata=metadata)
+    loaded = load_model(path, device="cpu", load_format="dummy")
+    assert loaded.eos_token_ids == [0, 2, 3]
+    assert (loaded.hf_config.pad_token_id, loaded.hf_config.unk_token_id) == (5, 6)
+
+
+@pytest.mark.parametrize(
+    ("metadata", "message"),
+    [
+        ({"llama.expert_count": 4}, "mixture-of-experts model, which is not supported"),
+        ({"split.count": 2}, "one part of a split GGUF file"),
+    ],
+)
+def test_gguf_files_it_cannot_run_are_refused_by_their_header(
+    tmp_path: Path, metadata: dict[str, int], message: str
+) -> None:
+    path, _ = make_tiny_gguf(tmp_path, "llama", metadata=metadata)
+    for load_format in ("auto", "dummy"):
+        with pytest.raises(ValueError, match=message):
+            load_model(path, device="cpu", load_format=load_format)
 
 
 def test_truncated_gguf_is_an_error(tmp_path: Path) -> None:
@@ -486,6 +517,29 @@ def test_unsupported_rope_and_too_long_max_len(tmp_path: Path) -> None:
     directory = write_config(tmp_path / "plain", tiny_config("llama"))
     with pytest.raises(ValueError, match=r"max_model_len must be in \[1, 128\]"):
         load_model(directory, device="cpu", load_format="dummy", max_model_len=129)
+
+
+def test_swish_is_silu_and_other_activations_are_refused(tmp_path: Path) -> None:
+    """transformers runs ``swish`` as SiLU: so does this engine, with the same logits."""
+    directory = make_tiny_model(tmp_path, "llama")
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
+    prompt = [[5, 9, 13, 2, 7]]
+
+    def answer() -> tuple[list[int], list[float]]:
+        out = LLM(str(directory), dtype="float32").generate(prompt, greedy, use_tqdm=False)[0]
+        choice = out.outputs[0]
+        assert choice.logprobs is not None
+        return choice.token_ids, [
+            step[t].logprob for step, t in zip(choice.logprobs, choice.token_ids, strict=True)
+        ]
+
+    silu = answer()
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps(config | {"hidden_act": "swish"}))
+    assert answer() == silu
+    gelu = write_config(tmp_path / "gelu", tiny_config("llama", hidden_act="gelu"))
+    with pytest.raises(ValueError, match="hidden_act 'gelu' is not supported"):
+        load_model(gelu, device="cpu", load_format="dummy")
 
 
 def test_truncated_or_missing_shard_is_an_error(tmp_path: Path) -> None:
