@@ -286,11 +286,12 @@ class DocumentPersistence:
             self.shared.publish_gone(namespace, doc_id)
         return True
 
-    def _rewrite_row(self, doc: StoredDocument, saved: bool) -> int:
+    def _rewrite_row(self, doc: StoredDocument, saved: bool, learned: bool) -> int:
         """Write again a row whose write failed: a PATCH's over the row it changes
-        (``saved``), else an upload's, with how its ingestion here ended since."""
-        if saved:
-            return self._put_row(doc, patch=True, saved=True)
+        (``saved``; ``learned``: another server's document, whose row is never written as
+        an upload's here), else an upload's, with how its ingestion here ended since."""
+        if saved or learned:
+            return self._put_row(doc, patch=True, saved=saved)
         version = self._put_row(doc)
         if self.store is not None and doc.status != "ingesting":
             self.store.settle(doc.namespace, doc.id, doc.status, doc.error)
@@ -302,9 +303,9 @@ class DocumentPersistence:
         the rest wait for the next round rather than each waiting out its error."""
         for key in sorted(self._undeleted):
             async with self.locks.hold(*key):
-                # NOTE: uploaded again since: that upload's row replaced (or will) the old.
-                gone = key not in self._docs
-                if gone and not await self._store_call("deleted", self._delete_rows, *key):
+                if key in self._docs:
+                    continue  # NOTE: uploaded again since: its row write ends the delete
+                if not await self._store_call("deleted", self._delete_rows, *key):
                     return
                 self._undeleted.discard(key)
         for key in sorted(self._unsaved):
@@ -313,13 +314,15 @@ class DocumentPersistence:
                 if doc is not None:
                     try:
                         version = await self._store_call(
-                            "saved", self._rewrite_row, doc.stored(), doc.saved
+                            "saved", self._rewrite_row, doc.stored(), doc.saved, doc.learned
                         )
                     except RowGone:  # NOTE: deleted elsewhere: the watch forgets it
                         version = 0
                     if version is None:
                         return
                     doc.saved, doc.version = True, version or doc.version
+                    if not doc.learned:
+                        self._undeleted.discard(key)
                     logger.info("document %s: registry row written", doc.id)
                 self._unsaved.discard(key)
 

@@ -138,10 +138,14 @@ class DocumentService(DocumentPersistence):
         local = self.store is not None and self.store.is_open
         if not local and self.shared is None:
             return 0
+        # NOTE: a document deleted here whose rows could not be deleted yet is not learned
+        # back from them (see ``_undeleted``).
         unknown = [
             doc_id
             for doc_id in doc_ids
-            if isinstance(doc_id, str) and (namespace, doc_id) not in self._docs
+            if isinstance(doc_id, str)
+            and (namespace, doc_id) not in self._docs
+            and (namespace, doc_id) not in self._undeleted
         ]
         # NOTE: one round trip for all of them, whether or not this server's own registry
         # has them (most often it has none: the document was uploaded elsewhere).
@@ -293,7 +297,7 @@ class DocumentService(DocumentPersistence):
             logger.info("document %s: %d tokens, ingesting", doc_id, len(token_ids))
             version = await self._store_call("saved", self._put_row, doc.stored())
             doc.saved, doc.version = version is not None, version or 0
-            self._pending_write((namespace, doc_id), written=version is not None)
+            self._pending_write(doc, written=version is not None)
             return doc, True
 
         # NOTE: a DELETE of this text still running finishes first (its row delete and
@@ -454,7 +458,7 @@ class DocumentService(DocumentPersistence):
             doc.saved = True
         if version:
             doc.version = version
-        self._pending_write((doc.namespace, doc.id), written=version is not None)
+        self._pending_write(doc, written=version is not None)
         return doc
 
     def _expiring(self) -> list[tuple[str, str, float]]:
@@ -498,7 +502,7 @@ class DocumentService(DocumentPersistence):
         if keys is None:
             return forgotten
         fresh: dict[str, list[str]] = {}
-        for namespace, doc_id in keys - self._docs.keys():
+        for namespace, doc_id in keys - self._docs.keys() - self._undeleted:
             fresh.setdefault(namespace, []).append(doc_id)
         for namespace, ids in fresh.items():  # uploaded through another server
             await self.learn(namespace, ids)
@@ -591,9 +595,13 @@ class DocumentService(DocumentPersistence):
     def _has_registry(self) -> bool:
         return self.store is not None or self.shared is not None
 
-    def _pending_write(self, key: tuple[str, str], written: bool) -> None:
+    def _pending_write(self, doc: RegisteredDocument, written: bool) -> None:
+        """Note whether ``doc``'s latest row was written (see ``_unsaved``)."""
+        key = (doc.namespace, doc.id)
         if written or not self._has_registry:
             self._unsaved.discard(key)
+            if not doc.learned:  # NOTE: its upload's row replaced the rows of a delete
+                self._undeleted.discard(key)
         else:
             self._unsaved.add(key)
 

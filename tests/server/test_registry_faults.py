@@ -24,6 +24,7 @@ import pytest
 import requests
 
 from ragserve.server.document_store import FILENAME
+from ragserve.server.document_watch import INTERVAL_S
 from tests.kvstore.test_tier_faults import mount_tmpfs
 from tests.server.server_fixtures import (
     BLOCK_SIZE,
@@ -259,6 +260,12 @@ def test_rows_that_a_full_drive_refused_are_written_once_there_is_room(tmp_path:
             assert listed(server.url) == {kept, patched}
             assert rows(registry) == {gone, patched}  # none of the three reached it
             assert "document not saved" in server.log()
+            # Watch rounds while the drive stays full: the deleted document's row is still
+            # there, and it is not learned back from it (nor by asking for it).
+            threading.Event().wait(3 * INTERVAL_S)
+            asked = requests.get(f"{server.url}/v1/documents/{gone}", headers=AUTH, timeout=30)
+            assert asked.status_code == 404, asked.text
+            assert listed(server.url) == {kept, patched}
             filler.unlink()
             assert wait_for(lambda: rows(registry) == {kept, patched}, 20), rows(registry)
         with running_server(*args, log_path=tmp_path / "second.log") as again:
