@@ -17,25 +17,28 @@ Link = tuple[bytes, bytes | None]
 
 
 class DiskLinks:
-    """Thread-safe; holds at most about twice the links of the records last listed."""
+    """Thread-safe. Links are kept per salt fingerprint (a model and tenant); each group
+    holds at most about twice the records it last listed, plus what was written since."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._links: dict[str, Link] = {}  # by record path
+        self._groups: dict[str, dict[str, Link]] = {}  # fingerprint -> record path -> link
 
     def __len__(self) -> int:
         """How many links are remembered."""
-        return len(self._links)
-
-    def wrote(self, path: str, block_hash: bytes, parent_hash: bytes | None) -> None:
         with self._lock:
-            self._links[path] = (block_hash, parent_hash)
+            return sum(len(group) for group in self._groups.values())
 
-    def links(self, paths: list[str]) -> list[Link]:
-        """The links of the records at ``paths``; records that cannot be read are left
-        out (and read again next time)."""
+    def wrote(self, fingerprint: str, path: str, block_hash: bytes, parent: bytes | None) -> None:
         with self._lock:
-            known = {path: self._links[path] for path in paths if path in self._links}
+            self._groups.setdefault(fingerprint, {})[path] = (block_hash, parent)
+
+    def links(self, fingerprint: str, paths: list[str]) -> list[Link]:
+        """The links of the records at ``paths`` (all of ``fingerprint``'s now on disk);
+        records that cannot be read are left out (and read again next time)."""
+        with self._lock:
+            group = self._groups.get(fingerprint, {})
+            known = {path: group[path] for path in paths if path in group}
         read: dict[str, Link] = {}
         for path in paths:
             if path not in known:
@@ -45,7 +48,8 @@ class DiskLinks:
                     continue
                 read[path] = (header.block_hash, header.parent_hash)
         with self._lock:
-            self._links.update(read)
-            if len(self._links) > 2 * len(paths) + 1024:  # files removed since: forget them
-                self._links = {**known, **read}
+            group = self._groups.setdefault(fingerprint, {})
+            group.update(read)
+            if len(group) > 2 * len(paths) + 1024:  # files removed since: forget them
+                self._groups[fingerprint] = {**known, **read}
         return [*known.values(), *read.values()]

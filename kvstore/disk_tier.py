@@ -160,7 +160,8 @@ class DiskTier(KVTier):
         if not self._usable():
             return False
         key = record_key(meta)
-        self._links.wrote(self._index.path(key), meta.block_hash, meta.parent_hash)
+        path = self._index.path(key)
+        self._links.wrote(key.fingerprint, path, meta.block_hash, meta.parent_hash)
         return self._writer.put(key, meta, block, blocking)
 
     def has_room(self) -> bool:
@@ -176,7 +177,7 @@ class DiskTier(KVTier):
         if not self._usable():
             return []
         self.flush()
-        return self._links.links(self._index.record_paths(fingerprint))
+        return self._links.links(fingerprint, self._index.record_paths(fingerprint))
 
     def purge(self, fingerprint: str, hashes: Collection[bytes]) -> int:
         """Waits for queued writes first, so none of them lands after the purge.

@@ -428,7 +428,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         act = getattr(config, "hidden_act", "silu")
         if act not in ("silu", "swish"):  # NOTE: one function under two names
-            raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
+            raise ValueError(f"hidden_act {act!r} is not supported (only 'silu', or 'swish')")
         self.max_model_len = int(max_model_len or config.max_position_embeddings)
         check_no_sliding_window(config, self.max_model_len)
         self.config = config

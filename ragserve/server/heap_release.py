@@ -9,6 +9,7 @@ larger for good; trimming after each brought that down to 20 to 75 MB.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import ctypes.util
 import functools
@@ -52,6 +53,7 @@ class HeapRelease:
     def __init__(self) -> None:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ragserve-heap")
         self._pending = threading.Event()
+        self._closed = False
         self.trims = 0  # how many have run
 
     def after_freed(self, request: web.Request) -> None:
@@ -63,11 +65,11 @@ class HeapRelease:
         weakref.finalize(request, self._on_freed, loop).atexit = False
 
     def _on_freed(self, loop: asyncio.AbstractEventLoop) -> None:
-        if not loop.is_closed():
+        with contextlib.suppress(RuntimeError):  # NOTE: the loop closed meanwhile
             loop.call_soon_threadsafe(self._submit)
 
     def _submit(self) -> None:
-        if self._pending.is_set():
+        if self._closed or self._pending.is_set():
             return
         self._pending.set()
         self._thread.submit(self._trim)
@@ -78,6 +80,7 @@ class HeapRelease:
         self.trims += 1
 
     def close(self) -> None:
+        self._closed = True
         self._thread.shutdown(wait=False, cancel_futures=True)
 
 

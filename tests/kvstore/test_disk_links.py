@@ -56,11 +56,13 @@ def test_a_known_link_is_not_read_again(tmp_path: Path) -> None:
     with DiskTier(SHAPE, torch.float32, 1 << 20, tmp_path) as tier:
         write(tier, metas)
     links = DiskLinks()
-    assert sorted(links.links(record_paths(tmp_path))) == expected(metas)
+    assert sorted(links.links(FINGERPRINT, record_paths(tmp_path))) == expected(metas)
     for path in record_paths(tmp_path):
         os.truncate(path, 10)  # its header can no longer be read
-    assert sorted(links.links(record_paths(tmp_path))) == expected(metas)
-    assert DiskLinks().links(record_paths(tmp_path)) == []  # a fresh one must read them
+    assert sorted(links.links(FINGERPRINT, record_paths(tmp_path))) == expected(metas)
+    assert (
+        DiskLinks().links(FINGERPRINT, record_paths(tmp_path)) == []
+    )  # a fresh one must read them
 
 
 def test_removed_records_are_forgotten(tmp_path: Path) -> None:
@@ -68,8 +70,25 @@ def test_removed_records_are_forgotten(tmp_path: Path) -> None:
     links = DiskLinks()
     with DiskTier(SHAPE, torch.float32, 1 << 30, tmp_path) as tier:
         write(tier, metas)
-        assert len(links.links(record_paths(tmp_path))) == 1200
+        assert len(links.links(FINGERPRINT, record_paths(tmp_path))) == 1200
         tier.purge(FINGERPRINT, [meta.block_hash for meta in metas[10:]])
     remaining = record_paths(tmp_path)
-    assert sorted(links.links(remaining)) == expected(metas[:10])
+    assert sorted(links.links(FINGERPRINT, remaining)) == expected(metas[:10])
     assert len(links) == 10
+
+
+def test_listing_one_tenant_keeps_what_another_tenant_read(tmp_path: Path) -> None:
+    other_salt = xxhash.xxh3_128_digest(b"model-a|bs=4|tenant-2")
+    other = salt_fingerprint(other_salt)
+    theirs = [
+        BlockMeta(meta.block_hash, meta.parent_hash, meta.token_ids, other_salt)
+        for meta in chain(1500, 50)
+    ]
+    with DiskTier(SHAPE, torch.float32, 1 << 30, tmp_path) as tier:
+        write(tier, chain(3))
+        write(tier, theirs)
+    links = DiskLinks()
+    their_paths = sorted(str(path) for path in (tmp_path / other).glob("*.kv"))
+    assert len(links.links(other, their_paths)) == 1500
+    assert len(links.links(FINGERPRINT, record_paths(tmp_path))) == 3  # a small tenant's
+    assert len(links) == 1503  # the large one's links stay
