@@ -217,9 +217,13 @@ class Forwarder:
         if owner in up:
             answer = await self._forward(owner, method, path, query, headers, body)
             return answer if isinstance(answer, Response) else _no_replica()
-        for index in up:  # NOTE: not bound here: asked in turn, each for a short while
+        for index in up:  # NOTE: not bound here: asked in turn
             forwarding = self._forward(index, method, path, query, headers, body)
-            found = await self._fan_out(index, forwarding)
+            if method in ("GET", "HEAD"):  # NOTE: a read: a stalled replica is left out
+                found = await self._fan_out(index, forwarding)
+            else:  # NOTE: a cancel may be running there: never given up half-way
+                answer = await forwarding
+                found = answer if isinstance(answer, Response) else None
             if found is not None:
                 reply = found
                 if found.status_code != 404:

@@ -392,6 +392,11 @@ class DocumentPersistence:
                 if key in self._docs
             ]
             await self._shared_call(self.shared.offer, held)
+        for namespace in sorted(read.unlisted if read is not None else ()):
+            listed = [
+                i for (ns, i), stamp in sorted(stamps.items()) if ns == namespace and not stamp.gone
+            ]
+            await self._shared_call(self.shared.relist, namespace, listed)
         newer = [
             key
             for key, stamp in stamps.items()

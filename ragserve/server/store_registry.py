@@ -88,9 +88,11 @@ class WatchRound(NamedTuple):
 
     stamps: dict[Key, Stamp]
     claimed: set[Key]  # the ingestions this server now holds the lease of, to take over
-    # Keys whose row the store lacks, or whose tenant's listing it lacks: evicted by its
-    # LRU, or it restarted empty (see :meth:`StoreRegistry.offer`).
+    # Keys whose row the store lacks (see :meth:`StoreRegistry.offer`), and tenants whose
+    # listing it lacks (see :meth:`StoreRegistry.relist`): evicted by its LRU, or it
+    # restarted empty.
     missing: set[Key]
+    unlisted: set[str]
 
 
 def row_key(model: str, namespace: str, doc_id: str, prefix: str = PREFIX) -> str:
@@ -367,7 +369,7 @@ class StoreRegistry:
         and the lease lapsed: only one server wins each (see ``CLAIM``). Raises
         StoreUnavailable / redis.RedisError."""
         if not keys and not renewing and not claiming:
-            return WatchRound({}, set(), set())
+            return WatchRound({}, set(), set(), set())
         namespaces = sorted({namespace for namespace, _ in keys})
 
         def row(key: Key) -> str:
@@ -399,9 +401,15 @@ class StoreRegistry:
         claims = answers[len(keys) + len(renewing) : len(keys) + len(renewing) + len(claiming)]
         listings = answers[len(answers) - len(namespaces) :]
         unlisted = {ns for ns, there in zip(namespaces, listings, strict=True) if not there}
-        missing |= {key for key in keys if key[0] in unlisted}
         claimed = {key for key, won in zip(claiming, claims, strict=True) if won}
-        return WatchRound(stamps, claimed, missing)
+        return WatchRound(stamps, claimed, missing, unlisted)
+
+    def relist(self, namespace: str, doc_ids: list[str]) -> None:
+        """Put ``doc_ids`` (rows the store holds) back in the tenant's listing, which the
+        store lost. Raises StoreUnavailable / redis.RedisError."""
+        if doc_ids:
+            key = ids_key(self.model, namespace, self.prefix)
+            self.store.call(lambda c: c.sadd(key, *doc_ids))
 
     def offer(self, holding: Iterable[Held]) -> None:
         """Offer the rows of ``holding`` (documents this server serves, with the version

@@ -79,11 +79,7 @@ local function settles()
   return (progress[was] or -1) < (progress[to] or -1)
 end
 if mode == 'offer' then
-  if old and (gone or seen >= version) then
-    -- NOTE: the row stays; its id rejoins the listing (the store may have evicted the set)
-    if not gone then redis.call('SADD', KEYS[2], ARGV[3]) end
-    return -1
-  end
+  if old and (gone or seen >= version) then return -1 end
 elseif (mode == 'patch' and gone) or (mode == 'expire' and seen > version)
     or (mode == 'settle' and not settles()) then
   return -1
