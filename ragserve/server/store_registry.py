@@ -142,6 +142,9 @@ class StoreRegistry:
         # (namespace, id) -> the write that failed: the row body (None: a tombstone), its
         # mode and version (see ``WRITE``); the latest wins.
         self._pending: dict[tuple[str, str], tuple[bytes | None, str, int]] = {}
+        # (namespace, id) -> when it expired here: an expiry to check again once the store
+        # answers, where the version of the row this server holds is unknown (0).
+        self._expiring: dict[tuple[str, str], float] = {}
         # NOTE: set at start and when the store was unreachable (it may be back empty).
         self._offer_all = True
         self._script = store.client.register_script(WRITE)
@@ -169,7 +172,7 @@ class StoreRegistry:
     @property
     def counts(self) -> dict[str, int]:
         with self._lock:
-            return {**self._counts, "pending": len(self._pending)}
+            return {**self._counts, "pending": len(self._pending) + len(self._expiring)}
 
     def _count(self, name: str, by: int = 1) -> None:
         with self._lock:
@@ -222,6 +225,11 @@ class StoreRegistry:
         try:
             value = self.store.call(lambda c: c.get(key))
         except _FAILED:
+            if not version:  # NOTE: checked again, as now, once the store answers
+                with self._lock:
+                    self._counts["publish_failures"] += 1
+                    self._expiring[(namespace, doc_id)] = now
+                return False
             # NOTE: kept pending, only over the row this server holds: a PATCH that reached
             # the store meanwhile wins (every server expires the row by its own time).
             return self._write(namespace, doc_id, None, "expire", version=version) is not None
@@ -247,12 +255,18 @@ class StoreRegistry:
         still pending."""
         with self._lock:
             pending = list(self._pending.items())
+            expiring = list(self._expiring.items())
             offer = self._offer_all
         for (namespace, doc_id), (body, mode, version) in pending:
             # NOTE: as first asked: an upload's row replaces a tombstone (the text came
             # back after a delete), a PATCH's never does (deleted elsewhere meanwhile).
             if self._write(namespace, doc_id, body, mode, keep=False, version=version) is None:
-                return len(self._pending)
+                return self.counts["pending"]
+        for (namespace, doc_id), expired_at in expiring:
+            with self._lock:
+                self._expiring.pop((namespace, doc_id), None)
+            if not self.publish_expired(namespace, doc_id, expired_at):
+                return self.counts["pending"]
         if offer:
             try:
                 self._offer(holding)
@@ -262,7 +276,7 @@ class StoreRegistry:
             else:
                 with self._lock:
                     self._offer_all = False
-        return len(self._pending)
+        return self.counts["pending"]
 
     def _call_write(
         self, client: Any, namespace: str, doc_id: str, body: bytes | None, mode: str, version: int
@@ -306,6 +320,8 @@ class StoreRegistry:
         with self._lock:
             if written >= 0:
                 self._counts["published"] += 1
+            if mode in ("row", "gone"):  # NOTE: uploaded again, or deleted: nothing to expire
+                self._expiring.pop((namespace, doc_id), None)
             entry = self._pending.get((namespace, doc_id))
             if keep or (entry is not None and entry[0] is body):
                 self._pending.pop((namespace, doc_id), None)

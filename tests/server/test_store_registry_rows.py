@@ -345,3 +345,22 @@ def test_an_expiry_while_the_store_is_down_never_tombstones_a_later_patch(
     retry_all(one)
     assert two.gone([(TENANT, doc_id)]) == set()
     assert (two.fetch(TENANT, [doc_id])[doc_id][0].expire_time or 0) > time.time() + 3000
+
+
+def test_an_expiry_of_an_unknown_version_is_checked_again_once_the_store_is_back(
+    durable: DurableValkey,
+) -> None:
+    """A server that restored the documents (versions unknown) while the store was down:
+    once back, the store's row decides, as when the store answers at once."""
+    one, restored = registry(durable.url), registry(durable.url)
+    expired, patched = "08" * 16, "09" * 16
+    assert one.publish(doc(expired, expire_time=time.time() + 0.5))
+    assert one.publish(doc(patched, expire_time=time.time() + 3600))  # PATCHed: lives on
+    durable.kill()
+    time.sleep(0.6)
+    for doc_id in (expired, patched):
+        assert not restored.publish_expired(TENANT, doc_id, time.time())  # by its own row
+    assert restored.counts["pending"] == 2
+    durable.start()
+    retry_all(restored)
+    assert one.gone([(TENANT, expired), (TENANT, patched)]) == {(TENANT, expired)}
