@@ -16,9 +16,7 @@ outstanding prompt work and its own, ``a·(P_tenant + P_new)``, plus the other t
 prompt work served meanwhile: the engine shares each step's tokens among tenants in turn,
 so each other tenant ``u`` takes ``min(a·P_u, a·(P_tenant + P_new))`` (all its prompt work,
 or as much as this tenant's); plus its own answer: ``steps_new`` decode steps, each
-costing what a step costs now: the inter-token latency the running streams saw over the
-last ``STEP_WINDOW_S`` (which counts the prefill chunks that steps carry under load), and
-at least ``b`` per sequence in the batch it joins (``S_answering + S_new``). Answer tokens
+costing ``b`` per sequence in the batch it joins (``S_answering + S_new``). Answer tokens
 of other requests share those steps rather than wait for each other: a long answer being
 generated makes each step of a new request a little dearer, it does not queue in front of
 it. With a single tenant the prompt part is all the outstanding prompt work; with several,
@@ -60,8 +58,6 @@ MAX_RETRY_AFTER_S = 60
 # 8B shape on a GPU). Priced as an answer token, a prompt-heavy request was refused while
 # the engine was only decoding.
 LEAST_PROMPT_COST = 1 / 32
-# How far back the inter-token latencies a decode step is priced at go.
-STEP_WINDOW_S = 3.0
 
 
 @dataclass
@@ -135,8 +131,6 @@ class WorkAdmission:
         self._window = (0.0, 0, 0)  # (busy_s, prompt_computed, answer_generated) at its start
         self._windows: deque[tuple[float, int, int]] = deque(maxlen=num_windows)  # (T, P, D)
         self._costs: Costs | None = None
-        self._steps: deque[tuple[float, float]] = deque()  # (when, inter-token seconds)
-        self._steps_sum = 0.0
 
     @property
     def outstanding(self) -> int:
@@ -162,26 +156,7 @@ class WorkAdmission:
             min(work[0], own_prompt) for other, work in self._by_tenant.items() if other != tenant
         )
         batch = self.sequences_answering + sequences
-        step_s = max(costs.answer_s * batch, self.step_seconds() or 0.0)
-        return costs.prompt_s * (own_prompt + others) + step_s * decode_steps
-
-    def observe_step(self, seconds: float) -> None:
-        """A stream's inter-token latency: what one decode step took for it."""
-        now = self._clock()
-        self._steps.append((now, seconds))
-        self._steps_sum += seconds
-        self._forget_steps(now)
-
-    def step_seconds(self) -> float | None:
-        """The mean inter-token latency of the last ``STEP_WINDOW_S``; None without any."""
-        self._forget_steps(self._clock())
-        return self._steps_sum / len(self._steps) if self._steps else None
-
-    def _forget_steps(self, now: float) -> None:
-        while self._steps and self._steps[0][0] < now - STEP_WINDOW_S:
-            self._steps_sum -= self._steps.popleft()[1]
-        if not self._steps:
-            self._steps_sum = 0.0  # NOTE: no float drift survives an idle spell
+        return costs.seconds(own_prompt + others, decode_steps * batch)
 
     def tenant_outstanding(self, tenant: str) -> tuple[int, int]:
         """(prompt tokens, answer tokens) outstanding for ``tenant``."""

@@ -130,8 +130,6 @@ async def run_job(
                     else:
                         per_token = (now - previous_time) / steps
                         metrics.inter_token_latency.labels(endpoint).observe(per_token)
-                        if admission is not None:
-                            admission.observe_step(per_token)
                     last_seen[index] = (now, counts)
                 if output.finished:
                     metrics.record_finished(endpoint, output)

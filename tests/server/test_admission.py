@@ -13,7 +13,6 @@ import requests
 from ragserve.server.admission import (
     LEAST_PROMPT_COST,
     MAX_RETRY_AFTER_S,
-    STEP_WINDOW_S,
     Costs,
     WorkAdmission,
     fit_costs,
@@ -107,26 +106,6 @@ def test_a_long_answer_does_not_queue_in_front_of_a_short_request() -> None:
     assert admission.expected_seconds(5, 1) == pytest.approx(5 * costs.prompt_s + 2 / 33)
     assert admission.check(5, 1200) is not None  # 1,200 steps of a batch of two: 73 s
     admission.release(long)
-
-
-def test_a_decode_step_is_priced_at_the_inter_token_latency_streams_see_now() -> None:
-    clock = Clock()
-    admission = WorkAdmission(20.0, window_s=1.0, min_windows=1, clock=clock)
-    busy = admission.admit(0, 1000)
-    clock.now += 1.0
-    admission.progress(busy, generated=100)  # 10 ms a token
-    assert admission.step_seconds() is None
-    assert admission.expected_seconds(0, 32) == pytest.approx(32 * 2 * 0.01)
-    for latency in (0.7, 0.8, 0.9):  # steps that carry prefill chunks under load
-        admission.observe_step(latency)
-    assert admission.step_seconds() == pytest.approx(0.8)
-    assert admission.expected_seconds(0, 32) == pytest.approx(32 * 0.8)
-    verdict = admission.check(0, 32)
-    assert verdict is not None and verdict.expected_s == pytest.approx(25.6)
-    clock.now += STEP_WINDOW_S + 0.1  # no stream has seen a step since
-    assert admission.step_seconds() is None
-    assert admission.expected_seconds(0, 32) == pytest.approx(32 * 2 * 0.01)
-    admission.release(busy)
 
 
 def test_check_refuses_past_the_budget_with_retry_after() -> None:
