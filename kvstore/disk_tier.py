@@ -88,7 +88,7 @@ class DiskTier(KVTier):
         self.capacity_bytes = int(capacity_bytes)
         self._index = DiskIndex(self.root, self.capacity_bytes)
         self._reader = DiskReader(self._index, self.block_shape, dtype, num_readers, cipher)
-        self._links = DiskLinks()
+        self._links = DiskLinks(max_records=max(1, self.capacity_bytes // self.block_nbytes))
         self._writer = DiskWriter(
             self._index,
             self.block_shape,

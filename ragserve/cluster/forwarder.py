@@ -212,23 +212,24 @@ class Forwarder:
             jobs.sort(key=lambda job: job.get("created", 0))
             listing = json.dumps({"object": "list", "data": jobs})
             return Response(listing, media_type="application/json")
-        owner = self.router.owner(f"job:{path.removeprefix(JOBS_PATH + '/')}")
-        reply: Response | None = None
-        if owner in up:
-            answer = await self._forward(owner, method, path, query, headers, body)
-            return answer if isinstance(answer, Response) else _no_replica()
-        for index in up:  # NOTE: not bound here: asked in turn
-            forwarding = self._forward(index, method, path, query, headers, body)
-            if method in ("GET", "HEAD"):  # NOTE: a read: a stalled replica is left out
-                found = await self._fan_out(index, forwarding)
-            else:  # NOTE: a cancel may be running there: never given up half-way
-                answer = await forwarding
-                found = answer if isinstance(answer, Response) else None
-            if found is not None:
-                reply = found
-                if found.status_code != 404:
-                    break
-        return reply if reply is not None else _no_replica()
+        job = f"job:{path.removeprefix(JOBS_PATH + '/')}"
+        owner = self.router.owner(job)
+        if owner not in up:
+            # NOTE: not bound here: every replica is asked at once whether it runs the job
+            # (a read: a stalled replica is left out); a cancel then goes to that one alone
+            # and is never given up half-way.
+            reads = await asyncio.gather(
+                *(self._fan_out(i, self._forward(i, "GET", path, query, headers, b"")) for i in up)
+            )
+            found = [(i, r) for i, r in zip(up, reads, strict=True) if r and r.status_code != 404]
+            if not found:
+                return next((r for r in reads if r is not None), _no_replica())
+            owner, reply = found[0]
+            self.router.bind(job, owner)
+            if method == "GET":
+                return reply
+        answer = await self._forward(owner, method, path, query, headers, body)
+        return answer if isinstance(answer, Response) else _no_replica()
 
     async def _fan_out(
         self, index: int, forwarding: Awaitable[Response | Literal["unreached", "lost"]]

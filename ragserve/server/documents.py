@@ -154,10 +154,10 @@ class DocumentService(DocumentPersistence):
         for doc_id in unknown:
             if (namespace, doc_id) in self._docs:
                 continue
-            # NOTE: under the lock a DELETE holds until its row is gone: a document being
-            # deleted here is never learned back from its row.
+            # NOTE: under the lock a DELETE holds until its row is gone (or noted in
+            # ``_undeleted``): a document being deleted here is never learned back from it.
             async with self.locks.hold(namespace, doc_id):
-                if (namespace, doc_id) in self._docs:
+                if (namespace, doc_id) in self._docs or (namespace, doc_id) in self._undeleted:
                     continue
                 entry = None
                 if local:

@@ -38,9 +38,9 @@ counted in ``rejected`` and ignored, never served.
 The store is a cache (its LRU may evict a row, it may restart empty), each server's own
 SQLite stays its durable copy: a publish that fails is kept pending and tried again at
 every watch round, and after an outage (or at start) every row this server holds is
-offered again where the store lacks it (or holds an older version); so is a row, or a
-tenant's listing, that a watch round finds missing (evicted, with no failed call to
-tell). A retried or offered row never replaces a tombstone: a document deleted elsewhere
+offered again where the store lacks it (or holds an older version); so is a row that a
+watch round finds missing (evicted, with no failed call to tell), and a tenant's listing
+found missing is rebuilt from the rows the store still holds. A retried or offered row never replaces a tombstone: a document deleted elsewhere
 meanwhile stays deleted.
 
 Blocking calls, thread-safe: the document service runs them on its registry thread.
@@ -61,6 +61,7 @@ from ragserve.server.ingest_leases import CLAIM, lease_key
 from ragserve.server.registry_cipher import RegistryCipher
 from ragserve.server.registry_rows import SEALED, RowError, decode_row, encode_row
 from ragserve.server.store_values import (
+    RELIST,
     STAMP_BYTES,
     WRITE,
     Stamp,
@@ -149,6 +150,7 @@ class StoreRegistry:
         self._offer_all = True
         self._script = store.client.register_script(WRITE)
         self._claim = store.client.register_script(CLAIM)
+        self._relist = store.client.register_script(RELIST)
 
     @classmethod
     def connect(
@@ -421,11 +423,13 @@ class StoreRegistry:
         return WatchRound(stamps, claimed, missing, unlisted)
 
     def relist(self, namespace: str, doc_ids: list[str]) -> None:
-        """Put ``doc_ids`` (rows the store holds) back in the tenant's listing, which the
-        store lost. Raises StoreUnavailable / redis.RedisError."""
+        """Put those of ``doc_ids`` whose rows the store holds back in the tenant's
+        listing, which the store lost (see ``RELIST``). Raises StoreUnavailable /
+        redis.RedisError."""
         if doc_ids:
-            key = ids_key(self.model, namespace, self.prefix)
-            self.store.call(lambda c: c.sadd(key, *doc_ids))
+            keys = [ids_key(self.model, namespace, self.prefix)]
+            keys += [row_key(self.model, namespace, doc_id, self.prefix) for doc_id in doc_ids]
+            self.store.call(lambda c: self._relist(keys=keys, args=doc_ids, client=c))
 
     def offer(self, holding: Iterable[Held]) -> None:
         """Offer the rows of ``holding`` (documents this server serves, with the version

@@ -102,6 +102,19 @@ return version
 """
 
 
+# KEYS: the tenant's listing, then row keys; ARGV: their ids. Each id whose key holds a
+# row (not a tombstone, nothing) rejoins the listing, checked and added in one step: an id
+# deleted meanwhile is not put back.
+RELIST = """
+for i, id in ipairs(ARGV) do
+  if string.sub(redis.call('GETRANGE', KEYS[i + 1], 0, 12), 1, 13) == 'ragserve-row-' then
+    redis.call('SADD', KEYS[1], id)
+  end
+end
+return 0
+"""
+
+
 class Stamp(NamedTuple):
     version: int
     gone: bool

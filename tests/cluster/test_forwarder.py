@@ -11,6 +11,7 @@ import gzip
 import json
 from typing import Any
 
+import aiohttp
 import pytest
 from aiohttp import web
 
@@ -154,10 +155,17 @@ async def _job_replica(name: str) -> tuple[web.AppRunner, str]:
         job = jobs.get(request.match_info["id"])
         return web.json_response(job or {"error": {}}, status=200 if job else 404)
 
+    async def cancel(request: web.Request) -> web.Response:
+        job = jobs.get(request.match_info["id"])
+        if job is not None:
+            job["status"] = "cancelled"
+        return web.json_response(job or {"error": {}}, status=200 if job else 404)
+
     app = web.Application()
     app.router.add_post(path, create)
     app.router.add_get(path, listing)
     app.router.add_get(path + "/{id}", one)
+    app.router.add_delete(path + "/{id}", cancel)
     return await _serve(app)
 
 
@@ -420,3 +428,37 @@ def test_a_compressed_request_body_reaches_the_replica_with_its_encoding() -> No
     status, body = asyncio.run(_gzip_through_the_ingress())
     assert status == 200, body
     assert json.loads(body) == {"prompt": "hi"}
+
+
+async def _cancel_past_a_stalled_replica() -> tuple[float, int, dict[str, Any]]:
+    stalled, stalled_url = await _stalled_replica()
+    runner, url = await _job_replica("b")
+    urls = [stalled_url, url]
+
+    async def lookup(index: int) -> dict[str, object]:
+        return {"url": urls[index], "pid": 1000 + index}
+
+    path = "/v1/pipelines/summarize"
+    fresh = Forwarder(ClusterSettings(replicas=2, fan_out_timeout_s=0.5), lookup)
+    try:
+        await fresh.start()
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(f"{url}{path}", data=b"{}") as created,  # the job runs on b
+        ):
+            job_id = (await created.json())["id"]
+        started = asyncio.get_running_loop().time()
+        # A fresh ingress never saw the job: it finds it past the stalled replica.
+        cancelled = await fresh.handle("DELETE", f"{path}/{job_id}", "", {}, b"")
+        elapsed = asyncio.get_running_loop().time() - started
+        return elapsed, cancelled.status_code, json.loads(bytes(cancelled.body))
+    finally:
+        await fresh.close()
+        stalled.close()
+        await runner.cleanup()
+
+
+def test_a_job_is_cancelled_on_its_replica_past_a_stalled_one() -> None:
+    elapsed, status, job = asyncio.run(_cancel_past_a_stalled_replica())
+    assert status == 200 and job["status"] == "cancelled" and job["replica"] == "b"
+    assert elapsed < 5.0  # the stalled replica is left out after 0.5 s

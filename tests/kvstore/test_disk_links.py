@@ -55,19 +55,19 @@ def test_a_known_link_is_not_read_again(tmp_path: Path) -> None:
     metas = chain(4)
     with DiskTier(SHAPE, torch.float32, 1 << 20, tmp_path) as tier:
         write(tier, metas)
-    links = DiskLinks()
+    links = DiskLinks(max_records=1 << 20)
     assert sorted(links.links(FINGERPRINT, record_paths(tmp_path))) == expected(metas)
     for path in record_paths(tmp_path):
         os.truncate(path, 10)  # its header can no longer be read
     assert sorted(links.links(FINGERPRINT, record_paths(tmp_path))) == expected(metas)
     assert (
-        DiskLinks().links(FINGERPRINT, record_paths(tmp_path)) == []
+        DiskLinks(max_records=1 << 20).links(FINGERPRINT, record_paths(tmp_path)) == []
     )  # a fresh one must read them
 
 
 def test_removed_records_are_forgotten(tmp_path: Path) -> None:
     metas = chain(1200)
-    links = DiskLinks()
+    links = DiskLinks(max_records=1 << 20)
     with DiskTier(SHAPE, torch.float32, 1 << 30, tmp_path) as tier:
         write(tier, metas)
         assert len(links.links(FINGERPRINT, record_paths(tmp_path))) == 1200
@@ -87,8 +87,16 @@ def test_listing_one_tenant_keeps_what_another_tenant_read(tmp_path: Path) -> No
     with DiskTier(SHAPE, torch.float32, 1 << 30, tmp_path) as tier:
         write(tier, chain(3))
         write(tier, theirs)
-    links = DiskLinks()
+    links = DiskLinks(max_records=1 << 20)
     their_paths = sorted(str(path) for path in (tmp_path / other).glob("*.kv"))
     assert len(links.links(other, their_paths)) == 1500
     assert len(links.links(FINGERPRINT, record_paths(tmp_path))) == 3  # a small tenant's
     assert len(links) == 1503  # the large one's links stay
+
+
+def test_links_of_records_never_purged_stay_within_the_tiers_budget() -> None:
+    links = DiskLinks(max_records=100)
+    for index in range(5000):  # written and evicted long since, never listed
+        fingerprint = f"{index % 3:016x}"
+        links.wrote(fingerprint, f"/kv/{fingerprint}/{index:032x}.kv", bytes(16), None)
+    assert len(links) <= 2 * 100 + 1024

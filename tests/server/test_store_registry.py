@@ -1,17 +1,17 @@
-"""Two real servers with separate registries (no shared directory) and one real
-valkey-server: the document registry is shared through the store alone.
+"""Two real servers with separate registries (no shared directory) and one real valkey-
+server: the document registry is shared through the store alone.
 
-A document uploaded on one is listed and answered on the other (its blocks from the
-remote tier), a delete on one is forgotten by the other, a PATCH on one (metadata, an
-expiry moved later) reaches the other within a watch round, concurrent PATCHes end the
-same on both, a tombstone wins over a PATCH that comes late, values that do not verify are
-ignored and counted, tenants never see each other's rows, the store never holds token
-ids in the clear (the servers have a key), the other server shows the status of an
-ingestion on the first (``ingesting`` until it ends, then ``ready`` or ``failed`` with its
-error), an upload while the store is down reaches the other server once the store is
-back, and the other server takes over an ingestion whose server died (``kill -9``) once
-its lease lapsed, and rows or listings the store lost are offered again. The tests run in order on one pair of servers; the last one kills the
-first server.
+A document uploaded on one is listed and answered on the other (its blocks from the remote
+tier), a delete on one is forgotten by the other, a PATCH on one (metadata, an expiry
+moved later) reaches the other within a watch round, concurrent PATCHes end the same on
+both, a tombstone wins over a PATCH that comes late, values that do not verify are ignored
+and counted, tenants never see each other's rows, the store never holds token ids in the
+clear (the servers have a key), the other server shows the status of an ingestion on the
+first (``ingesting`` until it ends, then ``ready`` or ``failed`` with its error), an
+upload while the store is down reaches the other server once the store is back, and the
+other server takes over an ingestion whose server died (``kill -9``) once its lease
+lapsed, and rows the store lost are offered again (a lost listing rebuilt). The tests run
+in order on one pair of servers; the last one kills the first server.
 """
 
 from __future__ import annotations
