@@ -297,6 +297,20 @@ class DocumentPersistence:
             self.store.settle(doc.namespace, doc.id, doc.status, doc.error)
         return version
 
+    @property
+    def _has_registry(self) -> bool:
+        return self.store is not None or self.shared is not None
+
+    def _pending_write(self, doc: RegisteredDocument, written: bool) -> None:
+        """Note whether ``doc``'s latest row was written (see ``_unsaved``)."""
+        key = (doc.namespace, doc.id)
+        if written or not self._has_registry:
+            self._unsaved.discard(key)
+            if not doc.learned:  # NOTE: its upload's row replaced the rows of a delete
+                self._undeleted.discard(key)
+        else:
+            self._unsaved.add(key)
+
     async def _write_pending_rows(self) -> None:
         """Delete the rows whose delete failed and write those whose write failed (see
         ``_unsaved``), until one fails again: the registry is still failing then, and
@@ -507,7 +521,7 @@ class DocumentPersistence:
 
         NOTE: an upload, PATCH or delete whose row could not be written still succeeds in
         memory; its row is written later (see ``_write_pending_rows``)."""
-        if self.store is None and self.shared is None:
+        if not self._has_registry:
             return None
         try:
             return await asyncio.get_running_loop().run_in_executor(self._store_thread, call, *args)

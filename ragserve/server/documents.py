@@ -591,20 +591,6 @@ class DocumentService(DocumentPersistence):
             whose = "" if model is None else f" of model {model.fingerprint[:12]}"
             logger.info("document %s: KV%s purged (%s blocks)", doc.id, whose, removed)
 
-    @property
-    def _has_registry(self) -> bool:
-        return self.store is not None or self.shared is not None
-
-    def _pending_write(self, doc: RegisteredDocument, written: bool) -> None:
-        """Note whether ``doc``'s latest row was written (see ``_unsaved``)."""
-        key = (doc.namespace, doc.id)
-        if written or not self._has_registry:
-            self._unsaved.discard(key)
-            if not doc.learned:  # NOTE: its upload's row replaced the rows of a delete
-                self._undeleted.discard(key)
-        else:
-            self._unsaved.add(key)
-
     async def close(self) -> None:
         await self.expiry.stop()
         await self.watch.stop()
