@@ -31,12 +31,14 @@ _WEIGHTS = (
     "down",
     "down_bias",
 )
+_PAIRS = ("qkv_pairs", "o_pairs", "gate_up_pairs", "down_pairs")
 
 
 class _LayerWeights(ctypes.Structure):
-    """Mirror of ``LayerWeights`` in the C file: the pointers named in ``_WEIGHTS``."""
+    """Mirror of ``LayerWeights`` in the C file: the pointers named in ``_WEIGHTS`` and
+    ``_PAIRS``."""
 
-    _fields_ = [(name, ctypes.c_void_p) for name in _WEIGHTS]
+    _fields_ = [(name, ctypes.c_void_p) for name in (*_WEIGHTS, *_PAIRS)]
 
 
 class _DecoderStack(ctypes.Structure):
@@ -67,7 +69,8 @@ class _DecoderStack(ctypes.Structure):
 
 @dataclass(frozen=True)
 class LayerTensors:
-    """One decoder layer's weights, as the per-op path uses them (fused qkv and gate/up)."""
+    """One decoder layer's weights, as the per-op path uses them (fused qkv and gate/up);
+    the ``*_pairs`` are the bf16 projections' paired copies (``Linear.pairs``), or None."""
 
     input_norm: torch.Tensor
     qkv: torch.Tensor
@@ -79,6 +82,10 @@ class LayerTensors:
     gate_up_bias: torch.Tensor | None
     down: torch.Tensor
     down_bias: torch.Tensor | None
+    qkv_pairs: torch.Tensor | None = None
+    o_pairs: torch.Tensor | None = None
+    gate_up_pairs: torch.Tensor | None = None
+    down_pairs: torch.Tensor | None = None
 
 
 def _pointer(tensor: torch.Tensor | None, dtype: torch.dtype) -> int | None:
@@ -102,10 +109,14 @@ class StackWeights:
         self.layers = tuple(layers)
         self.dtype = dtype
         self.intermediate_size = self.layers[0].gate_up.shape[0] // 2
+        self.paired = all(getattr(layer, name) is not None for layer in layers for name in _PAIRS)
         self.array = (_LayerWeights * len(self.layers))()
         for entry, layer in zip(self.array, self.layers, strict=True):
             for name in _WEIGHTS:
                 setattr(entry, name, _pointer(getattr(layer, name), dtype))
+            for name in _PAIRS:
+                pairs = getattr(layer, name)
+                setattr(entry, name, None if pairs is None else pairs.data_ptr())
 
 
 def run(

@@ -1,7 +1,8 @@
 """Linear layers on the CPU: bfloat16 weights prepacked once into oneDNN's blocked layout,
 float32 weights laid out transposed, and products of a few rows (decode steps) through
 native kernels: float32 up to 64 rows and bf16 one or two rows (``csrc/cpu_small_linear.c``),
-bf16 up to 32 rows on AMX tiles where the CPU has them (``csrc/cpu_amx_linear.c``).
+bf16 up to 32 rows on AMX tiles where the CPU has them (``csrc/cpu_amx_linear.c``), else
+over a copy of the weight laid out in pairs for AVX-512 BF16 (``csrc/cpu_pairs_linear.c``).
 
 A decode step multiplies one token by every weight matrix, so it streams all the weights
 from memory once per step. ``F.linear`` on a plain bf16 weight reads them at ~14 GB/s on a
@@ -192,27 +193,62 @@ def store_transposed(weight: torch.Tensor) -> torch.Tensor:
 # NOTE: as csrc/cpu_small_linear.c's BF16_SMALL_LINEAR_MAX_ROWS: one or two bf16 rows
 # (decode steps of one or two sequences) stream the weights with vdpbf16ps.
 BF16_SMALL_LINEAR_MAX_ROWS = 2
-# NOTE: up to this many bf16 rows (decode steps of many sequences, questions) multiply on AMX
-# tiles (csrc/cpu_amx_linear.c) where the CPU has them; more go to oneDNN.
+# NOTE: up to this many bf16 rows (decode steps of many sequences, questions) multiply
+# natively: on AMX tiles (csrc/cpu_amx_linear.c) where the CPU has them, else over the weight
+# laid out in pairs (csrc/cpu_pairs_linear.c, :func:`pair_weight`); more go to oneDNN.
 AMX_LINEAR_MAX_ROWS = 32
+PAIRS_LINEAR_MAX_ROWS = 32  # as csrc/cpu_kernels.h
+PAIR_PANEL = 48  # outputs per panel of a paired weight, as csrc/cpu_kernels.h
 
 
 def max_rows(dtype: torch.dtype) -> int:
     """The most rows of ``dtype`` that :func:`small_linear` multiplies natively here (float32
-    outer-product tiles; bf16 AMX tiles, or one or two rows of ``vdpbf16ps``); 0 without them."""
+    outer-product tiles; bf16 AMX tiles, or ``vdpbf16ps`` over paired weights); 0 without
+    them."""
     if dtype == torch.float32:
         return SMALL_LINEAR_MAX_ROWS if cpu_native.vector_width() is not None else 0
     if dtype != torch.bfloat16 or not cpu_native.bf16_dot():
         return 0
-    return AMX_LINEAR_MAX_ROWS if cpu_native.amx() else BF16_SMALL_LINEAR_MAX_ROWS
+    return AMX_LINEAR_MAX_ROWS if cpu_native.amx() else PAIRS_LINEAR_MAX_ROWS
 
 
-def small_linear_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def pairs_apply(weight: torch.Tensor) -> bool:
+    """True for a 2-D bf16 CPU weight whose products of more than two rows run over a
+    paired copy (:func:`pair_weight`): AVX-512 BF16 builds without AMX, ``in`` a multiple
+    of 32."""
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.bfloat16
+        and weight.dim() == 2
+        and weight.shape[1] % 32 == 0
+        and cpu_native.bf16_dot()
+        and not cpu_native.amx()
+    )
+
+
+def pair_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``weight [out, in]`` (bf16) laid out for csrc/cpu_pairs_linear.c: int32
+    ``[panels, in / 2, PAIR_PANEL]``, element ``[p, i, j]`` holding the bf16 pair
+    ``weight[p * PAIR_PANEL + j, 2i : 2i + 2]`` (low half first), zero past ``out``."""
+    if not pairs_apply(weight):
+        raise ValueError(f"cannot pair a {weight.dtype} weight of shape {tuple(weight.shape)}")
+    n_out, k_in = weight.shape
+    panels = -(-n_out // PAIR_PANEL)
+    padded = torch.zeros(panels * PAIR_PANEL, k_in, dtype=weight.dtype)
+    padded[:n_out] = weight.detach()
+    pairs = padded.view(torch.int32).view(panels, PAIR_PANEL, k_in // 2)
+    return pairs.transpose(1, 2).contiguous()
+
+
+def small_linear_usable(
+    x: torch.Tensor, weight: torch.Tensor, pairs: torch.Tensor | None = None
+) -> bool:
     """True for contiguous CPU rows ``x [rows, in]`` and a CPU ``weight [out, in]`` of their
     dtype, with the native kernels built: float32 up to SMALL_LINEAR_MAX_ROWS rows over a
     weight stored transposed (:func:`store_transposed`); bf16 on AVX-512 BF16 builds (``in``
     a multiple of 32, the weight contiguous), up to BF16_SMALL_LINEAR_MAX_ROWS rows, or
-    AMX_LINEAR_MAX_ROWS where AMX runs."""
+    AMX_LINEAR_MAX_ROWS where AMX runs, or PAIRS_LINEAR_MAX_ROWS given the weight's
+    ``pairs`` (:func:`pair_weight`)."""
     if not (
         x.dim() == 2
         and weight.dim() == 2
@@ -223,32 +259,55 @@ def small_linear_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     ):
         return False
     if x.dtype == torch.bfloat16:
-        return weight.is_contiguous() and x.shape[1] % 32 == 0
+        return (
+            multiplies_natively(x.shape[0], x.dtype, pairs is not None)
+            and weight.is_contiguous()
+            and x.shape[1] % 32 == 0
+        )
     return weight.t().is_contiguous()
 
 
-def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def multiplies_natively(rows: int, dtype: torch.dtype, paired: bool) -> bool:
+    """Whether :func:`small_linear` takes ``rows`` rows of ``dtype`` here, over weights with
+    (``paired``) or without their paired copies."""
+    if not 0 < rows <= max_rows(dtype):
+        return False
+    return (
+        dtype != torch.bfloat16 or rows <= BF16_SMALL_LINEAR_MAX_ROWS or cpu_native.amx() or paired
+    )
+
+
+def small_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    pairs: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``x @ weight.T + bias`` for inputs :func:`small_linear_usable` accepts, in their dtype:
     float32 at ``F.linear``'s rate or up to 1.2x it at decode batches, each row's result the
     same whatever the other rows are; bf16 summed in float32 and rounded once (see the C
-    file)."""
+    files)."""
     library = cpu_native.load()
     assert library is not None
     rows, k_in = x.shape
     n_out = weight.shape[0]
     out = torch.empty((rows, n_out), dtype=x.dtype)
+    source = weight
     if x.dtype != torch.bfloat16:
         kernel = library.ragserve_small_linear
     elif rows <= BF16_SMALL_LINEAR_MAX_ROWS:
         kernel = library.ragserve_small_linear_bf16
-    else:
+    elif cpu_native.amx():
         kernel = library.ragserve_amx_linear_bf16
+    else:
+        assert pairs is not None
+        kernel, source = library.ragserve_pairs_linear_bf16, pairs
     status = kernel(
         rows,
         n_out,
         k_in,
         x.data_ptr(),
-        weight.data_ptr(),
+        source.data_ptr(),
         None if bias is None else bias.contiguous().data_ptr(),
         out.data_ptr(),
         torch.get_num_threads(),

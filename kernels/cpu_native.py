@@ -36,6 +36,7 @@ SOURCES = (
     "cpu_layer_ops.c",
     "cpu_small_linear.c",
     "cpu_amx_linear.c",
+    "cpu_pairs_linear.c",
     "cpu_decoder_stack.c",
     "cpu_argmax.c",
 )  # compiled into one library
@@ -181,6 +182,8 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
     library.ragserve_small_linear_bf16.restype = ctypes.c_int
     library.ragserve_amx_linear_bf16.argtypes = library.ragserve_small_linear.argtypes
     library.ragserve_amx_linear_bf16.restype = ctypes.c_int
+    library.ragserve_pairs_linear_bf16.argtypes = library.ragserve_small_linear.argtypes
+    library.ragserve_pairs_linear_bf16.restype = ctypes.c_int
     library.ragserve_decoder_stack.argtypes = [pointer]
     library.ragserve_argmax_rows.argtypes = [int32, int64, int64, pointer, int64, pointer, int32]
     library.ragserve_argmax_rows.restype = ctypes.c_int

@@ -20,6 +20,8 @@
 typedef struct { /* one layer's weights in the step's dtype; biases may be NULL */
     const void *input_norm, *qkv, *qkv_bias, *o, *o_bias;
     const void *post_norm, *gate_up, *gate_up_bias, *down, *down_bias;
+    /* bf16 projections paired for cpu_pairs_linear.c (NULL where AMX or bf16 pairs serve) */
+    const void *qkv_pairs, *o_pairs, *gate_up_pairs, *down_pairs;
 } LayerWeights;
 
 typedef struct { /* mirrored by kernels/cpu_decoder_stack.py */
@@ -36,12 +38,14 @@ typedef struct { /* mirrored by kernels/cpu_decoder_stack.py */
     void *residual;           /* in: the embeddings; out: the residual stream before it */
 } DecoderStack;
 
-/* The product the per-op path picks for these rows (kernels/cpu_linear.py). */
-static int linear(const DecoderStack *s, int64_t n_out, int64_t k_in, const void *x, const void *w, const void *bias,
-                  void *out) {
+/* The product the per-op path picks for these rows (kernels/cpu_linear.py): `pairs` is the
+ * weight paired, where the CPU multiplies bf16 rows that way. */
+static int linear(const DecoderStack *s, int64_t n_out, int64_t k_in, const void *x, const void *w,
+                  const void *pairs, const void *bias, void *out) {
     if (!s->is_bf16) return ragserve_small_linear(s->rows, n_out, k_in, x, w, bias, out, s->threads);
     if (s->rows <= BF16_SMALL_LINEAR_MAX_ROWS)
         return ragserve_small_linear_bf16(s->rows, n_out, k_in, x, w, bias, out, s->threads);
+    if (pairs != NULL) return ragserve_pairs_linear_bf16(s->rows, n_out, k_in, x, pairs, bias, out, s->threads);
     return ragserve_amx_linear_bf16(s->rows, n_out, k_in, x, w, bias, out, s->threads);
 }
 
@@ -63,7 +67,7 @@ int ragserve_decoder_stack(const DecoderStack *s) {
         const LayerWeights *w = &s->layers[l];
         status = ragserve_add_rms_norm(bf16, rows, H, l == 0 ? NULL : s->hidden, s->residual, w->input_norm, s->eps,
                                        normed, s->threads);
-        if (status == 0) status = linear(s, qkv_width, H, normed, w->qkv, w->qkv_bias, qkv);
+        if (status == 0) status = linear(s, qkv_width, H, normed, w->qkv, w->qkv_pairs, w->qkv_bias, qkv);
         if (status != 0) break;
         /* q and k are adjacent columns of qkv: rotated as one [rows, heads + kv_heads, D]. */
         ragserve_rotary(bf16, rows, s->num_heads + s->num_kv_heads, (int)D, qkv, qkv_width, s->cos, s->sin, rotated,
@@ -71,13 +75,14 @@ int ragserve_decoder_stack(const DecoderStack *s) {
         status = ragserve_paged_attention(s->attn, rotated, rotated_width, rotated + es * q_size, rotated_width,
                                           qkv + es * rotated_width, qkv_width, s->slots,
                                           s->kv + es * l * s->layer_stride, attn);
-        if (status == 0) status = linear(s, H, q_size, attn, w->o, w->o_bias, s->hidden);
+        if (status == 0) status = linear(s, H, q_size, attn, w->o, w->o_pairs, w->o_bias, s->hidden);
         if (status == 0)
             status = ragserve_add_rms_norm(bf16, rows, H, s->hidden, s->residual, w->post_norm, s->eps, normed,
                                            s->threads);
-        if (status == 0) status = linear(s, 2 * inter, H, normed, w->gate_up, w->gate_up_bias, gate_up);
+        if (status == 0)
+            status = linear(s, 2 * inter, H, normed, w->gate_up, w->gate_up_pairs, w->gate_up_bias, gate_up);
         if (status == 0) status = ragserve_silu_mul(bf16, rows, inter, gate_up, 2 * inter, act, s->threads);
-        if (status == 0) status = linear(s, H, inter, act, w->down, w->down_bias, s->hidden);
+        if (status == 0) status = linear(s, H, inter, act, w->down, w->down_pairs, w->down_bias, s->hidden);
     }
     free(buffer);
     return status;

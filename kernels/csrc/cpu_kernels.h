@@ -21,6 +21,8 @@ typedef struct {
 
 #define SMALL_LINEAR_MAX_ROWS 64
 #define BF16_SMALL_LINEAR_MAX_ROWS 2
+#define PAIRS_LINEAR_MAX_ROWS 32 /* cpu_pairs_linear.c; mirrored by kernels/cpu_linear.py */
+#define PAIR_PANEL 48
 
 int ragserve_paged_attention(const AttnParams *p, const void *q, int64_t q_token_stride, const void *key,
                              int64_t key_stride, const void *value, int64_t value_stride, const int64_t *slots,
@@ -37,6 +39,8 @@ int ragserve_small_linear_bf16(int64_t rows, int64_t n_out, int64_t k_in, const 
                                const uint16_t *bias, uint16_t *out, int threads);
 int ragserve_argmax_rows(int is_bf16, int64_t rows, int64_t cols, const void *x, int64_t stride, int64_t *out,
                          int threads);
+int ragserve_pairs_linear_bf16(int64_t rows, int64_t n_out, int64_t k_in, const uint16_t *x, const uint32_t *wp,
+                               const uint16_t *bias, uint16_t *out, int threads);
 int ragserve_amx_linear_bf16(int64_t rows, int64_t n_out, int64_t k_in, const uint16_t *x, const uint16_t *w,
                              const uint16_t *bias, uint16_t *out, int threads);
 

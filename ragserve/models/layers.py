@@ -21,6 +21,8 @@ from kernels.cpu_linear import (
     kept_transposed,
     pack_weight,
     packed_linear,
+    pair_weight,
+    pairs_apply,
     small_linear,
     small_linear_usable,
     store_transposed,
@@ -84,12 +86,15 @@ class Linear(nn.Module):
         )
         self._packed: torch.Tensor | None = None
         self._wide: torch.Tensor | None = None
+        self.pairs: torch.Tensor | None = None  # bf16 products of a few rows, see pack_for_cpu
 
     def pack_for_cpu(self, widen: bool = True) -> None:
-        """Prepack the weight when it can be (bf16 on the CPU), and, with ``widen``, keep a
-        float32 copy for long products where this CPU runs them faster so
-        (``kernels/cpu_linear.py``); else drop any old copies. A float32 CPU weight given a
-        plain layout (``weight.data = ...``) is stored transposed again.
+        """Prepack the weight when it can be (bf16 on the CPU), keep it in pairs for the
+        native products of a few rows where the CPU has AVX-512 BF16 and no AMX
+        (``pairs``), and, with ``widen``, keep a float32 copy for long products where this
+        CPU runs them faster so (``kernels/cpu_linear.py``); else drop any old copies. A
+        float32 CPU weight given a plain layout (``weight.data = ...``) is stored transposed
+        again.
 
         Call again after every change to ``weight``: the copies do not follow it.
         """
@@ -97,10 +102,11 @@ class Linear(nn.Module):
             self.weight.data = store_transposed(self.weight.data)
         self._packed = pack_weight(self.weight) if can_pack(self.weight) else None
         self._wide = widen_weight(self.weight) if widen and widens(self.weight) else None
+        self.pairs = pair_weight(self.weight) if pairs_apply(self.weight) else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if small_linear_usable(x, self.weight):
-            return small_linear(x, self.weight, self.bias)
+        if small_linear_usable(x, self.weight, self.pairs):
+            return small_linear(x, self.weight, self.bias, self.pairs)
         if (
             self._wide is not None
             and x.dtype == self.weight.dtype

@@ -38,6 +38,8 @@ from kernels.cpu_linear import (
     max_rows,
     pack_weight,
     packed_linear,
+    pair_weight,
+    pairs_apply,
     small_linear,
     small_linear_usable,
     store_transposed,
@@ -458,6 +460,7 @@ class LlamaForCausalLM(nn.Module):
         # oneDNN's (bf16), stored transposed for the native products of a few rows (float32).
         self._packed_tied_head: torch.Tensor | None = None
         self._transposed_tied_head: torch.Tensor | None = None
+        self._paired_tied_head: torch.Tensor | None = None
 
     @property
     def num_layers(self) -> int:
@@ -501,8 +504,8 @@ class LlamaForCausalLM(nn.Module):
             return self.lm_head(hidden).float()
         weight = self.model.embed_tokens.weight
         small = self._transposed_tied_head if self._transposed_tied_head is not None else weight
-        if small_linear_usable(hidden, small):
-            return small_linear(hidden, small, None).float()
+        if small_linear_usable(hidden, small, self._paired_tied_head):
+            return small_linear(hidden, small, None, self._paired_tied_head).float()
         if self._packed_tied_head is not None and hidden.dtype == weight.dtype:
             return packed_linear(hidden, self._packed_tied_head, None).float()
         return F.linear(hidden, weight).float()
@@ -513,7 +516,8 @@ class LlamaForCausalLM(nn.Module):
 
         Packing is a no-op for other dtypes and devices. ``load_weights`` calls it; call it
         again after writing weights any other way. Costs one extra copy of those weights in
-        memory, and where long bf16 products run in float32 a float32 copy of the
+        memory (two where the CPU has AVX-512 BF16 and no AMX: products of a few rows read a
+        paired copy), and where long bf16 products run in float32 a float32 copy of the
         projections too, unless that would pass ``WIDE_MAX_BYTES``. A float32 model whose
         LM head is its embedding keeps a transposed copy of it for the native products of a
         few rows (the projections are stored transposed already, see ``Linear``).
@@ -531,6 +535,9 @@ class LlamaForCausalLM(nn.Module):
         self.model.native_weights = None  # gathered again from the weights as they are now
         tied = self.model.embed_tokens.weight if self.lm_head is None else None
         self._packed_tied_head = pack_weight(tied) if tied is not None and can_pack(tied) else None
+        self._paired_tied_head = (
+            pair_weight(tied) if tied is not None and pairs_apply(tied) else None
+        )
         self._transposed_tied_head = (
             store_transposed(tied)
             if tied is not None and kept_transposed(tied) and max_rows(tied.dtype) > 0

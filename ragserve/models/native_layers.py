@@ -19,6 +19,7 @@ from kernels import cpu_decoder_stack, cpu_linear
 from kernels.cpu_backend import CpuBackend
 from kernels.cpu_decoder_stack import LayerTensors
 from ragserve.models.forward_context import OutputRows, get_forward_context
+from ragserve.models.layers import Linear
 from ragserve.models.rotary import Rotation
 
 if TYPE_CHECKING:
@@ -51,7 +52,15 @@ def _tensors(layer: LlamaDecoderLayer) -> LayerTensors:
         gate_up_bias=mlp.gate_up_proj.bias,
         down=mlp.down_proj.weight,
         down_bias=mlp.down_proj.bias,
+        qkv_pairs=_pairs(attention.qkv_proj),
+        o_pairs=_pairs(attention.o_proj),
+        gate_up_pairs=_pairs(mlp.gate_up_proj),
+        down_pairs=_pairs(mlp.down_proj),
     )
+
+
+def _pairs(projection: torch.nn.Module) -> torch.Tensor | None:
+    return projection.pairs if isinstance(projection, Linear) else None
 
 
 def run_native_layers(
@@ -90,6 +99,8 @@ def run_native_layers(
             [_tensors(layer) for layer in layers], embeddings.dtype
         )
         model.native_weights = weights
+    if not cpu_linear.multiplies_natively(rows, embeddings.dtype, weights.paired):
+        return None
     hidden, residual = cpu_decoder_stack.run(
         weights,
         count,

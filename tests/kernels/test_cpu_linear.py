@@ -18,11 +18,15 @@ from kernels.cpu_linear import (
     AMX_LINEAR_MAX_ROWS,
     BF16_SMALL_LINEAR_MAX_ROWS,
     ENV_WIDE,
+    PAIR_PANEL,
+    PAIRS_LINEAR_MAX_ROWS,
     SMALL_LINEAR_MAX_ROWS,
     WIDE_MIN_ROWS,
     can_pack,
     pack_weight,
     packed_linear,
+    pair_weight,
+    pairs_apply,
     small_linear,
     small_linear_usable,
     store_transposed,
@@ -199,11 +203,20 @@ def test_small_linear_takes_only_few_contiguous_float32_rows() -> None:
     bf16_rows = AMX_LINEAR_MAX_ROWS if cpu_native.amx() else BF16_SMALL_LINEAR_MAX_ROWS
     assert small_linear_usable(torch.randn(bf16_rows, 64).bfloat16(), bf16) == cpu_native.bf16_dot()
     assert not small_linear_usable(torch.randn(bf16_rows + 1, 64).bfloat16(), bf16)
+    if pairs_apply(bf16):  # more rows need the paired copy
+        pairs = pair_weight(bf16)
+        assert small_linear_usable(torch.randn(PAIRS_LINEAR_MAX_ROWS, 64).bfloat16(), bf16, pairs)
+        rows = torch.randn(PAIRS_LINEAR_MAX_ROWS + 1, 64).bfloat16()
+        assert not small_linear_usable(rows, bf16, pairs)
     assert not small_linear_usable(torch.randn(1, 48).bfloat16(), torch.randn(16, 48).bfloat16())
     assert not small_linear_usable(torch.randn(1, 64).half(), weight.half())
 
 
 needs_amx = pytest.mark.skipif(not cpu_native.amx(), reason="no AMX on this CPU or build")
+needs_pairs = pytest.mark.skipif(
+    not pairs_apply(torch.empty(1, 32, dtype=torch.bfloat16)),
+    reason="no AVX-512 BF16 build, or AMX takes these rows",
+)
 
 
 @pytest.mark.skipif(not cpu_native.bf16_dot(), reason="no AVX-512 BF16 build")
@@ -212,23 +225,27 @@ needs_amx = pytest.mark.skipif(not cpu_native.amx(), reason="no AMX on this CPU 
     [
         1,
         BF16_SMALL_LINEAR_MAX_ROWS,
-        pytest.param(BF16_SMALL_LINEAR_MAX_ROWS + 1, marks=needs_amx),
-        pytest.param(17, marks=needs_amx),
-        pytest.param(AMX_LINEAR_MAX_ROWS, marks=needs_amx),
+        BF16_SMALL_LINEAR_MAX_ROWS + 1,
+        9,  # a second tile of rows (csrc/cpu_pairs_linear.c)
+        17,
+        max(AMX_LINEAR_MAX_ROWS, PAIRS_LINEAR_MAX_ROWS),
     ],
 )
-@pytest.mark.parametrize("out_features", [1, 13, 1000])
+@pytest.mark.parametrize("out_features", [1, 13, PAIR_PANEL, 1000])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_small_bf16_linear_is_the_float32_sum_rounded_once(
     rows: int, out_features: int, with_bias: bool
 ) -> None:
-    """One or two rows stream the weights with pair products; more run on AMX tiles, with
-    weights of any row count (13, 1000: a last block of fewer than 32 rows)."""
+    """One or two rows stream the weights with pair products; more run on AMX tiles, or
+    over the paired copy without AMX, with weights of any row count (13, 1000: a last block
+    of fewer than 32 rows and a last panel of fewer than PAIR_PANEL outputs)."""
     generator = torch.Generator().manual_seed(rows + out_features)
     weight = torch.randn(out_features, 576, generator=generator).bfloat16()
     bias = torch.randn(out_features, generator=generator).bfloat16() if with_bias else None
     x = torch.randn(rows, 576, generator=generator).bfloat16()
-    out = small_linear(x, weight, bias)
+    pairs = pair_weight(weight) if pairs_apply(weight) else None
+    assert small_linear_usable(x, weight, pairs)
+    out = small_linear(x, weight, bias, pairs)
     exact = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
     assert out.shape == exact.shape and out.dtype == torch.bfloat16
     # one rounding to bf16 (2^-8 relative) after float32 sums in another order
@@ -245,6 +262,47 @@ def test_amx_linear_rows_do_not_depend_on_their_batch() -> None:
     whole = small_linear(x, weight, None)
     for start, stop in ((0, 3), (5, 21), (29, AMX_LINEAR_MAX_ROWS)):
         assert torch.equal(small_linear(x[start:stop], weight, None), whole[start:stop])
+
+
+@needs_pairs
+def test_paired_weight_holds_each_outputs_pairs_panel_by_panel() -> None:
+    weight = torch.randn(PAIR_PANEL + 5, 64).bfloat16()
+    pairs = pair_weight(weight)
+    assert pairs.dtype == torch.int32 and pairs.shape == (2, 32, PAIR_PANEL)
+    # element [p, i, j]: the bf16 pair weight[p * PAIR_PANEL + j, 2i : 2i + 2], low half first
+    halves = pairs.view(torch.bfloat16).view(2, 32, PAIR_PANEL, 2)
+    for out, panel_j in ((0, (0, 0)), (7, (0, 7)), (PAIR_PANEL + 4, (1, 4))):
+        p, j = panel_j
+        assert torch.equal(halves[p, :, j].reshape(64), weight[out])
+    assert not bool(halves[1, :, 5:].any())  # zero past the last output
+    with pytest.raises(ValueError, match="cannot pair"):
+        pair_weight(torch.randn(8, 64))
+
+
+@needs_pairs
+def test_paired_rows_do_not_depend_on_their_batch() -> None:
+    generator = torch.Generator().manual_seed(7)
+    weight = torch.randn(200, 1536, generator=generator).bfloat16()
+    pairs = pair_weight(weight)
+    x = torch.randn(PAIRS_LINEAR_MAX_ROWS, 1536, generator=generator).bfloat16()
+    whole = small_linear(x, weight, None, pairs)
+    for start, stop in ((0, 3), (5, 21), (29, PAIRS_LINEAR_MAX_ROWS)):
+        assert torch.equal(small_linear(x[start:stop], weight, None, pairs), whole[start:stop])
+
+
+@needs_pairs
+def test_a_bf16_layers_pairs_follow_its_weight() -> None:
+    layer = Linear(64, 24, bias=True, device=torch.device("cpu"), dtype=torch.bfloat16)
+    torch.nn.init.normal_(layer.weight)
+    torch.nn.init.normal_(layer.bias)
+    assert layer.pairs is None  # nothing is paired before pack_for_cpu
+    layer.pack_for_cpu()
+    x = torch.randn(5, 64).bfloat16()
+    assert torch.equal(layer(x), small_linear(x, layer.weight, layer.bias, layer.pairs))
+    layer.weight.data = torch.randn(24, 64).bfloat16()
+    layer.pack_for_cpu()
+    exact = F.linear(x.double(), layer.weight.double(), layer.bias.double())
+    assert torch.allclose(layer(x).double(), exact, rtol=2**-7, atol=1e-2)
 
 
 @needs_native
