@@ -156,6 +156,30 @@ static void chunk_rows(const AttnParams *p, const Operands *ops, const int32_t *
     }
 }
 
+/* Read keys [a, end) of every kv head (K and V) once, in address order: each block's rows of
+ * those keys are two contiguous spans, which the hardware prefetchers stream.
+ *
+ * NOTE: a decode item's products then read its chunk from cache. Read head by head (a third
+ * of each token's row at a time) the bytes came from memory at 11-12 GB/s on 2 EPYC cores,
+ * where whole spans stream at 30; prefetching the next chunk, sequentially or per head,
+ * changed nothing. Decodes of 32 sequences over 300 tokens, 30 layers' blocks scattered
+ * through a 2.9 GB cache: 19.0 -> 17.2 ms bf16, 28.0 -> 24.2 ms float32. With a layer's
+ * K/V already in cache the extra pass costs about 10%. */
+static void touch_keys(const AttnParams *p, const Operands *ops, const int32_t *table, int64_t a, int64_t end) {
+    const int64_t es = (int64_t)elem_size(p), token_bytes = (int64_t)p->num_kv_heads * p->head_dim * es;
+    const int64_t v_off = p->kv_offset * es;
+    vi seen = {0};
+    while (a < end) {
+        const char *k = key_addr(p, ops, table, a, 0);
+        const int64_t left_in_block = p->block_size - (a & (p->block_size - 1));
+        const int64_t run = left_in_block < end - a ? left_in_block : end - a;
+        for (int64_t b = 0; b < run * token_bytes; b += 64)
+            seen |= *(const viu *)(k + b) | *(const viu *)(k + v_off + b);
+        a += run;
+    }
+    __asm__ volatile("" : : "x"(seen)); /* the loads must happen */
+}
+
 /* Query row r of the tile: token t0 + r / group, head kv_head * group + r % group. */
 static inline float query_value(const AttnParams *p, const Operands *ops, int64_t token, int head,
                                 int d) {
@@ -856,6 +880,7 @@ static void run_small(const AttnParams *p, const Operands *ops, const Item *it, 
         /* NOTE: all kv heads of a decode in one item: a chunk's blocks are read whole (each
          * token's K row of every head is one contiguous span) instead of a third at a time
          * by three items far apart in time. */
+        if (it->kv_heads == p->num_kv_heads) touch_keys(p, ops, table, kc, kc + n);
         for (int h = 0; h < it->kv_heads; h++) {
             chunk_rows(p, ops, table, it->kv_head + h, kc, n, next_end, dot, w);
             for (int r = h * per_head; r < (h + 1) * per_head; r++) {
