@@ -18,9 +18,9 @@ logger = logging.getLogger(__name__)
 def kv_budget_bytes(
     config: EngineConfig, device: torch.device, bytes_per_token: int, max_model_len: int
 ) -> float:
-    """Bytes for the device KV pool: ``kv_cache_gib`` when given; otherwise what the GPU has
-    free (less ``gpu_memory_utilization``'s headroom), or on the CPU enough for every
-    sequence at full length, at most 4 GiB."""
+    """Bytes for the device KV pool: ``kv_cache_gib`` when given; otherwise on a GPU this
+    engine's share of it (:func:`gpu_kv_budget`), or on the CPU enough for every sequence
+    at full length, at most 4 GiB."""
     if config.kv_cache_gib is not None:
         return config.kv_cache_gib * 2**30
     if device.type == "cuda":
@@ -31,9 +31,23 @@ def kv_budget_bytes(
         free, total = torch.cuda.mem_get_info(device)
         # Leave room for activations of the largest step and the allocator's slack.
         reserve = 2**30 + config.step_tokens * 64 * 1024
-        return max(0.0, free - (1 - config.gpu_memory_utilization) * total - reserve)
+        own = torch.cuda.memory_reserved(device)
+        return gpu_kv_budget(free, total, own, config.gpu_memory_utilization, reserve)
     wanted = config.max_num_seqs * max_model_len * bytes_per_token
     return float(min(wanted, 4 * 2**30))
+
+
+def gpu_kv_budget(
+    free: float, total: float, own: float, utilization: float, reserve: float
+) -> float:
+    """KV bytes for an engine that may use ``utilization`` of a card of ``total`` bytes, of
+    which its process holds ``own`` already (the weights) and ``free`` are free, less
+    ``reserve`` for activations.
+
+    The share is this engine's alone, as users of other engines expect: two engines at 0.45
+    share one card, where counting every process's memory against each engine's share left
+    the second none. It never takes more than is free."""
+    return max(0.0, min(utilization * total - own, free) - reserve)
 
 
 def open_tiers(config: EngineConfig, kv_cache: torch.Tensor, pool: BlockPool) -> TierStack | None:
