@@ -102,7 +102,9 @@ class StackWeights:
     """Every layer's weight pointers in the C layout, gathered once (not once per step).
 
     NOTE: it points into the tensors it holds, so it stays valid while they are written in
-    place (as loaders do); whoever replaces a weight tensor builds a new one.
+    place (as loaders do); whoever replaces a weight tensor builds a new one. The paired
+    copies are copies: writing a weight in place leaves them stale until the model packs
+    its weights again (``pack_cpu_weights``, which drops this gathering too).
     """
 
     def __init__(self, layers: Sequence[LayerTensors], dtype: torch.dtype) -> None:

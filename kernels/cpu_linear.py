@@ -93,6 +93,9 @@ WIDE_MIN_ROWS = 33
 # NOTE: a model keeps float32 copies only while they take at most this much memory (a 0.5B
 # model's projections); larger models keep their long bf16 products in bf16.
 WIDE_MAX_BYTES = 2 * 2**30
+# NOTE: and paired copies (pair_weight) while they take at most this much (a 1B model's);
+# larger models multiply their few-row bf16 products on oneDNN.
+PAIRS_MAX_BYTES = 2 * 2**30
 
 
 ENV_WIDE = "RAGSERVE_CPU_BF16_WIDE"
@@ -300,8 +303,10 @@ def small_linear(
     elif cpu_native.amx():
         kernel = library.ragserve_amx_linear_bf16
     else:
-        assert pairs is not None
-        kernel, source = library.ragserve_pairs_linear_bf16, pairs
+        expected = (-(-n_out // PAIR_PANEL), k_in // 2, PAIR_PANEL)
+        if pairs is None or pairs.dtype != torch.int32 or tuple(pairs.shape) != expected:
+            raise ValueError(f"{rows} bf16 rows need the weight's paired copy {expected}")
+        kernel, source = library.ragserve_pairs_linear_bf16, pairs.contiguous()
     status = kernel(
         rows,
         n_out,

@@ -177,7 +177,7 @@ static void touch_keys(const AttnParams *p, const Operands *ops, const int32_t *
             seen |= *(const viu *)(k + b) | *(const viu *)(k + v_off + b);
         a += run;
     }
-    __asm__ volatile("" : : "x"(seen)); /* the loads must happen */
+    __asm__ volatile("" : : "m"(seen)); /* the loads must happen */
 }
 
 /* Query row r of the tile: token t0 + r / group, head kv_head * group + r % group. */

@@ -20,7 +20,7 @@
 typedef struct { /* one layer's weights in the step's dtype; biases may be NULL */
     const void *input_norm, *qkv, *qkv_bias, *o, *o_bias;
     const void *post_norm, *gate_up, *gate_up_bias, *down, *down_bias;
-    /* bf16 projections paired for cpu_pairs_linear.c (NULL where AMX or bf16 pairs serve) */
+    /* bf16 projections paired for cpu_pairs_linear.c: NULL on AMX, in float32, or unpaired */
     const void *qkv_pairs, *o_pairs, *gate_up_pairs, *down_pairs;
 } LayerWeights;
 

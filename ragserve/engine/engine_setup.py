@@ -32,6 +32,13 @@ def kv_budget_bytes(
         # Leave room for activations of the largest step and the allocator's slack.
         reserve = 2**30 + config.step_tokens * 64 * 1024
         own = torch.cuda.memory_reserved(device)
+        share = config.gpu_memory_utilization * total - own
+        if free < share:
+            logger.warning(
+                "the GPU has %.1f GiB free, less than this engine's share "
+                "(gpu_memory_utilization %g): the KV pool takes what is free",
+                free / 2**30, config.gpu_memory_utilization,
+            )  # fmt: skip
         return gpu_kv_budget(free, total, own, config.gpu_memory_utilization, reserve)
     wanted = config.max_num_seqs * max_model_len * bytes_per_token
     return float(min(wanted, 4 * 2**30))

@@ -98,7 +98,11 @@ class LLMEngine:
         if num_blocks < 1:
             raise ValueError(
                 f"the KV budget holds no block of {self.kv_spec.bytes_per_block} bytes; "
-                "raise kv_cache_gib"
+                + (
+                    "raise kv_cache_gib"
+                    if config.kv_cache_gib is not None or self.device.type != "cuda"
+                    else "raise gpu_memory_utilization, free the GPU, or give kv_cache_gib"
+                )
             )
         self.kv_cache = self.kv_spec.allocate(num_blocks, self.device)
         backend = get_backend(config.attention_backend, self.device, self.kv_format.quantized)

@@ -88,10 +88,10 @@ class Linear(nn.Module):
         self._wide: torch.Tensor | None = None
         self.pairs: torch.Tensor | None = None  # bf16 products of a few rows, see pack_for_cpu
 
-    def pack_for_cpu(self, widen: bool = True) -> None:
-        """Prepack the weight when it can be (bf16 on the CPU), keep it in pairs for the
-        native products of a few rows where the CPU has AVX-512 BF16 and no AMX
-        (``pairs``), and, with ``widen``, keep a float32 copy for long products where this
+    def pack_for_cpu(self, widen: bool = True, pair: bool = True) -> None:
+        """Prepack the weight when it can be (bf16 on the CPU), with ``pair`` keep it in
+        pairs for the native products of a few rows where the CPU has AVX-512 BF16 and no
+        AMX (``pairs``), and, with ``widen``, keep a float32 copy for long products where this
         CPU runs them faster so (``kernels/cpu_linear.py``); else drop any old copies. A
         float32 CPU weight given a plain layout (``weight.data = ...``) is stored transposed
         again.
@@ -102,7 +102,7 @@ class Linear(nn.Module):
             self.weight.data = store_transposed(self.weight.data)
         self._packed = pack_weight(self.weight) if can_pack(self.weight) else None
         self._wide = widen_weight(self.weight) if widen and widens(self.weight) else None
-        self.pairs = pair_weight(self.weight) if pairs_apply(self.weight) else None
+        self.pairs = pair_weight(self.weight) if pair and pairs_apply(self.weight) else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if small_linear_usable(x, self.weight, self.pairs):

@@ -32,6 +32,7 @@ from torch import nn
 from kernels import cpu_layer_ops
 from kernels.cpu_decoder_stack import StackWeights
 from kernels.cpu_linear import (
+    PAIRS_MAX_BYTES,
     WIDE_MAX_BYTES,
     can_pack,
     kept_transposed,
@@ -517,7 +518,7 @@ class LlamaForCausalLM(nn.Module):
         Packing is a no-op for other dtypes and devices. ``load_weights`` calls it; call it
         again after writing weights any other way. Costs one extra copy of those weights in
         memory (two where the CPU has AVX-512 BF16 and no AMX: products of a few rows read a
-        paired copy), and where long bf16 products run in float32 a float32 copy of the
+        paired copy, kept while the copies take at most ``PAIRS_MAX_BYTES``), and where long bf16 products run in float32 a float32 copy of the
         projections too, unless that would pass ``WIDE_MAX_BYTES``. A float32 model whose
         LM head is its embedding keeps a transposed copy of it for the native products of a
         few rows (the projections are stored transposed already, see ``Linear``).
@@ -525,18 +526,19 @@ class LlamaForCausalLM(nn.Module):
         linears = [module for module in self.modules() if isinstance(module, Linear)]
         wide_bytes = 4 * sum(module.weight.numel() for module in linears)
         widen = wide_bytes <= WIDE_MAX_BYTES
+        pair = wide_bytes // 2 <= PAIRS_MAX_BYTES
         if not widen and any(widens(module.weight) for module in linears):
             logger.info(
                 "long bf16 products stay in bf16: float32 copies of the projections would "
                 "take %.1f GiB (more than %.1f)", wide_bytes / 2**30, WIDE_MAX_BYTES / 2**30,
             )  # fmt: skip
         for module in linears:
-            module.pack_for_cpu(widen)
+            module.pack_for_cpu(widen, pair)
         self.model.native_weights = None  # gathered again from the weights as they are now
         tied = self.model.embed_tokens.weight if self.lm_head is None else None
         self._packed_tied_head = pack_weight(tied) if tied is not None and can_pack(tied) else None
         self._paired_tied_head = (
-            pair_weight(tied) if tied is not None and pairs_apply(tied) else None
+            pair_weight(tied) if pair and tied is not None and pairs_apply(tied) else None
         )
         self._transposed_tied_head = (
             store_transposed(tied)

@@ -86,13 +86,6 @@ def run_native_layers(
     if not isinstance(context.backend, CpuBackend):
         return None
     layers: list[LlamaDecoderLayer] = list(model.layers)  # type: ignore[arg-type]
-    attention = layers[0].self_attn
-    layout = context.backend.native_layout(
-        context.meta, context.kv_cache[:, 0], attention.num_heads, embeddings.dtype, attention.scale
-    )
-    if layout is None:
-        return None
-    params, slots = layout
     weights = model.native_weights
     if weights is None or weights.dtype != embeddings.dtype:
         weights = cpu_decoder_stack.StackWeights(
@@ -101,6 +94,13 @@ def run_native_layers(
         model.native_weights = weights
     if not cpu_linear.multiplies_natively(rows, embeddings.dtype, weights.paired):
         return None
+    attention = layers[0].self_attn
+    layout = context.backend.native_layout(
+        context.meta, context.kv_cache[:, 0], attention.num_heads, embeddings.dtype, attention.scale
+    )
+    if layout is None:
+        return None
+    params, slots = layout
     hidden, residual = cpu_decoder_stack.run(
         weights,
         count,

@@ -305,6 +305,36 @@ def test_a_bf16_layers_pairs_follow_its_weight() -> None:
     assert torch.allclose(layer(x).double(), exact, rtol=2**-7, atol=1e-2)
 
 
+@needs_pairs
+def test_rows_past_two_without_the_right_pairs_are_refused() -> None:
+    weight = torch.randn(50, 64).bfloat16()
+    x = torch.randn(5, 64).bfloat16()
+    with pytest.raises(ValueError, match="paired copy"):
+        small_linear(x, weight, None)
+    with pytest.raises(ValueError, match="paired copy"):  # another weight's pairs
+        small_linear(x, weight, None, pair_weight(torch.randn(50, 96).bfloat16()))
+
+
+@needs_pairs
+@pytest.mark.parametrize("arch", ["llama", "llama-tied"])
+def test_a_model_past_the_pairs_budget_keeps_no_pairs(
+    tmp_path: Path, arch: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its products of a few rows go to oneDNN instead, with the same numbers as any
+    bf16 product rounded once."""
+    model = load_model(make_tiny_model(tmp_path, arch), device="cpu", dtype="bfloat16").model
+    assert isinstance(model, LlamaForCausalLM)
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert all(m.pairs is not None for m in linears)
+    assert (model._paired_tied_head is not None) == (arch == "llama-tied")
+    hidden = torch.randn(5, model.shape.hidden_size).to(torch.bfloat16)
+    paired = model.compute_logits(hidden)
+    monkeypatch.setattr("ragserve.models.llama.PAIRS_MAX_BYTES", 0)
+    model.pack_cpu_weights()
+    assert all(m.pairs is None for m in linears) and model._paired_tied_head is None
+    torch.testing.assert_close(model.compute_logits(hidden), paired, rtol=2**-7, atol=1e-2)
+
+
 @needs_native
 def test_linear_layer_matches_f_linear_on_both_paths() -> None:
     layer = Linear(64, 24, bias=True, device=torch.device("cpu"), dtype=torch.float32)
