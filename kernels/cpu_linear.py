@@ -255,18 +255,14 @@ def small_linear_usable(
     if not (
         x.dim() == 2
         and weight.dim() == 2
-        and 0 < x.shape[0] <= max_rows(x.dtype)
+        and multiplies_natively(x.shape[0], x.dtype, pairs is not None)
         and x.dtype == weight.dtype
         and x.device.type == weight.device.type == "cpu"
         and x.is_contiguous()
     ):
         return False
     if x.dtype == torch.bfloat16:
-        return (
-            multiplies_natively(x.shape[0], x.dtype, pairs is not None)
-            and weight.is_contiguous()
-            and x.shape[1] % 32 == 0
-        )
+        return weight.is_contiguous() and x.shape[1] % 32 == 0
     return weight.t().is_contiguous()
 
 
