@@ -518,8 +518,9 @@ class LlamaForCausalLM(nn.Module):
         Packing is a no-op for other dtypes and devices. ``load_weights`` calls it; call it
         again after writing weights any other way. Costs one extra copy of those weights in
         memory (two where the CPU has AVX-512 BF16 and no AMX: products of a few rows read a
-        paired copy, kept while the copies take at most ``PAIRS_MAX_BYTES``), and where long bf16 products run in float32 a float32 copy of the
-        projections too, unless that would pass ``WIDE_MAX_BYTES``. A float32 model whose
+        paired copy, kept while the copies take at most ``PAIRS_MAX_BYTES``), and where long
+        bf16 products run in float32 a float32 copy of the projections too, unless that
+        would pass ``WIDE_MAX_BYTES``. A float32 model whose
         LM head is its embedding keeps a transposed copy of it for the native products of a
         few rows (the projections are stored transposed already, see ``Linear``).
         """
