@@ -4,6 +4,10 @@ Cases: a fresh 2,048-token prefill, a 2,048-token chunk over 6,144 cached tokens
 20-token question over 4,096, decodes of 32 sequences over 300 and one over 4,096, on
 blocks scattered through a 30-layer cache. Each backend's best of ``--repeats`` wall
 times, interleaved; GFLOP/s counts the causal attention's useful multiply-adds.
+
+By default a repeat runs one layer, whose K/V stay in cache from the last repeat. With
+``--every-layer`` it runs every layer of the cache once, as a model step does, so K/V come
+from memory; GB/s then counts the K/V bytes read.
 """
 
 from __future__ import annotations
@@ -78,6 +82,9 @@ def main() -> None:
     parser.add_argument(
         "--layers", type=int, default=30, help="layers in the cache (sets the block stride)"
     )
+    parser.add_argument(
+        "--every-layer", action="store_true", help="a repeat runs every layer (K/V from memory)"
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     heads, kv_heads, dim = SHAPES[args.shape]
@@ -89,7 +96,9 @@ def main() -> None:
     }
     names = [n for n in args.backends.split(",") if n]
     results: list[dict[str, Any]] = []
-    print(f"{args.shape} {args.dtype}: best wall ms (GFLOP/s)")
+    layers = range(args.layers) if args.every_layer else range(1)
+    unit = f"{args.layers} layers" if args.every_layer else "one layer"
+    print(f"{args.shape} {args.dtype}, {unit}: best wall ms (GFLOP/s; K/V GB/s)")
     for threads in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(threads)
         for case, (query_lens, seq_lens) in CASES.items():
@@ -102,15 +111,24 @@ def main() -> None:
             for _ in range(args.repeats):
                 for name, backend in backends.items():
                     started = time.perf_counter()
-                    backend.forward(query, key, value, cache[:, 0], meta, dim**-0.5)
+                    for layer in layers:
+                        backend.forward(query, key, value, cache[:, layer], meta, dim**-0.5)
                     best[name] = min(best[name], time.perf_counter() - started)
-            work = flops(query_lens, seq_lens, heads, dim)
+            work = flops(query_lens, seq_lens, heads, dim) * len(layers)
+            kv_bytes = sum(seq_lens) * 2 * kv_heads * dim * cache.element_size() * len(layers)
             cells = "  ".join(
-                f"{n} {best[n] * 1e3:8.2f} ({work / best[n] / 1e9:5.1f})" for n in names
+                f"{n} {best[n] * 1e3:8.2f} ({work / best[n] / 1e9:5.1f}; "
+                f"{kv_bytes / best[n] / 1e9:4.1f})"
+                for n in names
             )
             print(f"threads {threads:3d}  {case:22s} {cells}", flush=True)
             results.append(
-                {"threads": threads, "case": case, **{f"{n}_ms": best[n] * 1e3 for n in names}}
+                {
+                    "threads": threads,
+                    "case": case,
+                    "layers": len(layers),
+                    **{f"{n}_ms": best[n] * 1e3 for n in names},
+                }
             )
     if args.json:
         with open(args.json, "w") as handle:

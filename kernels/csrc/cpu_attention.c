@@ -17,7 +17,8 @@
  *    dimension (Q^T packed once per tile; K rows read in place in float32), then
  *    O[row][dim] += P^T . V with dims as the vector dimension (V rows read in place).
  *    Register-blocked micro-kernels, FMA-bound.
- *  - fewer rows (decode): one dot product per (row, key), vectorised over head_dim.
+ *  - fewer rows (decode): dot products vectorised over head_dim, a few rows of one kv head
+ *    at a time (its query heads) sharing every K/V row they load.
  *
  * Arithmetic is float32 throughout; bfloat16 K/V/Q are widened on load and the output is
  * rounded to nearest even. Scores are kept in base 2 (scale * log2(e) folded into Q).
@@ -102,8 +103,9 @@ static inline const char *key_addr(const AttnParams *p, const Operands *ops, con
     return ops->kv + row * (int64_t)elem_size(p);
 }
 
-/* Point krow/vrow at the chunk's keys [kc, kc + n), widening bf16 rows into kf/vf_, and
- * prefetch the keys [kc + n, next_end) of the next chunk.
+/* Point krow/vrow at the chunk's keys [kc, kc + n), widening bf16 rows into kf/vf_ (with
+ * `dot`, khrow/vhrow at the bf16 rows in place instead), and prefetch the keys
+ * [kc + n, next_end) of the next chunk.
  *
  * NOTE: rows of one kv head are scattered (a block's rows are num_kv_heads * head_dim apart,
  * blocks anywhere), so without prefetching the tile loops stall on every block's first
@@ -136,14 +138,6 @@ static void chunk_rows(const AttnParams *p, const Operands *ops, const int32_t *
             }
         }
     }
-#if HAVE_BF16_DOT
-    if (dot)
-        for (int i = 0; 2 * i < n; i++) {
-            const uint16_t *v0 = w->vhrow[2 * i];
-            const uint16_t *v1 = 2 * i + 1 < n ? w->vhrow[2 * i + 1] : (const uint16_t *)ZERO_ROW;
-            for (int d = 0; d < D; d += VL) *(vpair *)(w->vp + (int64_t)i * D + d) = interleave_bf16(v0 + d, v1 + d);
-        }
-#endif
     for (int64_t a = kc + n; a < next_end;) {
         const char *k = key_addr(p, ops, table, a, kv_head);
         int64_t left_in_block = bs - (a & (bs - 1));
@@ -156,6 +150,18 @@ static void chunk_rows(const AttnParams *p, const Operands *ops, const int32_t *
     }
 }
 
+#if HAVE_BF16_DOT
+/* The chunk's V rows (vhrow, n of them) as pairs vp [key / 2][dim] (rows 2i and 2i + 1
+ * interleaved, a zero row after an odd last one), for the tile products. */
+static void pack_value_pairs(Work *w, int n, int D) {
+    for (int i = 0; 2 * i < n; i++) {
+        const uint16_t *v0 = w->vhrow[2 * i];
+        const uint16_t *v1 = 2 * i + 1 < n ? w->vhrow[2 * i + 1] : (const uint16_t *)ZERO_ROW;
+        for (int d = 0; d < D; d += VL) *(vpair *)(w->vp + (int64_t)i * D + d) = interleave_bf16(v0 + d, v1 + d);
+    }
+}
+#endif
+
 /* Read keys [a, end) of every kv head (K and V) once, in address order: each block's rows of
  * those keys are two contiguous spans, which the hardware prefetchers stream.
  *
@@ -164,7 +170,9 @@ static void chunk_rows(const AttnParams *p, const Operands *ops, const int32_t *
  * where whole spans stream at 30; prefetching the next chunk, sequentially or per head,
  * changed nothing. Decodes of 32 sequences over 300 tokens, 30 layers' blocks scattered
  * through a 2.9 GB cache: 19.0 -> 17.2 ms bf16, 28.0 -> 24.2 ms float32. With a layer's
- * K/V already in cache the extra pass costs about 10%. */
+ * K/V already in cache the extra pass costs about 10%. Prefetching the next block's spans
+ * while reading this one's (a stream that jumps between blocks) took the same decodes
+ * from 12.6-12.7 to 12.0-12.1 ms bf16. */
 static void touch_keys(const AttnParams *p, const Operands *ops, const int32_t *table, int64_t a, int64_t end) {
     const int64_t es = (int64_t)elem_size(p), token_bytes = (int64_t)p->num_kv_heads * p->head_dim * es;
     const int64_t v_off = p->kv_offset * es;
@@ -173,11 +181,15 @@ static void touch_keys(const AttnParams *p, const Operands *ops, const int32_t *
         const char *k = key_addr(p, ops, table, a, 0);
         const int64_t left_in_block = p->block_size - (a & (p->block_size - 1));
         const int64_t run = left_in_block < end - a ? left_in_block : end - a;
-        for (int64_t b = 0; b < run * token_bytes; b += 64)
+        const char *next = a + run < end ? key_addr(p, ops, table, a + run, 0) : k;
+        for (int64_t b = 0; b < run * token_bytes; b += 64) {
+            __builtin_prefetch(next + b, 0, 3);
+            __builtin_prefetch(next + v_off + b, 0, 3);
             seen |= *(const viu *)(k + b) | *(const viu *)(k + v_off + b);
+        }
         a += run;
     }
-    __asm__ volatile("" : : "m"(seen)); /* the loads must happen */
+    __asm__ volatile("" : : "v"(seen)); /* the loads must happen */
 }
 
 /* Query row r of the tile: token t0 + r / group, head kv_head * group + r % group. */
@@ -395,6 +407,9 @@ static void run_tile(const AttnParams *p, const Operands *ops, const Item *it, W
         int npad = (n + RBK - 1) / RBK * RBK;
         int64_t next_end = kc + n + KC < it->k1 ? kc + n + KC : it->k1;
         chunk_rows(p, ops, table, it->kv_head, kc, n, next_end, dot, w);
+#if HAVE_BF16_DOT
+        if (dot) pack_value_pairs(w, n, D);
+#endif
         for (int j = n; j < npad; j++) {
             w->krow[j] = ZERO_ROW;
             if (dot) w->khrow[j] = (const uint16_t *)ZERO_ROW;
@@ -729,8 +744,8 @@ static inline float row_softmax(Work *w, int r, float *s, int allowed, int npad)
     return alpha[0];
 }
 
-/* out[i] = sum of the lanes of acc[i], for 8 accumulators. */
-static inline void reduce8(const vf *acc, float *out) {
+/* out[i] = scale * the sum of the lanes of acc[i], for 8 accumulators. */
+static inline void reduce8(const vf *acc, float scale, float *out) {
 #if defined(__AVX2__)
     __m256 h[8];
     for (int i = 0; i < 8; i++) {
@@ -746,89 +761,135 @@ static inline void reduce8(const vf *acc, float *out) {
     __m256 t2 = _mm256_hadd_ps(h[4], h[5]), t3 = _mm256_hadd_ps(h[6], h[7]);
     __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
     __m256 sum = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-    _mm256_storeu_ps(out, sum);
+    _mm256_storeu_ps(out, _mm256_mul_ps(sum, _mm256_set1_ps(scale)));
 #else
-    for (int i = 0; i < 8; i++) out[i] = hsum(acc[i]);
+    for (int i = 0; i < 8; i++) out[i] = scale * hsum(acc[i]);
 #endif
 }
 
-/* One row's scores over keys [0, n): s[j] = q . k_j, 8 keys per pass. */
-static inline void row_scores(const float *q, const float *const *krow, int n, int D, float *s) {
-    int j0 = 0;
-    for (; j0 + 8 <= n; j0 += 8) {
-        vf acc[8];
-        for (int jj = 0; jj < 8; jj++) acc[jj] = splat(0.0f);
+/* Decode rows share their kv head's K/V: a few rows at a time, each K or V row is loaded
+ * once for all of them (AVX2 has 16 vector registers, AVX-512 32).
+ *
+ * NOTE: row by row, with V copied into pairs per chunk first, the products cost as much
+ * as the reads. 32 decodes over 300 tokens, every layer of a 30-layer cache (2 EPYC
+ * cores, `kernels.bench_cpu_attention --every-layer`): 17.2-17.6 -> 12.5-12.6 ms bf16,
+ * 26.3-26.7 -> 19.9-21.1 ms float32. */
+#if VL == 16
+#define SCORE_ROWS 3
+#define VALUE_ROWS 4
+#else
+#define SCORE_ROWS 1
+#define VALUE_ROWS 2
+#endif
+#define FORCE_INLINE inline __attribute__((always_inline))
+
+/* Scores of R rows q [R][D] over keys [0, n) (krow padded with zero rows to a multiple of 8):
+ * s[r * KC + j] = q_r . k_j, 8 keys per pass. Q is scaled already. */
+static FORCE_INLINE void rows_scores(int R, const float *q, const float *const *krow, int n, int D, float *s) {
+    for (int j0 = 0; j0 < n; j0 += 8) {
+        vf acc[SCORE_ROWS][8];
+        for (int r = 0; r < R; r++)
+            for (int jj = 0; jj < 8; jj++) acc[r][jj] = splat(0.0f);
         for (int d = 0; d < D; d += VL) {
-            vf qd = loadu(q + d);
-            for (int jj = 0; jj < 8; jj++) acc[jj] += qd * loadu(krow[j0 + jj] + d);
+            vf qd[SCORE_ROWS];
+            for (int r = 0; r < R; r++) qd[r] = loadu(q + (int64_t)r * D + d);
+            for (int jj = 0; jj < 8; jj++) {
+                const vf k = loadu(krow[j0 + jj] + d);
+                for (int r = 0; r < R; r++) acc[r][jj] += qd[r] * k;
+            }
         }
-        reduce8(acc, s + j0);
-    }
-    for (; j0 < n; j0++) {
-        vf acc = splat(0.0f);
-        for (int d = 0; d < D; d += VL) acc += loadu(q + d) * loadu(krow[j0] + d);
-        s[j0] = hsum(acc);
+        for (int r = 0; r < R; r++) reduce8(acc[r], 1.0f, s + (int64_t)r * KC + j0);
     }
 }
 
-/* o[0:D] += sum_j p[j] * v_j, the row held in registers 8 vectors at a time. */
-static inline void row_values(const float *p, const float *const *vrow, int n, int D, float *o) {
-    for (int d0 = 0; d0 < D; d0 += 8 * VL) {
-        int nv = (D - d0) / VL < 8 ? (D - d0) / VL : 8;
-        vf acc[8];
-        for (int v = 0; v < 8; v++) acc[v] = v < nv ? loadu(o + d0 + v * VL) : splat(0.0f);
-        if (nv == 8) {
-            for (int j = 0; j < n; j++) {
-                vf pj = splat(p[j]);
-                for (int v = 0; v < 8; v++) acc[v] += pj * loadu(vrow[j] + d0 + v * VL);
-            }
-        } else {
-            for (int j = 0; j < n; j++) {
-                vf pj = splat(p[j]);
-                for (int v = 0; v < nv; v++) acc[v] += pj * loadu(vrow[j] + d0 + v * VL);
-            }
+/* o_r[0:D] += sum_j p_r[j] * v_j for R rows (p [R][KC], o [R][D]), each V row loaded once,
+ * NVEC vectors of dims per pass. */
+static FORCE_INLINE void rows_values_pass(int R, int NVEC, const float *p, const float *const *vrow, int n, int d0,
+                                          int D, float *o) {
+    vf acc[VALUE_ROWS][4];
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < NVEC; v++) acc[r][v] = loadu(o + (int64_t)r * D + d0 + v * VL);
+    for (int j = 0; j < n; j++) {
+        vf x[4];
+        for (int v = 0; v < NVEC; v++) x[v] = loadu(vrow[j] + d0 + v * VL);
+        for (int r = 0; r < R; r++) {
+            const vf pj = splat(p[(int64_t)r * KC + j]);
+            for (int v = 0; v < NVEC; v++) acc[r][v] += pj * x[v];
         }
-        for (int v = 0; v < nv; v++) storeu(o + d0 + v * VL, acc[v]);
     }
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < NVEC; v++) storeu(o + (int64_t)r * D + d0 + v * VL, acc[r][v]);
+}
+
+static FORCE_INLINE void rows_values(int R, const float *p, const float *const *vrow, int n, int D, float *o) {
+    int d0 = 0;
+    for (; d0 + 4 * VL <= D; d0 += 4 * VL) rows_values_pass(R, 4, p, vrow, n, d0, D, o);
+    for (; d0 < D; d0 += 2 * VL) rows_values_pass(R, 2, p, vrow, n, d0, D, o); /* D is a multiple of 2 * VL */
 }
 
 #if HAVE_BF16_DOT
-/* row_scores from bf16 rows in place, by pair products: s[j] = scale * q . k_j. */
-static inline void row_scores_dot(const uint16_t *q, const uint16_t *const *krow, int n, int D, float scale,
-                                  float *s) {
-    int j0 = 0;
-    for (; j0 + 8 <= n; j0 += 8) {
-        vf acc[8];
-        for (int jj = 0; jj < 8; jj++) acc[jj] = splat(0.0f);
+/* rows_scores from bf16 rows in place by pair products: s[r * KC + j] = scale * q_r . k_j. */
+static FORCE_INLINE void rows_scores_dot(int R, const uint16_t *q, const uint16_t *const *krow, int n, int D,
+                                         float scale, float *s) {
+    for (int j0 = 0; j0 < n; j0 += 8) {
+        __m512 acc[SCORE_ROWS][8];
+        for (int r = 0; r < R; r++)
+            for (int jj = 0; jj < 8; jj++) acc[r][jj] = _mm512_setzero_ps();
         for (int d = 0; d < D; d += 2 * VL) {
-            __m512bh qd = (__m512bh)_mm512_loadu_si512(q + d);
-            for (int jj = 0; jj < 8; jj++)
-                acc[jj] = (vf)_mm512_dpbf16_ps((__m512)acc[jj], qd, (__m512bh)_mm512_loadu_si512(krow[j0 + jj] + d));
+            __m512bh qd[SCORE_ROWS];
+            for (int r = 0; r < R; r++) qd[r] = (__m512bh)_mm512_loadu_si512(q + (int64_t)r * D + d);
+            for (int jj = 0; jj < 8; jj++) {
+                const __m512bh k = (__m512bh)_mm512_loadu_si512(krow[j0 + jj] + d);
+                for (int r = 0; r < R; r++) acc[r][jj] = _mm512_dpbf16_ps(acc[r][jj], qd[r], k);
+            }
         }
-        reduce8(acc, s + j0);
-        for (int jj = 0; jj < 8; jj++) s[j0 + jj] *= scale;
-    }
-    for (; j0 < n; j0++) {
-        vf acc = splat(0.0f);
-        for (int d = 0; d < D; d += 2 * VL)
-            acc = (vf)_mm512_dpbf16_ps((__m512)acc, (__m512bh)_mm512_loadu_si512(q + d),
-                                       (__m512bh)_mm512_loadu_si512(krow[j0] + d));
-        s[j0] = scale * hsum(acc);
+        for (int r = 0; r < R; r++) reduce8((const vf *)acc[r], scale, s + (int64_t)r * KC + j0);
     }
 }
 
-/* row_values with the probabilities as bf16 pairs pb and V as pairs vp [pairs][D]. */
-static inline void row_values_dot(const uint32_t *pb, const uint32_t *vp, int pairs, int D, float *o) {
-    for (int d0 = 0; d0 < D; d0 += 4 * VL) {
-        int nv = (D - d0) / VL < 4 ? (D - d0) / VL : 4;
-        __m512 acc[4];
-        for (int v = 0; v < 4; v++) acc[v] = v < nv ? (__m512)loadu(o + d0 + v * VL) : _mm512_setzero_ps();
-        for (int i = 0; i < pairs; i++) {
-            __m512bh a = (__m512bh)_mm512_set1_epi32((int)pb[i]);
-            for (int v = 0; v < nv; v++)
-                acc[v] = _mm512_dpbf16_ps(acc[v], a, as_pairs(load_pairs(vp + (int64_t)i * D + d0 + v * VL)));
+/* O += P . V for R rows from bf16 probability pairs pb [R][KC / 2] and V rows in place:
+ * each pair of V rows is interleaved in registers once for all R rows (vpunpck{l,h}wd),
+ * G 32-dim groups per pass. The interleave works within 128-bit lanes, so o holds each
+ * group's dims in unpack order (see unpack_order). */
+static FORCE_INLINE void rows_values_dot_pass(int R, int G, const uint32_t *pb, const uint16_t *const *vrow,
+                                              int pairs, int d0, int D, float *o) {
+    __m512 acc[VALUE_ROWS][4];
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < 2 * G; t++) acc[r][t] = _mm512_loadu_ps(o + (int64_t)r * D + d0 + t * VL);
+    for (int i = 0; i < pairs; i++) {
+        __m512bh v[4];
+        for (int g = 0; g < G; g++) {
+            const __m512i a = _mm512_loadu_si512(vrow[2 * i] + d0 + 32 * g);
+            const __m512i b = _mm512_loadu_si512(vrow[2 * i + 1] + d0 + 32 * g);
+            v[2 * g] = (__m512bh)_mm512_unpacklo_epi16(a, b);
+            v[2 * g + 1] = (__m512bh)_mm512_unpackhi_epi16(a, b);
         }
-        for (int v = 0; v < nv; v++) storeu(o + d0 + v * VL, (vf)acc[v]);
+        for (int r = 0; r < R; r++) {
+            const __m512bh pr = (__m512bh)_mm512_set1_epi32((int)pb[(int64_t)r * (KC / 2) + i]);
+            for (int t = 0; t < 2 * G; t++) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], pr, v[t]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < 2 * G; t++) _mm512_storeu_ps(o + (int64_t)r * D + d0 + t * VL, acc[r][t]);
+}
+
+static FORCE_INLINE void rows_values_dot(int R, const uint32_t *pb, const uint16_t *const *vrow, int pairs, int D,
+                                         float *o) {
+    int d0 = 0;
+    for (; d0 + 64 <= D; d0 += 64) rows_values_dot_pass(R, 2, pb, vrow, pairs, d0, D, o);
+    for (; d0 < D; d0 += 32) rows_values_dot_pass(R, 1, pb, vrow, pairs, d0, D, o); /* D is a multiple of 32 */
+}
+
+/* Put a row's dims back in order after rows_values_dot: in each group of 32, value k of
+ * the low half is dim (k / 4) * 8 + k % 4, of the high half 4 further. */
+static void unpack_order(float *o, int D) {
+    float group[32];
+    for (int g = 0; g < D; g += 32) {
+        for (int k = 0; k < 16; k++) {
+            group[(k / 4) * 8 + k % 4] = o[g + k];
+            group[(k / 4) * 8 + 4 + k % 4] = o[g + 16 + k];
+        }
+        memcpy(o + g, group, sizeof(group));
     }
 }
 #endif
@@ -849,12 +910,71 @@ static inline SmallItem small_item(const AttnParams *p, const Item *it) {
                        p->block_tables + (int64_t)it->seq * p->table_stride, p->scale * LOG2E};
 }
 
+/* One kv head's rows [r0, r0 + count) over a chunk of n keys (krow/vrow or khrow/vhrow set):
+ * scores, online softmax, then O += P . V, a few rows at a time. */
+static void small_head_chunk(const SmallItem *si, Work *w, int64_t kc, int n, int r0, int count, int dot) {
+    const int D = si->D, npad = (n + VL - 1) / VL * VL;
+    for (int j = n; j < (n + 7) / 8 * 8 + 1; j++) { /* zero rows: 8-key passes, V pairs */
+        w->krow[j] = w->vrow[j] = ZERO_ROW;
+        w->khrow[j] = w->vhrow[j] = (const uint16_t *)ZERO_ROW;
+    }
+    for (int r = r0; r < r0 + count;) {
+        const int R = r0 + count - r < SCORE_ROWS ? r0 + count - r : SCORE_ROWS;
+        float *s = w->st + (int64_t)r * KC;
+#if HAVE_BF16_DOT
+        if (dot) {
+            const uint16_t *q = (const uint16_t *)w->qp + (int64_t)r * D;
+            if (R == 3) rows_scores_dot(3, q, w->khrow, n, D, si->qscale, s);
+            else if (R == 2) rows_scores_dot(2, q, w->khrow, n, D, si->qscale, s);
+            else rows_scores_dot(1, q, w->khrow, n, D, si->qscale, s);
+        } else
+#endif
+        {
+            const float *q = w->qt + (int64_t)r * D;
+            if (R == 3) rows_scores(3, q, w->krow, n, D, s);
+            else if (R == 2) rows_scores(2, q, w->krow, n, D, s);
+            else rows_scores(1, q, w->krow, n, D, s);
+        }
+        r += R;
+    }
+    for (int r = r0; r < r0 + count; r++) {
+        float *s = w->st + (int64_t)r * KC, *o = w->o + (int64_t)r * D;
+        const float a = row_softmax(w, r, s, visible(w, kc, n, r), npad);
+        if (a != 1.0f)
+            for (int d = 0; d < D; d += VL) storeu(o + d, loadu(o + d) * a);
+#if HAVE_BF16_DOT
+        /* NOTE: adjacent probabilities rounded to bf16 are the pairs P . V needs. */
+        if (dot)
+            for (int j = 0; j < npad; j += VL) store_bf16((uint16_t *)w->pp + (int64_t)r * KC + j, loadu(s + j));
+#endif
+    }
+    for (int r = r0; r < r0 + count;) {
+        const int R = r0 + count - r < VALUE_ROWS ? r0 + count - r : VALUE_ROWS;
+        float *o = w->o + (int64_t)r * D;
+#if HAVE_BF16_DOT
+        if (dot) {
+            const uint32_t *pb = w->pp + (int64_t)r * (KC / 2);
+            const int pairs = (n + 1) / 2;
+            if (R == 4) rows_values_dot(4, pb, w->vhrow, pairs, D, o);
+            else if (R == 3) rows_values_dot(3, pb, w->vhrow, pairs, D, o);
+            else if (R == 2) rows_values_dot(2, pb, w->vhrow, pairs, D, o);
+            else rows_values_dot(1, pb, w->vhrow, pairs, D, o);
+        } else
+#endif
+        {
+            const float *p = w->st + (int64_t)r * KC;
+            if (R == 4) rows_values(4, p, w->vrow, n, D, o);
+            else if (R == 3) rows_values(3, p, w->vrow, n, D, o);
+            else if (R == 2) rows_values(2, p, w->vrow, n, D, o);
+            else rows_values(1, p, w->vrow, n, D, o);
+        }
+        r += R;
+    }
+}
+
 static void run_small(const AttnParams *p, const Operands *ops, const Item *it, Work *w, int rows) {
     const SmallItem si = small_item(p, it);
     const int D = si.D, group = si.group, per_head = si.per_head;
-    const int64_t context = si.context;
-    const int32_t *table = si.table;
-    const float qscale = si.qscale;
     const int dot = HAVE_BF16_DOT && p->is_bf16;
     uint16_t *qh = (uint16_t *)w->qp; /* bf16 dot: Q rows as they are */
 
@@ -866,47 +986,28 @@ static void run_small(const AttnParams *p, const Operands *ops, const Item *it, 
             memcpy(qh + (int64_t)r * D, (const uint16_t *)ops->q + token * ops->q_token_stride + (int64_t)head * D,
                    sizeof(uint16_t) * (size_t)D);
         else
-            for (int d = 0; d < D; d++) w->qt[(int64_t)r * D + d] = qscale * query_value(p, ops, token, head, d);
-        w->lim[r] = (int32_t)(context + it->t0 + (r % per_head) / group);
+            for (int d = 0; d < D; d++) w->qt[(int64_t)r * D + d] = si.qscale * query_value(p, ops, token, head, d);
+        w->lim[r] = (int32_t)(si.context + it->t0 + (r % per_head) / group);
         w->m[r] = -INFINITY;
         w->l[r] = 0.0f;
     }
     memset(w->o, 0, sizeof(float) * (size_t)rows * D);
 
     for (int64_t kc = it->k0; kc < it->k1; kc += KC) {
-        int n = (int)(it->k1 - kc < KC ? it->k1 - kc : KC);
-        int npad = (n + VL - 1) / VL * VL;
-        int64_t next_end = kc + n + KC < it->k1 ? kc + n + KC : it->k1;
+        const int n = (int)(it->k1 - kc < KC ? it->k1 - kc : KC);
         /* NOTE: all kv heads of a decode in one item: a chunk's blocks are read whole (each
          * token's K row of every head is one contiguous span) instead of a third at a time
          * by three items far apart in time. */
-        if (it->kv_heads == p->num_kv_heads) touch_keys(p, ops, table, kc, kc + n);
+        if (it->kv_heads == p->num_kv_heads) touch_keys(p, ops, si.table, kc, kc + n);
         for (int h = 0; h < it->kv_heads; h++) {
-            chunk_rows(p, ops, table, it->kv_head + h, kc, n, next_end, dot, w);
-            for (int r = h * per_head; r < (h + 1) * per_head; r++) {
-                float *s = w->st + (int64_t)r * KC;
-#if HAVE_BF16_DOT
-                if (dot) row_scores_dot(qh + (int64_t)r * D, w->khrow, n, D, qscale, s);
-                else
-#endif
-                    row_scores(w->qt + (int64_t)r * D, w->krow, n, D, s);
-                const float a = row_softmax(w, r, s, visible(w, kc, n, r), npad);
-                float *o = w->o + (int64_t)r * D;
-                if (a != 1.0f)
-                    for (int d = 0; d < D; d += VL) storeu(o + d, loadu(o + d) * a);
-#if HAVE_BF16_DOT
-                if (dot) {
-                    /* NOTE: adjacent probabilities rounded to bf16 are the pairs P . V needs. */
-                    uint16_t *pb = (uint16_t *)w->pp;
-                    for (int j = 0; j < npad; j += VL) store_bf16(pb + j, loadu(s + j));
-                    row_values_dot((const uint32_t *)pb, w->vp, (n + 1) / 2, D, o);
-                    continue;
-                }
-#endif
-                row_values(s, w->vrow, n, D, o);
-            }
+            chunk_rows(p, ops, si.table, it->kv_head + h, kc, n, kc + n, dot, w);
+            small_head_chunk(&si, w, kc, n, h * per_head, per_head, dot);
         }
     }
+#if HAVE_BF16_DOT
+    if (dot)
+        for (int r = 0; r < rows; r++) unpack_order(w->o + (int64_t)r * D, D);
+#endif
 }
 
 #if HAVE_AMX
@@ -950,6 +1051,7 @@ static void run_small_amx(const AttnParams *p, const Operands *ops, const Item *
              * keep up with these short passes over whole blocks, and the prefetches only
              * queued behind them (decodes 32 x 300 took 0.38 ms a layer with, 0.32 without). */
             chunk_rows(p, ops, si.table, it->kv_head + h, kc, n, kc + n, 1, w);
+            pack_value_pairs(w, n, D);
             /* NOTE: pairs past the chunk meet probabilities 0, but 0 * NaN is NaN: zero them. */
             for (int i = (n + 1) / 2; i < kpad / 2; i++) memset(w->vp + (int64_t)i * D, 0, sizeof(uint32_t) * (size_t)D);
             const uint32_t *qh = w->qh + (int64_t)h * (D / 2) * 16;

@@ -101,7 +101,7 @@ def run_both(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim"),
-    [(9, 3, 64), (8, 2, 128), (4, 4, 64), (16, 2, 64), (7, 1, 32)],
+    [(9, 3, 64), (8, 2, 128), (4, 4, 64), (16, 2, 64), (7, 1, 32), (6, 2, 96)],
 )
 def test_mixed_batch_matches_reference(
     native: bool, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int
