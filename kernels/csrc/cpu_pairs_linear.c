@@ -44,13 +44,16 @@ static inline __attribute__((always_inline)) void pair_tile(const int R, int64_t
         }
     }
     for (int i = 0; i < R; i++) {
+        /* NOTE: a whole panel is stored in place; a call to memcpy per row and panel was 4%
+         * of a 32-sequence decode step. */
         uint16_t rounded[PAIR_PANEL];
+        uint16_t *dst = nb == PAIR_PANEL ? out + i * ldo : rounded;
         for (int v = 0; v < PAIR_PANEL_VECTORS; v++) {
             vf sum = (vf)acc[i][v];
             if (bias != NULL) sum += loadu(bias + v * VL);
-            store_bf16(rounded + v * VL, sum);
+            store_bf16(dst + v * VL, sum);
         }
-        memcpy(out + i * ldo, rounded, sizeof(uint16_t) * (size_t)nb);
+        if (dst == rounded) memcpy(out + i * ldo, rounded, sizeof(uint16_t) * (size_t)nb);
     }
 }
 
