@@ -7,7 +7,7 @@ times, interleaved; GFLOP/s counts the causal attention's useful multiply-adds.
 
 By default a repeat runs one layer, whose K/V stay in cache from the last repeat. With
 ``--every-layer`` it runs every layer of the cache once, as a model step does, so K/V come
-from memory; GB/s then counts the K/V bytes read.
+from memory. GB/s counts the K/V bytes a repeat reads.
 """
 
 from __future__ import annotations

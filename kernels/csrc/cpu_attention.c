@@ -152,7 +152,7 @@ static void chunk_rows(const AttnParams *p, const Operands *ops, const int32_t *
 
 #if HAVE_BF16_DOT
 /* The chunk's V rows (vhrow, n of them) as pairs vp [key / 2][dim] (rows 2i and 2i + 1
- * interleaved, a zero row after an odd last one), for the tile products. */
+ * interleaved, a zero row after an odd last one), for the tile and AMX products. */
 static void pack_value_pairs(Work *w, int n, int D) {
     for (int i = 0; 2 * i < n; i++) {
         const uint16_t *v0 = w->vhrow[2 * i];
@@ -172,7 +172,8 @@ static void pack_value_pairs(Work *w, int n, int D) {
  * through a 2.9 GB cache: 19.0 -> 17.2 ms bf16, 28.0 -> 24.2 ms float32. With a layer's
  * K/V already in cache the extra pass costs about 10%. Prefetching the next block's spans
  * while reading this one's (a stream that jumps between blocks) took the same decodes
- * from 12.6-12.7 to 12.0-12.1 ms bf16. */
+ * from 14.1-15.9 to 13.1-13.7 ms bf16 (`kernels.bench_cpu_attention --every-layer`, two
+ * interleaved runs on a busy minute). */
 static void touch_keys(const AttnParams *p, const Operands *ops, const int32_t *table, int64_t a, int64_t end) {
     const int64_t es = (int64_t)elem_size(p), token_bytes = (int64_t)p->num_kv_heads * p->head_dim * es;
     const int64_t v_off = p->kv_offset * es;
@@ -189,7 +190,13 @@ static void touch_keys(const AttnParams *p, const Operands *ops, const int32_t *
         }
         a += run;
     }
-    __asm__ volatile("" : : "v"(seen)); /* the loads must happen */
+    /* The loads must happen; in a register where there is one wide enough (in memory, a store
+     * per line). */
+#if defined(__AVX__)
+    __asm__ volatile("" : : "v"(seen));
+#else
+    __asm__ volatile("" : : "m"(seen));
+#endif
 }
 
 /* Query row r of the tile: token t0 + r / group, head kv_head * group + r % group. */
@@ -787,11 +794,11 @@ static inline void reduce8(const vf *acc, float scale, float *out) {
  * s[r * KC + j] = q_r . k_j, 8 keys per pass. Q is scaled already. */
 static FORCE_INLINE void rows_scores(int R, const float *q, const float *const *krow, int n, int D, float *s) {
     for (int j0 = 0; j0 < n; j0 += 8) {
-        vf acc[SCORE_ROWS][8];
+        vf acc[3][8]; /* R <= SCORE_ROWS <= 3 */
         for (int r = 0; r < R; r++)
             for (int jj = 0; jj < 8; jj++) acc[r][jj] = splat(0.0f);
         for (int d = 0; d < D; d += VL) {
-            vf qd[SCORE_ROWS];
+            vf qd[3];
             for (int r = 0; r < R; r++) qd[r] = loadu(q + (int64_t)r * D + d);
             for (int jj = 0; jj < 8; jj++) {
                 const vf k = loadu(krow[j0 + jj] + d);
@@ -806,7 +813,7 @@ static FORCE_INLINE void rows_scores(int R, const float *q, const float *const *
  * NVEC vectors of dims per pass. */
 static FORCE_INLINE void rows_values_pass(int R, int NVEC, const float *p, const float *const *vrow, int n, int d0,
                                           int D, float *o) {
-    vf acc[VALUE_ROWS][4];
+    vf acc[4][4]; /* R <= VALUE_ROWS <= 4 */
     for (int r = 0; r < R; r++)
         for (int v = 0; v < NVEC; v++) acc[r][v] = loadu(o + (int64_t)r * D + d0 + v * VL);
     for (int j = 0; j < n; j++) {
@@ -832,11 +839,11 @@ static FORCE_INLINE void rows_values(int R, const float *p, const float *const *
 static FORCE_INLINE void rows_scores_dot(int R, const uint16_t *q, const uint16_t *const *krow, int n, int D,
                                          float scale, float *s) {
     for (int j0 = 0; j0 < n; j0 += 8) {
-        __m512 acc[SCORE_ROWS][8];
+        __m512 acc[3][8]; /* R <= SCORE_ROWS */
         for (int r = 0; r < R; r++)
             for (int jj = 0; jj < 8; jj++) acc[r][jj] = _mm512_setzero_ps();
         for (int d = 0; d < D; d += 2 * VL) {
-            __m512bh qd[SCORE_ROWS];
+            __m512bh qd[3];
             for (int r = 0; r < R; r++) qd[r] = (__m512bh)_mm512_loadu_si512(q + (int64_t)r * D + d);
             for (int jj = 0; jj < 8; jj++) {
                 const __m512bh k = (__m512bh)_mm512_loadu_si512(krow[j0 + jj] + d);
@@ -853,7 +860,7 @@ static FORCE_INLINE void rows_scores_dot(int R, const uint16_t *q, const uint16_
  * group's dims in unpack order (see unpack_order). */
 static FORCE_INLINE void rows_values_dot_pass(int R, int G, const uint32_t *pb, const uint16_t *const *vrow,
                                               int pairs, int d0, int D, float *o) {
-    __m512 acc[VALUE_ROWS][4];
+    __m512 acc[4][4]; /* R <= VALUE_ROWS */
     for (int r = 0; r < R; r++)
         for (int t = 0; t < 2 * G; t++) acc[r][t] = _mm512_loadu_ps(o + (int64_t)r * D + d0 + t * VL);
     for (int i = 0; i < pairs; i++) {
@@ -914,7 +921,11 @@ static inline SmallItem small_item(const AttnParams *p, const Item *it) {
  * scores, online softmax, then O += P . V, a few rows at a time. */
 static void small_head_chunk(const SmallItem *si, Work *w, int64_t kc, int n, int r0, int count, int dot) {
     const int D = si->D, npad = (n + VL - 1) / VL * VL;
-    for (int j = n; j < (n + 7) / 8 * 8 + 1; j++) { /* zero rows: 8-key passes, V pairs */
+#if !HAVE_BF16_DOT
+    (void)dot;
+#endif
+    /* Zero rows up to the 8-key passes' end (an odd n's last V pair among them). */
+    for (int j = n; j < (n + 7) / 8 * 8; j++) {
         w->krow[j] = w->vrow[j] = ZERO_ROW;
         w->khrow[j] = w->vhrow[j] = (const uint16_t *)ZERO_ROW;
     }
@@ -1000,6 +1011,9 @@ static void run_small(const AttnParams *p, const Operands *ops, const Item *it, 
          * by three items far apart in time. */
         if (it->kv_heads == p->num_kv_heads) touch_keys(p, ops, si.table, kc, kc + n);
         for (int h = 0; h < it->kv_heads; h++) {
+            /* NOTE: no prefetch of the next chunk: touch_keys reads each chunk's spans just
+             * before its products (small items hold every kv head unless a query has more
+             * rows than TILE_ROWS). */
             chunk_rows(p, ops, si.table, it->kv_head + h, kc, n, kc + n, dot, w);
             small_head_chunk(&si, w, kc, n, h * per_head, per_head, dot);
         }
@@ -1016,11 +1030,12 @@ static void run_small(const AttnParams *p, const Operands *ops, const Item *it, 
  *    are a fixed stride apart; blocks of fewer than 16 keys are copied to kb first), B holds
  *    Q^T as pairs; each row's 16 scores are gathered from the C tile.
  *  - the rows' online softmax as run_small's (keys are the vector dimension).
- *  - O += P . V: A holds the probabilities as bf16 rows, B the V pairs chunk_rows builds; O
+ *  - O += P . V: A holds the probabilities as bf16 rows, B the V pairs pack_value_pairs builds; O
  *    is kept per kv head in tile layout (oh) across chunks.
- * NOTE: decodes of 3 query rows per kv head spend most of their time in run_small's
- * per-row dot products and their horizontal sums; tiles do a 16-key block in a few
- * instructions whatever the row count. */
+ * NOTE: tiles do a 16-key block in a few instructions whatever the row count, where
+ * run_small's dot products end in horizontal sums per row and key (measured when run_small
+ * took its rows one at a time; not measured against its shared-load form, for want of an
+ * AMX CPU). */
 static void run_small_amx(const AttnParams *p, const Operands *ops, const Item *it, Work *w, int rows) {
     const SmallItem si = small_item(p, it);
     const int D = si.D, per_head = si.per_head;

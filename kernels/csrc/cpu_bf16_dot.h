@@ -1,5 +1,5 @@
 /* bf16 pair dot products (AVX-512 BF16's vdpbf16ps) for cpu_attention.c: the tile
- * micro-kernels and the pair packing its decode rows share.
+ * micro-kernels and their pair packing.
  *
  * vdpbf16ps multiplies 32 bf16 pairs and adds each pair's two products into one of 16
  * float32 lanes: twice the multiply-adds of a float32 FMA per instruction, and no widening
