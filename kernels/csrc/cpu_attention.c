@@ -929,6 +929,7 @@ static void small_head_chunk(const SmallItem *si, Work *w, int64_t kc, int n, in
         w->krow[j] = w->vrow[j] = ZERO_ROW;
         w->khrow[j] = w->vhrow[j] = (const uint16_t *)ZERO_ROW;
     }
+    /* Each call below passes R as a constant, so that the inlined row loops unroll. */
     for (int r = r0; r < r0 + count;) {
         const int R = r0 + count - r < SCORE_ROWS ? r0 + count - r : SCORE_ROWS;
         float *s = w->st + (int64_t)r * KC;
