@@ -182,10 +182,12 @@ static void touch_keys(const AttnParams *p, const Operands *ops, const int32_t *
         const char *k = key_addr(p, ops, table, a, 0);
         const int64_t left_in_block = p->block_size - (a & (p->block_size - 1));
         const int64_t run = left_in_block < end - a ? left_in_block : end - a;
-        const char *next = a + run < end ? key_addr(p, ops, table, a + run, 0) : k;
+        const char *next = a + run < end ? key_addr(p, ops, table, a + run, 0) : NULL;
         for (int64_t b = 0; b < run * token_bytes; b += 64) {
-            __builtin_prefetch(next + b, 0, 3);
-            __builtin_prefetch(next + v_off + b, 0, 3);
+            if (next != NULL) { /* the chunk's last run has none after it */
+                __builtin_prefetch(next + b, 0, 3);
+                __builtin_prefetch(next + v_off + b, 0, 3);
+            }
             seen |= *(const viu *)(k + b) | *(const viu *)(k + v_off + b);
         }
         a += run;
