@@ -1,8 +1,8 @@
 """``ragserve bench rag``: questions over 4 to 8 documents from a pool, each in a fresh
 random order: full prefill vs prefix caching vs blend at several recompute ratios (TTFT,
 prompt tokens computed, greedy answers equal to full prefill's), and blend quality against
-full prefill (teacher-forced KL over the answer, up to its end) for two selection rules, with
-bf16-vs-float32 rounding as the yardstick of noise.
+full prefill (teacher-forced KL over the answer, up to its end) for the selection rules of
+``rag_quality.py``, with bf16-vs-float32 rounding as the yardstick of noise.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 from tqdm import tqdm
 
 from ragserve.bench.common import load_transformers_model, time_request, write_json
-from ragserve.bench.rag_quality import BlendEmulator, score
+from ragserve.bench.rag_quality import RULES, BlendEmulator, score
 from ragserve.bench.rag_workload import (
     RagQuestion,
     make_pool,
@@ -35,6 +35,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-questions", type=int, default=12)
     parser.add_argument("--ratios", default="0,0.05,0.15,0.3,0.5,1", help="blend recompute ratios")
     parser.add_argument("--answer-tokens", type=int, default=16)
+    parser.add_argument(
+        "--rules",
+        default=",".join(RULES),
+        help="selection rules whose quality to measure (rag_quality.py says what each does)",
+    )
     parser.add_argument("--skip-engine", action="store_true", help="quality only")
     parser.add_argument("--skip-quality", action="store_true", help="engine timings only")
     parser.add_argument("--quality-questions", type=int, default=None, help="default: all")
@@ -96,6 +101,9 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
     from ragserve import LLM
 
     ratios = [float(r) for r in args.ratios.split(",")]
+    unknown = set(args.rules.split(",")) - set(RULES)
+    if unknown:
+        raise ValueError(f"--rules: unknown {', '.join(sorted(unknown))} (from {', '.join(RULES)})")
     low, high = (int(x) for x in args.docs_per_question.split(","))
     results: dict[str, Any] = {"workload": {k: v for k, v in vars(args).items() if k != "func"}}
     probe = LLM.from_config(dataclasses.replace(config, enable_prefix_caching=False))
@@ -193,7 +201,7 @@ def quality(
     model = load_transformers_model(directory, "auto", torch.float32, device)
     model.config._attn_implementation = "eager"  # NOTE: custom 4D masks
     emulator = BlendEmulator(model, config.block_size)
-    rules = ("leading", "deviation")
+    rules = [rule for rule in args.rules.split(",") if rule]
     # NOTE: one step per forward pass: the references, each (rule, ratio) pass, the bf16 ones
     bar = tqdm(total=len(questions) * (2 + len(rules) * len(ratios)), desc="blend quality")
     refs = []
@@ -255,15 +263,17 @@ def plot(quality: dict[str, Any], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    for rule, marker in (("leading", "o"), ("deviation", "s")):
+    for rule, marker in zip(RULES, "osD^", strict=True):
         points = sorted(
             (v["ratio"], v["kl"], v["exact_match"])
             for v in quality.values()
             if isinstance(v, dict) and v.get("rule") == rule
         )
+        if not points:
+            continue
         ratios = [p[0] for p in points]
-        left.plot(ratios, [p[1] for p in points], marker=marker, label=f"{rule} run")
-        right.plot(ratios, [p[2] for p in points], marker=marker, label=f"{rule} run")
+        left.plot(ratios, [p[1] for p in points], marker=marker, label=rule)
+        right.plot(ratios, [p[2] for p in points], marker=marker, label=rule)
     bf16 = quality["bf16 full prefill"]
     left.axhline(bf16["kl"], linestyle="--", color="gray", label="bf16 vs float32")
     right.axhline(bf16["exact_match"], linestyle="--", color="gray", label="bf16 vs float32")

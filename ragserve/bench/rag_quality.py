@@ -12,9 +12,17 @@ scored tokens the model was made to write after it had finished: there the refer
 itself is no greedy choice, and near-uniform distributions swamp the KL.)
 
 Selection rules compared at the same token budget (``ceil(r * len)`` per blended document):
-``leading`` recomputes each document's first tokens (what the engine does: it keeps
-positions monotonic); ``deviation`` recomputes the tokens whose layer-1 KV deviates most
-from the full-context KV (CacheBlend's rule; one layer over every token to compute).
+
+- ``leading``: each document's first tokens (what the engine does: positions stay
+  monotonic, so the recompute runs as ordinary prefill chunks);
+- ``deviation``: the tokens whose layer-1 KV deviates most from the full-context KV
+  (CacheBlend's rule; one layer over every token to compute);
+- ``attention``: the tokens the question attends to most when nothing is recomputed
+  (summed over layers, heads and question tokens): what the answer reads;
+- ``bound``: the tokens whose KV deviates most from the full prefill's over every layer.
+  It needs the full prefill's KV, so no engine can use it: it shows how far choosing
+  tokens alone can go at a budget.
+
 Segments store only full blocks: a document's last partial block is always recomputed.
 """
 
@@ -27,6 +35,8 @@ from typing import Any
 import torch
 
 from ragserve.bench.rag_workload import RagQuestion
+
+RULES = ("leading", "deviation", "attention", "bound")
 
 
 @dataclass
@@ -113,6 +123,8 @@ class BlendEmulator:
         self, question: RagQuestion, ratio: float, rule: str, reference: Reference
     ) -> set[int]:
         """Positions (among the candidates) recomputed at ``ratio`` by ``rule``."""
+        if rule not in RULES:
+            raise ValueError(f"unknown selection rule {rule!r} (choose from {', '.join(RULES)})")
         per_doc = self.candidates(question)
         budgets = [
             min(len(c), math.ceil(ratio * (end - start)))
@@ -120,20 +132,45 @@ class BlendEmulator:
         ]
         if rule == "leading":
             return {p for c, k in zip(per_doc, budgets, strict=True) for p in c[:k]}
-        blended_k, blended_v = self._blended_layer(question, 1)
-        deviation = (reference.keys[1] - blended_k).pow(2).sum(dim=(0, 2)) + (
-            reference.values[1] - blended_v
-        ).pow(2).sum(dim=(0, 2))
         flat = [p for c in per_doc for p in c]
-        if not flat:
+        if not flat or not sum(budgets):
             return set()
-        scores = deviation[torch.tensor(flat, device=deviation.device)]
-        top = torch.topk(scores, sum(budgets)).indices.tolist()
-        return {flat[i] for i in top}
+        scores = self._scores(question, rule, reference)
+        top = torch.topk(scores[torch.tensor(flat, device=scores.device)], sum(budgets))
+        return {flat[i] for i in top.indices.tolist()}
 
-    def _blended_layer(self, question: RagQuestion, layer: int) -> tuple[torch.Tensor, ...]:
-        keys, values = self._blended_kv(question, [layer])
-        return keys[0], values[0]
+    def _scores(self, question: RagQuestion, rule: str, reference: Reference) -> torch.Tensor:
+        """Per prompt position: how much recomputing it is worth under ``rule``."""
+        if rule == "deviation":
+            return self._deviation(question, reference, [1])
+        if rule == "bound":
+            return self._deviation(question, reference, list(range(self._layers)))
+        return self._question_attention(question, reference)
+
+    def _deviation(
+        self, question: RagQuestion, reference: Reference, layers: list[int]
+    ) -> torch.Tensor:
+        """Squared distance of blended from full-prefill KV, each layer scaled by its mean
+        squared norm so that no layer's magnitude dominates the sum."""
+        keys, values = self._blended_kv(question, layers)
+        total = torch.zeros(len(question.token_ids), device=self.device)
+        for layer, k, v in zip(layers, keys, values, strict=True):
+            ref_k, ref_v = reference.keys[layer], reference.values[layer]
+            scale = (ref_k.pow(2) + ref_v.pow(2)).sum(dim=(0, 2)).mean()
+            total += ((ref_k - k).pow(2) + (ref_v - v).pow(2)).sum(dim=(0, 2)) / scale
+        return total
+
+    @torch.inference_mode()
+    def _question_attention(self, question: RagQuestion, reference: Reference) -> torch.Tensor:
+        """Attention of the question's tokens to each earlier position, every document's
+        KV reused as it is (``r = 0``)."""
+        ids = question.token_ids
+        end = question.spans[-1][1]
+        out = self._forward_over(
+            question, list(range(end, len(ids))), set(range(end)), reference, attend=True
+        )
+        weights = torch.stack([a[0].sum(dim=(0, 1)) for a in out.attentions]).sum(dim=0)
+        return weights[: len(ids)]
 
     def _blended_kv(
         self, question: RagQuestion, layers: list[int], reference: Reference | None = None
@@ -182,39 +219,60 @@ class BlendEmulator:
         self, question: RagQuestion, selected: set[int], reference: Reference
     ) -> torch.Tensor:
         """Teacher-forced logprobs of the reference answer under blended KV."""
-        ids = question.token_ids
-        n = len(ids)
-        served = {p for c in self.candidates(question) for p in c} - selected
+        n = len(question.token_ids)
         lead = question.spans[1][0]
+        served = {p for c in self.candidates(question) for p in c} - selected
         recompute = [p for p in range(lead, n) if p not in served]
-        layers = list(range(self.model.config.num_hidden_layers))
-        keys, values = self._blended_kv(question, layers, reference)
-        from transformers import DynamicCache
-
-        cache = DynamicCache()
-        for layer in layers:
-            cache.update(keys[layer][None], values[layer][None], layer)
-        positions = recompute + list(range(n, n + len(reference.answer) - 1))
-        new_ids = [ids[p] for p in recompute] + reference.answer[:-1]
-        dev = self.device
-        pos = torch.tensor(positions, device=dev)
-        valid_past = torch.zeros(n, dtype=torch.bool, device=dev)
-        valid_past[:lead] = True
-        valid_past[torch.tensor(sorted(served), dtype=torch.int64, device=dev)] = True
-        allowed_past = valid_past[None, :] & (torch.arange(n, device=dev)[None, :] < pos[:, None])
-        allowed_new = pos[None, :] <= pos[:, None]
-        allowed = torch.cat([allowed_past, allowed_new], dim=1)
-        mask = torch.zeros(allowed.shape, dtype=self.model.dtype, device=dev)
-        mask[~allowed] = torch.finfo(self.model.dtype).min
-        out = self.model(
-            input_ids=torch.tensor([new_ids], device=dev),
-            position_ids=pos[None],
-            attention_mask=mask[None, None],
-            past_key_values=cache,
-            use_cache=True,
+        out = self._forward_over(
+            question, recompute, served | set(range(lead)), reference, reference.answer[:-1]
         )
         first = len(recompute) - 1
         return torch.log_softmax(out.logits[0, first:].float(), dim=-1)
+
+    def _forward_over(
+        self,
+        question: RagQuestion,
+        recompute: list[int],
+        served: set[int],
+        reference: Reference,
+        answer: list[int] | tuple[int, ...] = (),
+        attend: bool = False,
+    ) -> Any:
+        """One forward pass over the prompt's tokens at ``recompute`` and then ``answer``
+        (past the prompt), attending to the blended KV of the ``served`` positions: exact
+        before the second document, rotated segments after it."""
+        from transformers import DynamicCache
+
+        ids = question.token_ids
+        n = len(ids)
+        layers = list(range(self._layers))
+        keys, values = self._blended_kv(question, layers, reference)
+        cache = DynamicCache()
+        for layer in layers:
+            cache.update(keys[layer][None], values[layer][None], layer)
+        dev = self.device
+        positions = torch.tensor(recompute + list(range(n, n + len(answer))), device=dev)
+        valid_past = torch.zeros(n, dtype=torch.bool, device=dev)
+        valid_past[torch.tensor(sorted(served), dtype=torch.int64, device=dev)] = True
+        allowed_past = valid_past[None, :] & (
+            torch.arange(n, device=dev)[None, :] < positions[:, None]
+        )
+        allowed_new = positions[None, :] <= positions[:, None]
+        allowed = torch.cat([allowed_past, allowed_new], dim=1)
+        mask = torch.zeros(allowed.shape, dtype=self.model.dtype, device=dev)
+        mask[~allowed] = torch.finfo(self.model.dtype).min
+        return self.model(
+            input_ids=torch.tensor([[ids[p] for p in recompute] + list(answer)], device=dev),
+            position_ids=positions[None],
+            attention_mask=mask[None, None],
+            past_key_values=cache,
+            use_cache=True,
+            output_attentions=attend,
+        )
+
+    @property
+    def _layers(self) -> int:
+        return int(self.model.config.num_hidden_layers)
 
 
 def score(reference: Reference, logprobs: torch.Tensor) -> Score:

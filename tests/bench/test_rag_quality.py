@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from ragserve.bench.rag_quality import BlendEmulator, score
+from ragserve.bench.rag_quality import RULES, BlendEmulator, score
 from ragserve.bench.rag_workload import RagQuestion
 from tests.model_factory import make_tiny_hf_model
 
@@ -43,7 +43,7 @@ def test_recomputing_everything_gives_the_full_prefill(emulator: BlendEmulator) 
     assert stale.kl > 1e-4  # reused KV at new positions is not the full prefill's
 
 
-@pytest.mark.parametrize("rule", ["leading", "deviation"])
+@pytest.mark.parametrize("rule", RULES)
 def test_a_selection_spends_the_ratio_of_each_later_document(
     emulator: BlendEmulator, rule: str
 ) -> None:
@@ -56,6 +56,28 @@ def test_a_selection_spends_the_ratio_of_each_later_document(
     assert chosen <= {p for c in candidates for p in c}
     if rule == "leading":
         assert min(chosen) == question.spans[1][0]
+    everything = {p for c in candidates for p in c}
+    assert emulator.select(question, 1.0, rule, ref) == everything
+
+
+def test_the_bound_rule_picks_the_positions_whose_kv_moved_most(emulator: BlendEmulator) -> None:
+    """Recomputing what ``bound`` picks leaves the answer closer to the full prefill than
+    recomputing what it leaves out, at the same budget."""
+    question = _question(3)
+    ref = emulator.reference(question, 4)
+    everything = {p for c in emulator.candidates(question) for p in c}
+    picked = emulator.select(question, 0.3, "bound", ref)
+    rest = set(sorted(everything - picked)[: len(picked)])
+    assert len(rest) == len(picked)
+    kl_picked = score(ref, emulator.blended(question, picked, ref)).kl
+    kl_rest = score(ref, emulator.blended(question, rest, ref)).kl
+    assert kl_picked < kl_rest
+
+
+def test_an_unknown_rule_is_refused(emulator: BlendEmulator) -> None:
+    question = _question()
+    with pytest.raises(ValueError, match="unknown selection rule"):
+        emulator.select(question, 0.5, "random", emulator.reference(question, 2))
 
 
 def test_the_reference_answer_ends_at_the_end_of_turn(emulator: BlendEmulator) -> None:
