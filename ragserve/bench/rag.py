@@ -277,8 +277,15 @@ def plot(quality: dict[str, Any], path: str) -> None:
     bf16 = quality["bf16 full prefill"]
     left.axhline(bf16["kl"], linestyle="--", color="gray", label="bf16 vs float32")
     right.axhline(bf16["exact_match"], linestyle="--", color="gray", label="bf16 vs float32")
+    no_recompute = [
+        v["kl"] for v in quality.values() if isinstance(v, dict) and v.get("ratio") == 0
+    ]
+    if no_recompute:
+        left.axhline(no_recompute[0] / 5, linestyle=":", color="red", label="target: r = 0's / 5")
+    right.axhline(0.8, linestyle=":", color="red", label="target")
     left.set(xlabel="recompute ratio r", ylabel="mean KL vs full prefill", yscale="symlog")
     left.set_yscale("symlog", linthresh=1e-3)
+    left.set_ylim(bottom=0)
     right.set(xlabel="recompute ratio r", ylabel="greedy answers = full prefill", ylim=(0, 1.05))
     for axis in (left, right):
         axis.grid(alpha=0.3)
