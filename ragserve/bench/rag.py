@@ -263,25 +263,26 @@ def plot(quality: dict[str, Any], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    measured = [v for v in quality.values() if isinstance(v, dict) and "rule" in v]
+    # NOTE: at r = 0 no rule chooses anything, so one rule's point there is every rule's
+    no_recompute = next((v for v in measured if v["ratio"] == 0), None)
     for rule, marker in zip(RULES, "osD^", strict=True):
-        points = sorted(
-            (v["ratio"], v["kl"], v["exact_match"])
-            for v in quality.values()
-            if isinstance(v, dict) and v.get("rule") == rule
-        )
-        if not points:
+        runs = [v for v in measured if v["rule"] == rule]
+        if not runs:
             continue
+        if no_recompute and all(v["ratio"] != 0 for v in runs):
+            runs.append(no_recompute)
+        points = sorted((v["ratio"], v["kl"], v["exact_match"]) for v in runs)
         ratios = [p[0] for p in points]
         left.plot(ratios, [p[1] for p in points], marker=marker, label=rule)
         right.plot(ratios, [p[2] for p in points], marker=marker, label=rule)
     bf16 = quality["bf16 full prefill"]
     left.axhline(bf16["kl"], linestyle="--", color="gray", label="bf16 vs float32")
     right.axhline(bf16["exact_match"], linestyle="--", color="gray", label="bf16 vs float32")
-    no_recompute = [
-        v["kl"] for v in quality.values() if isinstance(v, dict) and v.get("ratio") == 0
-    ]
     if no_recompute:
-        left.axhline(no_recompute[0] / 5, linestyle=":", color="red", label="target: r = 0's / 5")
+        left.axhline(
+            no_recompute["kl"] / 5, linestyle=":", color="red", label="target: r = 0's / 5"
+        )
     right.axhline(0.8, linestyle=":", color="red", label="target")
     left.set(xlabel="recompute ratio r", ylabel="mean KL vs full prefill", yscale="symlog")
     left.set_yscale("symlog", linthresh=1e-3)
