@@ -28,6 +28,18 @@ from ragserve.config import EngineConfig
 from ragserve.table import print_table
 
 
+def parse_rules(text: str) -> tuple[str, ...]:
+    """``--rules``: comma-separated, each named once, in the order given."""
+    rules = tuple(dict.fromkeys(rule.strip() for rule in text.split(",") if rule.strip()))
+    unknown = [rule for rule in rules if rule not in RULES]
+    if unknown or not rules:
+        raise argparse.ArgumentTypeError(
+            f"unknown selection rule(s) {', '.join(unknown) or '(none given)'}; "
+            f"choose from {', '.join(RULES)}"
+        )
+    return rules
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pool-docs", type=int, default=8)
     parser.add_argument("--doc-tokens", type=int, default=1000)
@@ -37,8 +49,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--answer-tokens", type=int, default=16)
     parser.add_argument(
         "--rules",
-        default=",".join(RULES),
-        help="selection rules whose quality to measure (rag_quality.py says what each does)",
+        type=parse_rules,
+        default=RULES,
+        help=f"selection rules whose quality to measure, of {','.join(RULES)} "
+        "(rag_quality.py says what each does)",
     )
     parser.add_argument("--skip-engine", action="store_true", help="quality only")
     parser.add_argument("--skip-quality", action="store_true", help="engine timings only")
@@ -101,9 +115,6 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
     from ragserve import LLM
 
     ratios = [float(r) for r in args.ratios.split(",")]
-    unknown = set(args.rules.split(",")) - set(RULES)
-    if unknown:
-        raise ValueError(f"--rules: unknown {', '.join(sorted(unknown))} (from {', '.join(RULES)})")
     low, high = (int(x) for x in args.docs_per_question.split(","))
     results: dict[str, Any] = {"workload": {k: v for k, v in vars(args).items() if k != "func"}}
     probe = LLM.from_config(dataclasses.replace(config, enable_prefix_caching=False))
@@ -201,7 +212,7 @@ def quality(
     model = load_transformers_model(directory, "auto", torch.float32, device)
     model.config._attn_implementation = "eager"  # NOTE: custom 4D masks
     emulator = BlendEmulator(model, config.block_size)
-    rules = [rule for rule in args.rules.split(",") if rule]
+    rules = args.rules
     # NOTE: one step per forward pass: the references, each (rule, ratio) pass, the bf16 ones
     bar = tqdm(total=len(questions) * (2 + len(rules) * len(ratios)), desc="blend quality")
     refs = []

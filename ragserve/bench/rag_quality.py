@@ -11,17 +11,19 @@ its end-of-turn token, at most ``answer_len`` tokens. (Forcing the answer past i
 scored tokens the model was made to write after it had finished: there the reference
 itself is no greedy choice, and near-uniform distributions swamp the KL.)
 
-Selection rules compared at the same token budget (``ceil(r * len)`` per blended document):
+Selection rules compared at the same budget, ``ceil(r * len)`` tokens of each blended
+document summed (``leading`` spends each document's share on it; the others choose across
+documents):
 
 - ``leading``: each document's first tokens (what the engine does: positions stay
   monotonic, so the recompute runs as ordinary prefill chunks);
 - ``deviation``: the tokens whose layer-1 KV deviates most from the full-context KV
   (CacheBlend's rule; one layer over every token to compute);
-- ``attention``: the tokens the question attends to most when nothing is recomputed
-  (summed over layers, heads and question tokens): what the answer reads;
-- ``bound``: the tokens whose KV deviates most from the full prefill's over every layer.
-  It needs the full prefill's KV, so no engine can use it: it shows how far choosing
-  tokens alone can go at a budget.
+- ``attention``: the tokens the question attends to most when the documents' KV is reused
+  as it is (summed over layers, heads and question tokens): what the answer reads;
+- ``full-deviation``: the tokens whose KV deviates most from the full prefill's over every
+  layer. Only an emulator has the full prefill's KV, so no engine can run it: it shows
+  what CacheBlend's criterion gives when it is measured exactly.
 
 Segments store only full blocks: a document's last partial block is always recomputed.
 """
@@ -36,7 +38,7 @@ import torch
 
 from ragserve.bench.rag_workload import RagQuestion
 
-RULES = ("leading", "deviation", "attention", "bound")
+RULES = ("leading", "deviation", "attention", "full-deviation")
 
 
 @dataclass
@@ -86,6 +88,7 @@ class BlendEmulator:
         logits = self.model(input_ids=ids).logits[0, len(token_ids) - 1 :]
         return torch.log_softmax(logits.float(), dim=-1)
 
+    @torch.inference_mode()
     def _segment(self, template: list[int], doc: list[int]) -> tuple[list[torch.Tensor], ...]:
         key = (len(template), *template, *doc)
         if key not in self._segments:
@@ -119,6 +122,7 @@ class BlendEmulator:
             out.append(list(range(start, start + max(0, stored))))
         return out
 
+    @torch.inference_mode()
     def select(
         self, question: RagQuestion, ratio: float, rule: str, reference: Reference
     ) -> set[int]:
@@ -143,7 +147,7 @@ class BlendEmulator:
         """Per prompt position: how much recomputing it is worth under ``rule``."""
         if rule == "deviation":
             return self._deviation(question, reference, [1])
-        if rule == "bound":
+        if rule == "full-deviation":
             return self._deviation(question, reference, list(range(self._layers)))
         return self._question_attention(question, reference)
 
@@ -163,7 +167,8 @@ class BlendEmulator:
     @torch.inference_mode()
     def _question_attention(self, question: RagQuestion, reference: Reference) -> torch.Tensor:
         """Attention of the question's tokens to each earlier position, every document's
-        KV reused as it is (``r = 0``)."""
+        KV reused from its segment (its last partial block too, which ``blended`` always
+        recomputes)."""
         ids = question.token_ids
         end = question.spans[-1][1]
         out = self._forward_over(

@@ -3,11 +3,13 @@ a tiny random Llama through transformers."""
 
 from __future__ import annotations
 
+import argparse
 import random
 
 import pytest
 import torch
 
+from ragserve.bench.rag import parse_rules
 from ragserve.bench.rag_quality import RULES, BlendEmulator, score
 from ragserve.bench.rag_workload import RagQuestion
 from tests.model_factory import make_tiny_hf_model
@@ -29,7 +31,8 @@ def _question(seed: int = 0) -> RagQuestion:
 
 @pytest.fixture(scope="module")
 def emulator() -> BlendEmulator:
-    return BlendEmulator(make_tiny_hf_model("llama", seed=3), BLOCK)
+    # NOTE: room for the test prompts (up to 158 tokens and the answer)
+    return BlendEmulator(make_tiny_hf_model("llama", seed=3, max_position_embeddings=256), BLOCK)
 
 
 def test_recomputing_everything_gives_the_full_prefill(emulator: BlendEmulator) -> None:
@@ -44,7 +47,7 @@ def test_recomputing_everything_gives_the_full_prefill(emulator: BlendEmulator) 
 
 
 @pytest.mark.parametrize("rule", RULES)
-def test_a_selection_spends_the_ratio_of_each_later_document(
+def test_a_selection_spends_the_ratio_of_the_later_documents(
     emulator: BlendEmulator, rule: str
 ) -> None:
     question = _question(1)
@@ -60,13 +63,16 @@ def test_a_selection_spends_the_ratio_of_each_later_document(
     assert emulator.select(question, 1.0, rule, ref) == everything
 
 
-def test_the_bound_rule_picks_the_positions_whose_kv_moved_most(emulator: BlendEmulator) -> None:
-    """Recomputing what ``bound`` picks leaves the answer closer to the full prefill than
-    recomputing what it leaves out, at the same budget."""
+@pytest.mark.parametrize("rule", ["full-deviation", "attention"])
+def test_a_rule_picks_positions_worth_more_than_as_many_others(
+    emulator: BlendEmulator, rule: str
+) -> None:
+    """Recomputing what the rule picks leaves the answer closer to the full prefill than
+    recomputing as many of the positions it leaves out."""
     question = _question(3)
     ref = emulator.reference(question, 4)
     everything = {p for c in emulator.candidates(question) for p in c}
-    picked = emulator.select(question, 0.3, "bound", ref)
+    picked = emulator.select(question, 0.3, rule, ref)
     rest = set(sorted(everything - picked)[: len(picked)])
     assert len(rest) == len(picked)
     kl_picked = score(ref, emulator.blended(question, picked, ref)).kl
@@ -99,3 +105,10 @@ def test_the_reference_answer_ends_at_the_end_of_turn(emulator: BlendEmulator) -
     blended = emulator.blended(question, everything, ended)
     assert blended.shape == ended.logprobs.shape
     assert torch.equal(blended.argmax(dim=-1), torch.tensor(ended.answer))
+
+
+def test_rules_are_parsed_once_each_and_unknown_ones_refused() -> None:
+    assert parse_rules(" attention, leading,attention,") == ("attention", "leading")
+    for text in ("leading,random", ",", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match="choose from"):
+            parse_rules(text)
