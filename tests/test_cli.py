@@ -76,6 +76,7 @@ def test_bad_choice_exits_2_with_one_error_line(capsys: pytest.CaptureFixture[st
         (["bench", "prefix", "--num-questions", "2"], "--num-questions: must be >= 5, got 2"),
         (["bench", "throughput", "--num-prompts", "0"], "--num-prompts: must be >= 1, got 0"),
         (["bench", "fp8-quality", "--variants", "fp8 KV,fp8-kv"], "unknown variants ['fp8-kv']"),
+        (["bench", "rag", "--rules", "leading,oracle"], "unknown selection rule(s) oracle"),
         (
             ["bench", "cluster", "--configs", "1:affinity,1:bogus"],
             "'1:bogus' is not REPLICAS:ROUTER",
