@@ -3,13 +3,11 @@ a tiny random Llama through transformers."""
 
 from __future__ import annotations
 
-import argparse
 import random
 
 import pytest
 import torch
 
-from ragserve.bench.rag import parse_rules
 from ragserve.bench.rag_quality import RULES, BlendEmulator, score
 from ragserve.bench.rag_workload import RagQuestion
 from tests.model_factory import make_tiny_hf_model
@@ -105,10 +103,3 @@ def test_the_reference_answer_ends_at_the_end_of_turn(emulator: BlendEmulator) -
     blended = emulator.blended(question, everything, ended)
     assert blended.shape == ended.logprobs.shape
     assert torch.equal(blended.argmax(dim=-1), torch.tensor(ended.answer))
-
-
-def test_rules_are_parsed_once_each_and_unknown_ones_refused() -> None:
-    assert parse_rules(" attention, leading,attention,") == ("attention", "leading")
-    for text in ("leading,random", ",", ""):
-        with pytest.raises(argparse.ArgumentTypeError, match="choose from"):
-            parse_rules(text)
