@@ -60,6 +60,8 @@ class BlendEmulator:
         self.model = model
         self.block_size = block_size
         self._segments: dict[tuple[int, ...], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        # NOTE: a rule's scores depend on the prompt only, not on r: computed once per prompt
+        self._scored: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
 
     @torch.inference_mode()
     def reference(self, question: RagQuestion, answer_len: int) -> Reference:
@@ -139,7 +141,10 @@ class BlendEmulator:
         flat = [p for c in per_doc for p in c]
         if not flat or not sum(budgets):
             return set()
-        scores = self._scores(question, rule, reference)
+        key = (rule, tuple(question.token_ids))
+        if key not in self._scored:
+            self._scored[key] = self._scores(question, rule, reference)
+        scores = self._scored[key]
         top = torch.topk(scores[torch.tensor(flat, device=scores.device)], sum(budgets))
         return {flat[i] for i in top.indices.tolist()}
 
