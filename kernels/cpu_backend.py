@@ -166,7 +166,10 @@ class CpuBackend(AttentionBackend):
         scale: float,
         store: bool,
     ) -> torch.Tensor:
-        assert self._library is not None
+        # NOTE: looked up per call, not the one held since start-up, so that a benchmark can
+        # swap builds of the kernels between steps (ragserve/bench/builds.py).
+        library = cpu_native.load()
+        assert library is not None
         step = self._step(meta, kv_layer, query.shape[1], query.dtype, scale)
         q = _rows_contiguous(query)
         out = torch.empty(q.shape, dtype=q.dtype)
@@ -177,7 +180,7 @@ class CpuBackend(AttentionBackend):
             key, value = _rows_contiguous(key.to(q.dtype)), _rows_contiguous(value.to(q.dtype))
             key_ptr, value_ptr = key.data_ptr(), value.data_ptr()
             key_stride, value_stride = key.stride(0), value.stride(0)
-        status = self._library.ragserve_paged_attention(
+        status = library.ragserve_paged_attention(
             ctypes.byref(step.params),
             q.data_ptr(),
             q.stride(0),

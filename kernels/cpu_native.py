@@ -97,13 +97,13 @@ def cache_dir() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "ragserve" / "kernels"
 
 
-def _build(compiler: str) -> Path:
+def _build(compiler: str, csrc: Path = CSRC) -> Path:
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, check=False
     ).stdout.splitlines()[:1]
     digest = hashlib.sha256()
     for name in (*SOURCES, *HEADERS):
-        digest.update((CSRC / name).read_bytes())
+        digest.update((csrc / name).read_bytes())
     digest.update(" ".join((*FLAGS, *version, _cpu_flags(), platform.machine())).encode())
     target = cache_dir() / f"ragserve_cpu_{digest.hexdigest()[:16]}.so"
     if target.exists():
@@ -113,7 +113,7 @@ def _build(compiler: str) -> Path:
     # and the last rename wins, and no process ever loads a half-written library.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
-    command = [compiler, *FLAGS, "-o", tmp, *(str(CSRC / name) for name in SOURCES), "-lm"]
+    command = [compiler, *FLAGS, "-o", tmp, *(str(csrc / name) for name in SOURCES), "-lm"]
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         os.unlink(tmp)
@@ -220,6 +220,30 @@ def load() -> ctypes.CDLL | None:
                     )
         _loaded["lib"] = library
         return library
+
+
+def build_from(csrc: Path) -> ctypes.CDLL:
+    """The library built from the sources in ``csrc`` (another revision's, for comparing
+    builds), bound as :func:`load`'s. Raises RuntimeError where it cannot be built, or where
+    its entry points are not the ones this module binds."""
+    missing = [name for name in (*SOURCES, *HEADERS) if not (csrc / name).is_file()]
+    if missing:
+        raise RuntimeError(f"{csrc} has no {', '.join(missing)}")
+    compiler = _compiler()
+    if compiler is None:
+        raise RuntimeError("no C compiler (gcc, cc, clang; or $CC) found")
+    try:
+        return _bind(ctypes.CDLL(str(_build(compiler, csrc))))
+    except AttributeError as exc:
+        raise RuntimeError(f"the kernels in {csrc} lack an entry point: {exc}") from None
+
+
+def install(library: ctypes.CDLL) -> None:
+    """Make ``library`` the one :func:`load` returns from now on (every caller looks it up per
+    call). For comparing builds in one process; the build-time flags that :func:`load`'s
+    first call read (vector width, AVX-512 BF16, AMX) must be the same for both."""
+    with _lock:
+        _loaded["lib"] = library
 
 
 def vector_width() -> int | None:

@@ -23,6 +23,7 @@ BENCHMARKS = {
     "cluster": "ragserve.bench.cluster",
     "rag": "ragserve.bench.rag",
     "fp8-quality": "ragserve.bench.fp8_quality",
+    "builds": "ragserve.bench.builds",
 }
 
 
