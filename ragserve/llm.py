@@ -57,13 +57,13 @@ class LLM:
             config = EngineConfig(model=model, **engine_args)
         except TypeError as exc:  # NOTE: a value of the wrong type, compared or converted
             raise ValueError(f"an engine argument has the wrong type: {exc}") from None
-        self.engine = LLMEngine(config)
+        self.engine = LLMEngine(config, offline=True)
         self._ids = itertools.count()
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLM:
         llm = cls.__new__(cls)
-        llm.engine = LLMEngine(config)
+        llm.engine = LLMEngine(config, offline=True)
         llm._ids = itertools.count()
         return llm
 

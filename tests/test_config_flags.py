@@ -109,6 +109,9 @@ def test_the_step_size_defaults_by_device_and_a_given_one_is_kept() -> None:
     assert unset.max_num_batched_tokens is None
     assert unset.for_device("cpu").step_tokens == 2048
     assert unset.for_device("cuda").step_tokens == 8192
+    # offline (the LLM class) CPU steps are larger, as vLLM's CPU defaults
+    assert unset.for_device("cpu", offline=True).step_tokens == 4096
+    assert unset.for_device("cuda", offline=True).step_tokens == 8192
     given = config_from_args(EngineConfig, parser.parse_args(["--max-num-batched-tokens", "512"]))
     assert given.for_device("cuda").step_tokens == 512
     with pytest.raises(ValueError, match="max_num_batched_tokens"):

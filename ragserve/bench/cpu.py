@@ -140,7 +140,7 @@ def _agreement(runs: dict[str, list[dict[str, Any]]], variant: str) -> float | N
 
 
 def run(args: argparse.Namespace, config: EngineConfig) -> int:
-    config = config.for_device("cpu")
+    config = config.for_device("cpu", offline=True)  # both engines run offline
     workload = workload_from_args(args)
     dtypes = list(DTYPES) if config.dtype == "auto" else [config.dtype]
     if not set(dtypes) <= set(DTYPES):

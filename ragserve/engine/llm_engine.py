@@ -65,9 +65,12 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, *, prepare_this_thread: bool = True) -> None:
+    def __init__(
+        self, config: EngineConfig, *, prepare_this_thread: bool = True, offline: bool = False
+    ) -> None:
         """``prepare_this_thread=False`` leaves ``prepare_thread`` to the thread that will
-        step the engine (``AsyncEngine`` does that)."""
+        step the engine (``AsyncEngine`` does that). ``offline``: no stream waits on its
+        steps (the LLM class), so the step size defaults larger (``EngineConfig.for_device``)."""
         self.config = config
         self.prepared_threads: set[int] = set()
         started = time.perf_counter()
@@ -75,7 +78,7 @@ class LLMEngine:
             keep_freed_memory()
         self.loaded: LoadedModel = load_model_from_config(config)
         self.device = self.loaded.device
-        config = self.config = config.for_device(self.device.type)
+        config = self.config = config.for_device(self.device.type, offline=offline)
         self.dtype = self.loaded.dtype
         self.tokenizer: Any = self.loaded.tokenizer
         self.model_name = self.loaded.name

@@ -44,7 +44,8 @@ def test_info_and_snapshot_of_the_offline_engine(
         assert info.kv_bytes_per_block == BLOCK_BYTES
         assert info.kv_bytes_per_token == BLOCK_BYTES // 16
         assert info.kv_cache_bytes == engine.kv_cache.nbytes and info.kv_cache_tokens == 64 * 16
-        assert (info.max_num_seqs, info.max_num_batched_tokens) == (256, 2048)
+        # the LLM class runs offline: its CPU steps default to 4,096 tokens
+        assert (info.max_num_seqs, info.max_num_batched_tokens) == (256, 4096)
         assert info.enable_prefix_caching and info.attention_backend
         assert info.cpu_tier_bytes == 8 * BLOCK_BYTES  # whole blocks of the budget
         assert info.disk_tier_dir == tmp_path / "ragserve" / "kv"
