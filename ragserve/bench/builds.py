@@ -2,14 +2,15 @@
 a git revision or a directory of kernel sources): each build's median prefill and decode
 step, and their ratio.
 
-Why: on a shared machine one process's speed drifts by 5-10% over minutes, more than most
+Why: on a shared machine one process's speed drifts by a tenth over minutes, more than most
 kernel changes are worth, so two processes run one after the other compare minutes rather
 than builds. Here one engine runs with both libraries loaded, this tree's ``kernels/csrc``
-and REV's (read with git, or the sources in REV where it is a directory), each step on one of them in the order ABBA, so both meet the
-same minutes. The workload is ``--batches`` batches of ``--num-prompts`` random prompts of
-``--input-len`` tokens, each generating ``--output-len`` greedy tokens (by default the CPU
-throughput shape, 32 x (256 in, 64 out)); the first batch warms both builds and is not
-counted. REV's kernels must take the arguments this tree's ``kernels/cpu_native.py`` binds.
+and REV's (read with git, or the sources in REV where it is a directory), each step on one
+of them in the order ABBA, so that both meet the same minutes. The workload is
+``--batches`` batches of ``--num-prompts`` random prompts of ``--input-len`` tokens, each
+generating ``--output-len`` greedy tokens (by default the CPU throughput shape, 32 x (256
+in, 64 out)); the first batch warms both builds and is not counted. REV's kernels must take
+the arguments this tree's ``kernels/cpu_native.py`` binds.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from kernels import cpu_native
+import kernels.cpu_native as cpu_native
 from ragserve.bench.common import random_prompts
 from ragserve.config import EngineConfig
 from ragserve.table import print_table
