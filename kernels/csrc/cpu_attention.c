@@ -1218,9 +1218,10 @@ static void store_kv(const AttnParams *p, const Operands *ops, const void *key, 
 }
 
 /* Tokens per tile of a sequence's query_len: tile_tokens, unless the last tile would have
- * fewer rows than a vector (and run as decodes do, its keys read for a few rows): then as
- * many tiles of equal size. NOTE: 8 prompts of 256 tokens with 3 query heads per kv head
- * took tiles of 85, 85, 85 and 1 token; in 4 of 64 their attention took 0.93x the time. */
+ * fewer rows than a vector (and run as decodes do, its keys read for a few rows): then the
+ * same number of tiles, evened out (the last may still be the shorter). NOTE: 8 prompts of
+ * 256 tokens with 3 query heads per kv head took tiles of 85, 85, 85 and 1 token; in four
+ * tiles of 64 tokens their attention took 0.93x the time. */
 static inline int tile_step(int query_len, int group, int tile_tokens) {
     if (query_len * group < VL) return query_len;
     const int tail = query_len % tile_tokens;

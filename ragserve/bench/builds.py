@@ -33,6 +33,7 @@ from ragserve.config import EngineConfig
 from ragserve.table import print_table
 
 BUILDS = ("base", "tree")
+KINDS = ("prefill", "mixed", "decode")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -60,9 +61,17 @@ def base_sources(revision: str, into: Path) -> Path:
         )
         if result.returncode != 0:
             reason = result.stderr.decode(errors="replace").strip().splitlines()
-            raise RuntimeError(f"no kernels/csrc/{name} at {revision!r}: {reason[-1:]}")
+            raise RuntimeError(f"no kernels/csrc/{name} at {revision!r}: {' '.join(reason[-1:])}")
         (into / name).write_bytes(result.stdout)
     return into
+
+
+def step_kind(prompt_tokens: int, step_tokens: int) -> str:
+    """``prefill`` for a step whose prompt tokens fill half its budget or more, ``decode`` for
+    one without any, ``mixed`` between (a prompt's last chunk beside the running decodes)."""
+    if prompt_tokens == 0:
+        return "decode"
+    return "prefill" if 2 * prompt_tokens >= step_tokens else "mixed"
 
 
 def step_order(step: int) -> str:
@@ -86,14 +95,17 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
             given = Path(args.base)
             sources = given if given.is_dir() else base_sources(args.base, Path(scratch))
             base = cpu_native.build_from(sources)
-        except RuntimeError as exc:
+        except (RuntimeError, OSError) as exc:  # OSError: no git, or a library dlopen refuses
             raise SystemExit(f"cannot build the kernels of {args.base!r}: {exc}") from None
     libraries = {"base": base, "tree": tree}
-    llm = LLM.from_config(dataclasses.replace(config, device="cpu"))
+    # NOTE: no async scheduling: a step must run its own forward on its own build.
+    llm = LLM.from_config(dataclasses.replace(config, device="cpu", async_scheduling=False))
     engine = llm.engine
     vocab = engine.info.model_shape.vocab_size
+    step_tokens = engine.info.max_num_batched_tokens
+    dtype = str(engine.info.dtype).removeprefix("torch.")
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    times: dict[str, dict[str, list[float]]] = {b: {"prefill": [], "decode": []} for b in BUILDS}
+    times: dict[str, dict[str, list[float]]] = {b: {k: [] for k in KINDS} for b in BUILDS}
     step = 0
     try:
         for batch in tqdm(range(args.batches), desc="bench builds", unit="batch"):
@@ -107,9 +119,7 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
                 started = time.perf_counter()
                 engine.step()
                 elapsed = time.perf_counter() - started
-                kind = (
-                    "prefill" if engine.stats.prompt_tokens_computed > prompt_tokens else "decode"
-                )
+                kind = step_kind(engine.stats.prompt_tokens_computed - prompt_tokens, step_tokens)
                 if batch > 0:
                     times[build][kind].append(elapsed)
                 step += 1
@@ -119,7 +129,7 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
     results = _summary(times)
     rows = [
         [kind, *(results["builds"][b][kind]["median_ms"] for b in BUILDS), results["ratio"][kind]]
-        for kind in ("prefill", "decode")
+        for kind in KINDS
     ]
     print_table(
         f"median step, ms ({args.batches - 1} batches of {args.num_prompts} x "
@@ -131,7 +141,7 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
         workload = {
             k: getattr(args, k) for k in ("batches", "num_prompts", "input_len", "output_len")
         }
-        record = {"base": args.base, "dtype": args.dtype, "workload": workload, **results}
+        record = {"base": args.base, "dtype": dtype, "workload": workload, **results}
         Path(args.out).write_text(json.dumps(record, indent=1, default=str))
     return 0
 
@@ -148,7 +158,7 @@ def _summary(times: dict[str, dict[str, list[float]]]) -> dict[str, Any]:
         for build in BUILDS
     }
     ratio = {}
-    for kind in ("prefill", "decode"):
+    for kind in KINDS:
         base, tree = builds["base"][kind]["median_ms"], builds["tree"][kind]["median_ms"]
         ratio[kind] = tree / base if base and tree else None
     return {"builds": builds, "ratio": ratio}

@@ -23,7 +23,7 @@ from typing import Any
 import aiohttp
 
 from ragserve.bench import serve_fairness
-from ragserve.bench.common import write_json
+from ragserve.bench.common import for_its_device, write_json
 from ragserve.bench.serve_client import (
     RequestResult,
     chat_body,
@@ -420,7 +420,8 @@ def single_tenant(
     log_path = out.with_suffix(".server.log")
     text = document_text(args.doc_tokens)
     offline_log = out.with_suffix(".offline.log")
-    offline = OfflineWorker(config, text, offline_log, env, args.request_timeout)
+    # NOTE: the server's step size, spelled out: the offline engine would default larger.
+    offline = OfflineWorker(for_its_device(config), text, offline_log, env, args.request_timeout)
     server = start_server(config, log_path, args.server_timeout, env)
     try:
         served = asyncio.run(measure_http(server.url, text, levels, args, offline))

@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 
 from kernels import cpu_native
-from ragserve.bench.builds import base_sources, step_order
+from ragserve.bench.builds import base_sources, step_kind, step_order
 from ragserve.cli import main
 
 needs_native = pytest.mark.skipif(cpu_native.load() is None, reason="no native CPU kernels")
+REPO = Path(__file__).resolve().parents[2]
+needs_git = pytest.mark.skipif(
+    shutil.which("git") is None or not (REPO / ".git").exists(), reason="not a git checkout"
+)
 
 
 def test_steps_alternate_abba() -> None:
@@ -20,6 +25,13 @@ def test_steps_alternate_abba() -> None:
     ]  # fmt: skip
 
 
+def test_steps_are_told_apart_by_their_prompt_tokens() -> None:
+    assert step_kind(0, 4096) == "decode"
+    assert step_kind(16, 4096) == "mixed"  # a prompt's last chunk beside the decodes
+    assert step_kind(2048, 4096) == step_kind(4096, 4096) == "prefill"
+
+
+@needs_git
 def test_base_sources_are_the_revisions_files(tmp_path: Path) -> None:
     written = base_sources("HEAD", tmp_path)
     assert sorted(p.name for p in written.iterdir()) == sorted(
@@ -28,6 +40,7 @@ def test_base_sources_are_the_revisions_files(tmp_path: Path) -> None:
     assert (written / "cpu_kernels.h").read_text().startswith("/*")
 
 
+@needs_git
 def test_an_unknown_revision_is_refused_by_name(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match=r"no kernels/csrc/.* at 'no-such-revision'"):
         base_sources("no-such-revision", tmp_path)
@@ -35,6 +48,7 @@ def test_an_unknown_revision_is_refused_by_name(tmp_path: Path) -> None:
 
 @pytest.mark.e2e
 @needs_native
+@needs_git
 def test_bench_builds_times_both_builds_and_restores_the_tree(tmp_path: Path) -> None:
     tree = cpu_native.load()
     out = tmp_path / "builds.json"
@@ -48,10 +62,14 @@ def test_bench_builds_times_both_builds_and_restores_the_tree(tmp_path: Path) ->
     assert code == 0
     record = json.loads(out.read_text())
     assert record["base"] == "HEAD"
-    # one counted batch: 3 prompts prefilled in one step, then 4 decode steps
+    assert record["dtype"] == "bfloat16"
+    # one counted batch: its 48 prompt tokens in one step (under half the budget: mixed),
+    # then 4 decode steps
     builds = record["builds"]
-    steps = {b: {k: builds[b][k]["steps"] for k in ("prefill", "decode")} for b in ("base", "tree")}
-    assert sum(s["prefill"] for s in steps.values()) == 1
+    kinds = ("prefill", "mixed", "decode")
+    steps = {b: {k: builds[b][k]["steps"] for k in kinds} for b in ("base", "tree")}
+    assert sum(s["prefill"] for s in steps.values()) == 0
+    assert sum(s["mixed"] for s in steps.values()) == 1
     assert sum(s["decode"] for s in steps.values()) == 4
     assert min(steps["base"]["decode"], steps["tree"]["decode"]) == 2
     assert record["ratio"]["decode"] > 0
@@ -59,9 +77,8 @@ def test_bench_builds_times_both_builds_and_restores_the_tree(tmp_path: Path) ->
 
 
 @needs_native
-def test_a_bad_revision_stops_the_command_with_one_line(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+@needs_git
+def test_a_bad_revision_stops_the_command() -> None:
     with pytest.raises(SystemExit, match="cannot build the kernels of 'no-such-revision'"):
         main(
             ["bench", "builds", "--base", "no-such-revision", "--model-shape", "tiny-llama"]
