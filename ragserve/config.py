@@ -23,8 +23,8 @@ DEFAULT_DISK_GIB = 16.0
 DEFAULT_STEP_TOKENS = {"cpu": 2048, "cuda": 8192}
 # The same for offline work (the LLM class: generate, chat, pipelines), where no stream
 # waits behind a long step. NOTE: as vLLM's CPU defaults (4,096 offline, 2,048 serving): on
-# a 2-core AMD EPYC a 32 x (256 in, 64 out) bf16 batch of SmolLM2 took 0.96x the time in
-# 4,096-token steps (two engines in one process, batches alternated, medians of 4 each).
+# a 2-core AMD EPYC a 32 x (256 in, 64 out) bf16 batch of SmolLM2 took 0.95-0.98x the time
+# in 4,096-token steps (two engines in one process, batches alternated, two runs).
 OFFLINE_STEP_TOKENS = {"cpu": 4096, "cuda": 8192}
 
 
