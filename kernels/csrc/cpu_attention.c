@@ -103,6 +103,20 @@ static inline const char *key_addr(const AttnParams *p, const Operands *ops, con
     return ops->kv + row * (int64_t)elem_size(p);
 }
 
+/* Ask for `bytes` of K rows from k, and as many of V rows kv_offset further, into L2.
+ *
+ * NOTE: into L2, not L1: a chunk's K/V (72 KB for a decode of SmolLM2's three kv heads)
+ * prefetched into L1 evicted the chunk being multiplied. With the L2 hint, prefetching a
+ * decode's next chunk while this one is multiplied (run_small) took decodes of 32 sequences
+ * over 300 tokens, every layer of a 30-layer cache, to 0.91x the time bf16 and 0.95x
+ * float32; into L1 it had gained nothing. */
+static inline void prefetch_rows(const char *k, int64_t bytes, int64_t v_off) {
+    for (int64_t b = 0; b < bytes; b += 64) {
+        __builtin_prefetch(k + b, 0, 1);
+        __builtin_prefetch(k + v_off + b, 0, 1);
+    }
+}
+
 /* Point krow/vrow at the chunk's keys [kc, kc + n), widening bf16 rows into kf/vf_ (with
  * `dot`, khrow/vhrow at the bf16 rows in place instead), and prefetch the keys
  * [kc + n, next_end) of the next chunk.
@@ -142,11 +156,7 @@ static void chunk_rows(const AttnParams *p, const Operands *ops, const int32_t *
         const char *k = key_addr(p, ops, table, a, kv_head);
         int64_t left_in_block = bs - (a & (bs - 1));
         int64_t run = left_in_block < next_end - a ? left_in_block : next_end - a;
-        for (int64_t i = 0; i < run; i++, a++, k += token_stride)
-            for (int64_t b = 0; b < row_bytes; b += 64) {
-                __builtin_prefetch(k + b, 0, 3);
-                __builtin_prefetch(k + v_off + b, 0, 3);
-            }
+        for (int64_t i = 0; i < run; i++, a++, k += token_stride) prefetch_rows(k, row_bytes, v_off);
     }
 }
 
@@ -167,8 +177,8 @@ static void pack_value_pairs(Work *w, int n, int D) {
  *
  * NOTE: a decode item's products then read its chunk from cache. Read head by head (a third
  * of each token's row at a time) the bytes came from memory at 11-12 GB/s on 2 EPYC cores,
- * where whole spans stream at 30; prefetching the next chunk, sequentially or per head,
- * changed nothing. Decodes of 32 sequences over 300 tokens, 30 layers' blocks scattered
+ * where whole spans stream at 30; prefetching the next chunk into L1, sequentially or per
+ * head, changed nothing (into L2 it pays: see prefetch_rows). Decodes of 32 sequences over 300 tokens, 30 layers' blocks scattered
  * through a 2.9 GB cache: 19.0 -> 17.2 ms bf16, 28.0 -> 24.2 ms float32. With a layer's
  * K/V already in cache the extra pass costs about 10%. Prefetching the next block's spans
  * while reading this one's (a stream that jumps between blocks) took the same decodes
@@ -184,10 +194,7 @@ static void touch_keys(const AttnParams *p, const Operands *ops, const int32_t *
         const int64_t run = left_in_block < end - a ? left_in_block : end - a;
         const char *next = a + run < end ? key_addr(p, ops, table, a + run, 0) : NULL;
         for (int64_t b = 0; b < run * token_bytes; b += 64) {
-            if (next != NULL) { /* the chunk's last run has none after it */
-                __builtin_prefetch(next + b, 0, 3);
-                __builtin_prefetch(next + v_off + b, 0, 3);
-            }
+            if (next != NULL) prefetch_rows(next + b, 64, v_off); /* the chunk's last run has none after it */
             seen |= *(const viu *)(k + b) | *(const viu *)(k + v_off + b);
         }
         a += run;
@@ -199,6 +206,20 @@ static void touch_keys(const AttnParams *p, const Operands *ops, const int32_t *
 #else
     __asm__ volatile("" : : "m"(seen));
 #endif
+}
+
+/* Prefetch share `part` of `parts` of keys [a, end) of every kv head (K and V) into L2. */
+static void prefetch_keys_share(const AttnParams *p, const Operands *ops, const int32_t *table, int64_t a,
+                                int64_t end, int part, int parts) {
+    const int64_t token_bytes = (int64_t)p->num_kv_heads * p->head_dim * (int64_t)elem_size(p);
+    const int64_t v_off = p->kv_offset * (int64_t)elem_size(p);
+    const int64_t stop = a + (end - a) * (part + 1) / parts;
+    for (a += (end - a) * part / parts; a < stop;) {
+        const int64_t left_in_block = p->block_size - (a & (p->block_size - 1));
+        const int64_t run = left_in_block < stop - a ? left_in_block : stop - a;
+        prefetch_rows(key_addr(p, ops, table, a, 0), run * token_bytes, v_off);
+        a += run;
+    }
 }
 
 /* Query row r of the tile: token t0 + r / group, head kv_head * group + r % group. */
@@ -1012,11 +1033,13 @@ static void run_small(const AttnParams *p, const Operands *ops, const Item *it, 
         /* NOTE: all kv heads of a decode in one item: a chunk's blocks are read whole (each
          * token's K row of every head is one contiguous span) instead of a third at a time
          * by three items far apart in time. */
-        if (it->kv_heads == p->num_kv_heads) touch_keys(p, ops, si.table, kc, kc + n);
+        const int whole = it->kv_heads == p->num_kv_heads;
+        const int64_t next_end = kc + n + KC < it->k1 ? kc + n + KC : it->k1;
+        if (whole) touch_keys(p, ops, si.table, kc, kc + n);
         for (int h = 0; h < it->kv_heads; h++) {
-            /* NOTE: no prefetch of the next chunk: touch_keys reads each chunk's spans just
-             * before its products (small items hold every kv head unless a query has more
-             * rows than TILE_ROWS). */
+            /* The next chunk comes into L2 while this one is multiplied, a share per kv head
+             * (touch_keys then finds it there); chunk_rows prefetches nothing more. */
+            if (whole && next_end > kc + n) prefetch_keys_share(p, ops, si.table, kc + n, next_end, h, it->kv_heads);
             chunk_rows(p, ops, si.table, it->kv_head + h, kc, n, kc + n, dot, w);
             small_head_chunk(&si, w, kc, n, h * per_head, per_head, dot);
         }
