@@ -178,12 +178,12 @@ static void pack_value_pairs(Work *w, int n, int D) {
  * NOTE: a decode item's products then read its chunk from cache. Read head by head (a third
  * of each token's row at a time) the bytes came from memory at 11-12 GB/s on 2 EPYC cores,
  * where whole spans stream at 30; prefetching the next chunk into L1, sequentially or per
- * head, changed nothing (into L2 it pays: see prefetch_rows). Decodes of 32 sequences over 300 tokens, 30 layers' blocks scattered
- * through a 2.9 GB cache: 19.0 -> 17.2 ms bf16, 28.0 -> 24.2 ms float32. With a layer's
- * K/V already in cache the extra pass costs about 10%. Prefetching the next block's spans
- * while reading this one's (a stream that jumps between blocks) took the same decodes
- * from 14.1-15.9 to 13.1-13.7 ms bf16 (`kernels.bench_cpu_attention --every-layer`, two
- * interleaved runs on a busy minute). */
+ * head, changed nothing (into L2 it pays: see prefetch_rows). Decodes of 32 sequences over
+ * 300 tokens, 30 layers' blocks scattered through a 2.9 GB cache: 19.0 -> 17.2 ms bf16,
+ * 28.0 -> 24.2 ms float32. With a layer's K/V already in cache the extra pass costs about
+ * 10%. Prefetching the next block's spans while reading this one's (a stream that jumps
+ * between blocks) took the same decodes from 14.1-15.9 to 13.1-13.7 ms bf16
+ * (`kernels.bench_cpu_attention --every-layer`, two interleaved runs on a busy minute). */
 static void touch_keys(const AttnParams *p, const Operands *ops, const int32_t *table, int64_t a, int64_t end) {
     const int64_t es = (int64_t)elem_size(p), token_bytes = (int64_t)p->num_kv_heads * p->head_dim * es;
     const int64_t v_off = p->kv_offset * es;
