@@ -108,8 +108,8 @@ static inline const char *key_addr(const AttnParams *p, const Operands *ops, con
  * NOTE: into L2, not L1: a chunk's K/V (72 KB for a decode of SmolLM2's three kv heads)
  * prefetched into L1 evicted the chunk being multiplied. With the L2 hint, prefetching a
  * decode's next chunk while this one is multiplied (run_small) took decodes of 32 sequences
- * over 300 tokens, every layer of a 30-layer cache, to 0.91x the time bf16 and 0.95x
- * float32; into L1 it had gained nothing. */
+ * over 300 tokens, every layer of a 30-layer cache, to 0.89x the time bf16 and 0.95x
+ * float32 (two builds alternated in one process); into L1 it had gained nothing. */
 static inline void prefetch_rows(const char *k, int64_t bytes, int64_t v_off) {
     for (int64_t b = 0; b < bytes; b += 64) {
         __builtin_prefetch(k + b, 0, 1);
