@@ -54,31 +54,6 @@ static inline void amx_configure(void) {
     _tile_loadconfig(&cfg);
 }
 
-/* Transpose 16 x 16 32-bit elements in place: r[i] lane j becomes r[j] lane i. */
-static inline void transpose_16x16(__m512i r[16]) {
-    __m512i t[16];
-    for (int i = 0; i < 8; i++) {
-        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-    }
-    /* Then u[4i + c]'s 128-bit lane L holds column 4L + c of rows 4i .. 4i + 3. */
-    __m512i u[16];
-    for (int i = 0; i < 4; i++) {
-        u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-    }
-    for (int c = 0; c < 4; c++) {
-        __m512i lo_a = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44), lo_b = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44);
-        __m512i hi_a = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE), hi_b = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
-        r[c] = _mm512_shuffle_i32x4(lo_a, lo_b, 0x88);
-        r[4 + c] = _mm512_shuffle_i32x4(lo_a, lo_b, 0xDD);
-        r[8 + c] = _mm512_shuffle_i32x4(hi_a, hi_b, 0x88);
-        r[12 + c] = _mm512_shuffle_i32x4(hi_a, hi_b, 0xDD);
-    }
-}
-
 /* C tiles 0-3 += the 2 x 2 products of the A tiles at a0, a1 (16 rows each) and the B tiles
  * at b0, b1: tile 0 += a0 . b0, 1 += a0 . b1, 2 += a1 . b0, 3 += a1 . b1. */
 static inline void amx_accumulate_2x2(const void *a0, const void *a1, int64_t a_stride, const void *b0, const void *b1,

@@ -62,6 +62,12 @@ typedef struct {
     void *out;              /* [tokens, heads, head_dim], contiguous */
 } Operands;
 
+typedef struct { /* the step's new tokens' K/V, stored into the cache before attention */
+    const void *key, *value;
+    int64_t key_stride, value_stride; /* elements between tokens */
+    const int64_t *slots;             /* [tokens] */
+} NewKV;
+
 typedef struct {
     int32_t seq, t0, t1;          /* query tokens [t0, t1) of the sequence */
     int32_t kv_head, kv_heads;    /* kv heads [kv_head, kv_head + kv_heads) */
@@ -326,12 +332,40 @@ static void start_tile_rows(const AttnParams *p, const Item *it, Work *w, int ro
     }
 }
 
+#if HAVE_BF16_DOT
+/* A tile's Q^T as bf16 pairs qp [D / 2][rpad], zero in the padding rows, for D a multiple of
+ * 32: 16 rows at a time, loaded as rows and transposed in registers.
+ * NOTE: written a row at a time, each row's 32 pairs went to 32 cache lines a column apart:
+ * 11% of a prefill's attention over 16 prompts of 256 tokens. */
+static void query_pairs(const AttnParams *p, const Operands *ops, const Item *it, Work *w, int rows, int rpad) {
+    const int pairs = p->head_dim / 2;
+    for (int r0 = 0; r0 < rpad; r0 += 16) {
+        const uint16_t *src[16];
+        for (int i = 0; i < 16; i++)
+            src[i] = r0 + i < rows ? (const uint16_t *)ops->q + query_offset(p, ops, it, r0 + i) : NULL;
+        for (int c0 = 0; c0 < pairs; c0 += 16) {
+            __m512i t[16];
+            for (int i = 0; i < 16; i++) t[i] = src[i] != NULL ? _mm512_loadu_si512(src[i] + 2 * c0) : _mm512_setzero_si512();
+            transpose_16x16(t);
+            for (int j = 0; j < 16; j++) _mm512_storeu_si512(w->qp + (int64_t)(c0 + j) * rpad + r0, t[j]);
+        }
+    }
+}
+#endif
+
 /* A tile's queries: Q^T scaled into qt [D][rpad] (float32 products) or as bf16 pairs into
  * qp [D / 2][rpad] (pair products), zero in the padding rows up to rpad; each row's last
  * visible key in lim (INT32_MAX for padding), and m/l reset. */
 static void tile_queries(const AttnParams *p, const Operands *ops, const Item *it, Work *w, int rows, int rpad,
                          int dot) {
     const int D = p->head_dim;
+#if HAVE_BF16_DOT
+    if (dot && D % 32 == 0) {
+        query_pairs(p, ops, it, w, rows, rpad);
+        start_tile_rows(p, it, w, rows, rpad);
+        return;
+    }
+#endif
     const float qscale = p->scale * LOG2E;
     for (int r = 0; r < rpad; r++) {
         float *column = w->qt + r;
@@ -422,6 +456,35 @@ static int bf16_dot_tiles(void) {
 
 int ragserve_bf16_dot_tiles(void) { return HAVE_BF16_DOT && bf16_dot_tiles(); }
 
+/* A tile's probabilities exp2(s - mx) for its rows [r, r + VL) over the chunk's n keys, in
+ * place in st; returns their sums. */
+static inline vf probabilities(Work *w, int n, int rpad, int r, vf mx) {
+    vf sum = splat(0.0f);
+    for (int j = 0; j < n; j++) {
+        vf e = vexp2(loadu(w->st + (int64_t)j * rpad + r) - mx);
+        storeu(w->st + (int64_t)j * rpad + r, e);
+        sum += e;
+    }
+    return sum;
+}
+
+#if HAVE_BF16_DOT
+/* The same for pair products: rounded to bf16 straight into pp [key / 2][rpad] as key pairs
+ * (a zero after an odd n's last key), by the bf16 paths' cheaper exp2_softmax. */
+static inline vf probability_pairs(Work *w, int n, int rpad, int r, vf mx) {
+    vf sum0 = splat(0.0f), sum1 = splat(0.0f);
+    for (int i = 0; 2 * i < n; i++) {
+        const int64_t j = 2 * i;
+        const vf e0 = (vf)exp2_softmax((__m512)(loadu(w->st + j * rpad + r) - mx));
+        const vf e1 = j + 1 < n ? (vf)exp2_softmax((__m512)(loadu(w->st + (j + 1) * rpad + r) - mx)) : splat(0.0f);
+        sum0 += e0;
+        sum1 += e1;
+        *(vpair *)(w->pp + (int64_t)i * rpad + r) = round_pairs(e0, e1);
+    }
+    return sum0 + sum1;
+}
+#endif
+
 static void run_tile(const AttnParams *p, const Operands *ops, const Item *it, Work *w, int rows,
                      int rpad) {
     const int D = p->head_dim;
@@ -471,23 +534,14 @@ static void run_tile(const AttnParams *p, const Operands *ops, const Item *it, W
             }
             vf m = loadu(w->m + r), l = loadu(w->l + r), alpha;
             softmax_update(&mx, &m, &l, &alpha);
-            vf sum = splat(0.0f);
-            for (int j = 0; j < n; j++) {
-                vf e = vexp2(loadu(w->st + (int64_t)j * rpad + r) - mx);
-                storeu(w->st + (int64_t)j * rpad + r, e);
-                sum += e;
-            }
+#if HAVE_BF16_DOT
+            const vf sum = dot ? probability_pairs(w, n, rpad, r, mx) : probabilities(w, n, rpad, r, mx);
+#else
+            const vf sum = probabilities(w, n, rpad, r, mx);
+#endif
             storeu(w->m + r, m);
             storeu(w->l + r, l + sum);
             storeu(w->alpha + r, alpha);
-#if HAVE_BF16_DOT
-            if (dot)
-                for (int i = 0; 2 * i < n; i++) {
-                    vf e0 = loadu(w->st + (int64_t)(2 * i) * rpad + r);
-                    vf e1 = 2 * i + 1 < n ? loadu(w->st + (int64_t)(2 * i + 1) * rpad + r) : splat(0.0f);
-                    *(vpair *)(w->pp + (int64_t)i * rpad + r) = round_pairs(e0, e1);
-                }
-#endif
         }
         for (int r = 0; r < rows; r++) {
             float a = w->alpha[r];
@@ -1225,19 +1279,14 @@ static void free_work(Work *w) {
     free((void *)w->vhrow);
 }
 
-/* Store new K/V (token-major rows of kv_heads * head_dim elements) at their slots. */
-static void store_kv(const AttnParams *p, const Operands *ops, const void *key, int64_t key_stride,
-                     const void *value, int64_t value_stride, const int64_t *slots, int64_t tokens) {
+/* New token t's K and V rows (kv_heads * head_dim elements each) into its slot of the cache. */
+static void store_token_kv(const AttnParams *p, const Operands *ops, const NewKV *kv_in, int64_t t) {
     const size_t es = elem_size(p);
-    const int64_t width = (int64_t)p->num_kv_heads * p->head_dim;
-    char *kv = (char *)ops->kv;
-    for (int64_t t = 0; t < tokens; t++) {
-        int64_t block = slots[t] / p->block_size, off = slots[t] % p->block_size;
-        char *dst = kv + (block * p->block_stride + off * width) * (int64_t)es;
-        memcpy(dst, (const char *)key + t * key_stride * (int64_t)es, (size_t)width * es);
-        memcpy(dst + p->kv_offset * (int64_t)es, (const char *)value + t * value_stride * (int64_t)es,
-               (size_t)width * es);
-    }
+    const int64_t width = (int64_t)p->num_kv_heads * p->head_dim, slot = kv_in->slots[t];
+    char *dst = (char *)ops->kv + ((slot / p->block_size) * p->block_stride + (slot % p->block_size) * width) * (int64_t)es;
+    memcpy(dst, (const char *)kv_in->key + t * kv_in->key_stride * (int64_t)es, (size_t)width * es);
+    memcpy(dst + p->kv_offset * (int64_t)es, (const char *)kv_in->value + t * kv_in->value_stride * (int64_t)es,
+           (size_t)width * es);
 }
 
 /* Tokens per tile of a sequence's query_len: tile_tokens, unless the last tile would have
@@ -1358,8 +1407,8 @@ int ragserve_paged_attention(const AttnParams *p, const void *q, int64_t q_token
     const int D = p->head_dim, group = p->num_heads / p->num_kv_heads;
     if (D % (NV * VL) != 0 || D > 512 || group > TILE_ROWS) return -1;
     Operands ops = {q, q_token_stride, (const char *)kv, out};
-    int64_t tokens = p->query_start[p->num_seqs];
-    if (key != NULL) store_kv(p, &ops, key, key_stride, value, value_stride, slots, tokens);
+    const int64_t tokens = key != NULL ? p->query_start[p->num_seqs] : 0;
+    const NewKV new_kv = {key, value, key_stride, value_stride, slots};
 
     /* Tiles of up to TILE_ROWS rows; when they are too few to keep every thread busy their
      * keys are split into parts first (cheap: a merge), and tiles are halved only when even
@@ -1375,6 +1424,7 @@ int ragserve_paged_attention(const AttnParams *p, const void *q, int64_t q_token
         tile_tokens = (tile_tokens + 1) / 2;
     }
     if (plan.num_groups == 0) {
+        for (int64_t t = 0; t < tokens; t++) store_token_kv(p, &ops, &new_kv, t);
         free(plan.items);
         free(plan.groups);
         return 0;
@@ -1419,6 +1469,10 @@ int ragserve_paged_attention(const AttnParams *p, const void *q, int64_t q_token
 #pragma omp atomic write
             failed = 1;
         }
+        /* NOTE: stored by every thread, before any item reads them (the loop's barrier): one
+         * thread alone took a tenth of a prefill's attention over 16 prompts of 256 tokens. */
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tokens; t++) store_token_kv(p, &ops, &new_kv, t);
 #if HAVE_AMX
 #pragma omp for schedule(static)
         for (int64_t job = 0; job < pack.jobs; job++) amx_pack_job(p, &ops, &pack, job);

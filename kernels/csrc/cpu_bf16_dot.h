@@ -43,6 +43,27 @@ static inline vpair round_pairs(vf a, vf b) {
     return (vpair)_mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh((__m512)b, (__m512)a));
 }
 
+/* 2^x for a softmax whose probabilities are rounded to bf16 for P . V (x <= 0 against the
+ * row's max; x <= 2^LAZY_RESCALE against the AMX tiles' lagging reference, cpu_attention.c,
+ * larger x coming only in a pass whose results are dropped), to ~1e-4 relative: a degree-3
+ * polynomial on the fraction, far below the bf16 rounding (4e-3) the probabilities get, and
+ * the same approximation in the sum they are divided by. The integer part is rounded by
+ * adding 1.5 * 2^23, whose low mantissa bits then hold it, and is shifted into p's
+ * exponent: 8 instructions in all, where a degree-5 polynomial with vrndscaleps and
+ * vscalefps took 10 (3 of them port-0 only). */
+static inline __m512 exp2_softmax(__m512 x) {
+    const __m512 shift = _mm512_set1_ps(12582912.0f);
+    x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
+    const __m512 t = _mm512_add_ps(x, shift);
+    const __m512 f = _mm512_sub_ps(x, _mm512_sub_ps(t, shift)); /* in [-0.5, 0.5] */
+    __m512 p = _mm512_set1_ps(5.5007654e-2f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4220794e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9328273e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    const __m512i scale = _mm512_slli_epi32(_mm512_castps_si512(t), 23);
+    return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), scale));
+}
+
 /* S^T[j][r] = scale * K[j] . Q[r] for keys j < keys[r / (NV * VL)] of each row block, from
  * K rows in place (bf16) and qp [D / 2][rpad]. Same blocking as qk_tile. */
 static void qk_tile_dot(const uint16_t *const *krow, const uint32_t *qp, float *st, const int *keys,

@@ -120,6 +120,33 @@ static inline void store_bf16(uint16_t *p, vf x) {
     *(vh *)p = __builtin_convertvector(round_bf16_bits(x) >> 16, vh);
 }
 
+#if VL == 16
+/* Transpose 16 x 16 32-bit elements in place: r[i] lane j becomes r[j] lane i. */
+static inline void transpose_16x16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    /* Then u[4i + c]'s 128-bit lane L holds column 4L + c of rows 4i .. 4i + 3. */
+    __m512i u[16];
+    for (int i = 0; i < 4; i++) {
+        u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int c = 0; c < 4; c++) {
+        __m512i lo_a = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44), lo_b = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44);
+        __m512i hi_a = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE), hi_b = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
+        r[c] = _mm512_shuffle_i32x4(lo_a, lo_b, 0x88);
+        r[4 + c] = _mm512_shuffle_i32x4(lo_a, lo_b, 0xDD);
+        r[8 + c] = _mm512_shuffle_i32x4(hi_a, hi_b, 0x88);
+        r[12 + c] = _mm512_shuffle_i32x4(hi_a, hi_b, 0xDD);
+    }
+}
+#endif
+
 /* e^x to ~1 ulp (Cody-Waite reduction); inf above ~88.7, ~0 below ~-87.3. */
 static inline vf vexp(vf x) {
     x = vmax(x, splat(-87.3f));
