@@ -23,7 +23,8 @@
  * Arithmetic is float32 throughout; bfloat16 K/V/Q are widened on load and the output is
  * rounded to nearest even. Scores are kept in base 2 (scale * log2(e) folded into Q).
  * Where the CPU has AVX-512 BF16, bf16 tiles instead multiply bf16 pairs with float32 sums
- * (cpu_bf16_dot.h): K/V are read in place, probabilities are rounded to bf16 for P . V.
+ * (cpu_bf16_dot.h): K/V are read in place, probabilities (taken by a cheaper degree-3
+ * exp2, exp2_softmax) are rounded to bf16 for P . V.
  * Where it also has AMX and the OS grants it, bf16 runs both products on AMX tiles
  * (cpu_amx_attention.h): tiles 32 query rows at a time (run_tile_amx), decodes up to 16 rows
  * per kv head (run_small_amx).
