@@ -334,8 +334,9 @@ static void start_tile_rows(const AttnParams *p, const Item *it, Work *w, int ro
 }
 
 #if HAVE_BF16_DOT
-/* A tile's Q^T as bf16 pairs qp [D / 2][rpad], zero in the padding rows, for D a multiple of
- * 32: 16 rows at a time, loaded as rows and transposed in registers.
+/* A tile's Q^T as bf16 pairs qp [D / 2][rpad], zero in the padding rows: 16 rows at a time,
+ * loaded as rows and transposed in registers (D is a multiple of NV * VL = 32 here, as
+ * ragserve_paged_attention requires).
  * NOTE: written a row at a time, each row's 32 pairs went to 32 cache lines a column apart:
  * 11% of a prefill's attention over 16 prompts of 256 tokens. */
 static void query_pairs(const AttnParams *p, const Operands *ops, const Item *it, Work *w, int rows, int rpad) {
@@ -359,24 +360,19 @@ static void query_pairs(const AttnParams *p, const Operands *ops, const Item *it
  * visible key in lim (INT32_MAX for padding), and m/l reset. */
 static void tile_queries(const AttnParams *p, const Operands *ops, const Item *it, Work *w, int rows, int rpad,
                          int dot) {
-    const int D = p->head_dim;
 #if HAVE_BF16_DOT
-    if (dot && D % 32 == 0) {
+    if (dot) {
         query_pairs(p, ops, it, w, rows, rpad);
         start_tile_rows(p, it, w, rows, rpad);
         return;
     }
+#else
+    (void)dot;
 #endif
+    const int D = p->head_dim;
     const float qscale = p->scale * LOG2E;
     for (int r = 0; r < rpad; r++) {
         float *column = w->qt + r;
-        if (dot) {
-            uint32_t *pairs = w->qp + r;
-            const uint16_t *src = r < rows ? (const uint16_t *)ops->q + query_offset(p, ops, it, r) : NULL;
-            for (int i = 0; i < D / 2; i++)
-                pairs[(int64_t)i * rpad] = r < rows ? (uint32_t)src[2 * i] | (uint32_t)src[2 * i + 1] << 16 : 0u;
-            continue;
-        }
         if (r >= rows) {
             for (int d = 0; d < D; d++) column[(int64_t)d * rpad] = 0.0f;
             continue;
