@@ -334,22 +334,26 @@ static void start_tile_rows(const AttnParams *p, const Item *it, Work *w, int ro
 }
 
 #if HAVE_BF16_DOT
-/* A tile's Q^T as bf16 pairs qp [D / 2][rpad], zero in the padding rows: 16 rows at a time,
- * loaded as rows and transposed in registers (D is a multiple of NV * VL = 32 here, as
- * ragserve_paged_attention requires).
+/* A tile's Q^T as bf16 pairs, zero in the padding rows, in blocks of `block` rows: qp holds
+ * each block's [D / 2][block] in turn (block = rpad: the whole tile as [D / 2][rpad]; the AMX
+ * tiles take blocks of AMX_BLOCK_ROWS). 16 rows at a time, loaded as rows and transposed in
+ * registers (D is a multiple of NV * VL = 32 here, as ragserve_paged_attention requires).
  * NOTE: written a row at a time, each row's 32 pairs went to 32 cache lines a column apart:
  * 11% of a prefill's attention over 16 prompts of 256 tokens. */
-static void query_pairs(const AttnParams *p, const Operands *ops, const Item *it, Work *w, int rows, int rpad) {
+static void query_pairs(const AttnParams *p, const Operands *ops, const Item *it, Work *w, int rows, int rpad,
+                        int block) {
     const int pairs = p->head_dim / 2;
     for (int r0 = 0; r0 < rpad; r0 += 16) {
-        const uint16_t *src[16];
+        const uint32_t *src[16];
         for (int i = 0; i < 16; i++)
-            src[i] = r0 + i < rows ? (const uint16_t *)ops->q + query_offset(p, ops, it, r0 + i) : NULL;
+            src[i] = r0 + i < rows ? (const uint32_t *)((const uint16_t *)ops->q + query_offset(p, ops, it, r0 + i))
+                                   : (const uint32_t *)ZERO_ROW;
+        uint32_t *dst = w->qp + (int64_t)(r0 / block) * pairs * block + r0 % block;
         for (int c0 = 0; c0 < pairs; c0 += 16) {
             __m512i t[16];
-            for (int i = 0; i < 16; i++) t[i] = src[i] != NULL ? _mm512_loadu_si512(src[i] + 2 * c0) : _mm512_setzero_si512();
+            for (int i = 0; i < 16; i++) t[i] = _mm512_loadu_si512(src[i] + c0);
             transpose_16x16(t);
-            for (int j = 0; j < 16; j++) _mm512_storeu_si512(w->qp + (int64_t)(c0 + j) * rpad + r0, t[j]);
+            for (int j = 0; j < 16; j++) _mm512_storeu_si512(dst + (int64_t)(c0 + j) * block, t[j]);
         }
     }
 }
@@ -362,7 +366,7 @@ static void tile_queries(const AttnParams *p, const Operands *ops, const Item *i
                          int dot) {
 #if HAVE_BF16_DOT
     if (dot) {
-        query_pairs(p, ops, it, w, rows, rpad);
+        query_pairs(p, ops, it, w, rows, rpad, rpad);
         start_tile_rows(p, it, w, rows, rpad);
         return;
     }
@@ -729,26 +733,11 @@ static void amx_pack_job(const AttnParams *p, const Operands *ops, const AmxPack
     amx_pack_vt(vrow, n, vs, D, (const uint16_t *)ZERO_ROW, pack->vt + pack->v_offset[s] + h * D * vs + j0);
 }
 
-/* A tile's queries for run_tile_amx: Q^T as bf16 pairs, row block by row block
- * (qp + (r / 32) * (D / 2) * 32 holds block r / 32's [D / 2][32]), zero past `rows`; each
- * row's last visible key in lim (INT32_MAX for padding), and m/l reset. 16 rows' pairs at a
- * time go through one 16 x 16 transpose. */
+/* A tile's queries for run_tile_amx: Q^T as bf16 pairs in row blocks of AMX_BLOCK_ROWS
+ * (query_pairs); each row's last visible key in lim (INT32_MAX for padding), m/l reset. */
 static void amx_tile_queries(const AttnParams *p, const Operands *ops, const Item *it, Work *w, int rows,
                              int rpad) {
-    const int D = p->head_dim;
-    for (int r0 = 0; r0 < rpad; r0 += 16) {
-        const uint32_t *src[16];
-        for (int i = 0; i < 16; i++)
-            src[i] = r0 + i < rows ? (const uint32_t *)((const uint16_t *)ops->q + query_offset(p, ops, it, r0 + i))
-                                   : (const uint32_t *)ZERO_ROW;
-        uint32_t *dst = w->qp + (int64_t)(r0 / AMX_BLOCK_ROWS) * (D / 2) * AMX_BLOCK_ROWS + r0 % AMX_BLOCK_ROWS;
-        for (int i0 = 0; i0 < D / 2; i0 += 16) {
-            __m512i t[16];
-            for (int i = 0; i < 16; i++) t[i] = _mm512_loadu_si512(src[i] + i0);
-            transpose_16x16(t);
-            for (int i = 0; i < 16; i++) _mm512_storeu_si512(dst + (int64_t)(i0 + i) * AMX_BLOCK_ROWS, t[i]);
-        }
-    }
+    query_pairs(p, ops, it, w, rows, rpad, AMX_BLOCK_ROWS);
     start_tile_rows(p, it, w, rows, rpad);
 }
 
