@@ -18,14 +18,20 @@ read a panel of outputs' weights as contiguous runs, and MKL multiplies prefill 
 that layout as fast or faster, bit-identically to the plain layout (see
 :func:`kept_transposed`'s note).
 
-Where the CPU has no AMX and oneDNN multiplies float32 faster than bf16 (timed once per
+Where the weight is paired, products of many rows (prefill chunks) run over the pairs too
+(:func:`pairs_linear`), and the MLP's gate/up product takes SiLU in the same pass
+(:func:`pairs_silu_mul`): on a 2-core AVX-512 BF16 EPYC, SmolLM2's four projections with
+SiLU took 0.90x the time of oneDNN's products over the packed weight and a separate SiLU
+pass, and a weight that is paired needs no packed copy.
+
+Where the CPU has no AMX and float32 products run faster than its bf16 ones (timed once per
 process, :func:`float32_products_faster`), bf16 products of many rows (prefill chunks) run
 in float32 over a float32 copy of the weight (:func:`wide_linear`): on a Xeon with
 AVX-512 BF16 and no AMX, oneDNN's bf16 path ran at about 0.6x its float32 rate.
 
-A packed or widened weight is a copy: it costs the weight's size again (twice, widened) in
-memory and goes stale when the plain weight changes, so whoever writes weights packs again
-afterwards."""
+A packed, paired or widened weight is a copy: it costs the weight's size again (twice,
+widened) in memory and goes stale when the plain weight changes, so whoever writes weights
+packs again afterwards."""
 
 from __future__ import annotations
 
@@ -104,7 +110,8 @@ ENV_WIDE = "RAGSERVE_CPU_BF16_WIDE"
 @functools.cache
 def float32_products_faster() -> bool:
     """Whether a bf16 prefill-sized product (256 rows through a SmolLM2 MLP projection) runs
-    faster as :func:`wide_linear` than over the packed bf16 weight here, best of 5 each,
+    faster as :func:`wide_linear` than in bf16 here (over the paired weight where the CPU
+    pairs, :func:`pairs_apply`, else the packed one), best of 5 each,
     interleaved (about 50 ms, once per process). ``RAGSERVE_CPU_BF16_WIDE=1`` or ``0``
     decides instead."""
     forced = os.environ.get(ENV_WIDE, "")
@@ -113,10 +120,13 @@ def float32_products_faster() -> bool:
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(256, 576, generator=generator).bfloat16()
     weight = torch.randn(1536, 576, generator=generator).bfloat16()
-    packed = pack_weight(weight) if can_pack(weight) else None
+    paired = pair_weight(weight) if pairs_apply(weight) else None
+    packed = pack_weight(weight) if paired is None and can_pack(weight) else None
     wide = widen_weight(weight)
 
     def bf16() -> torch.Tensor:
+        if paired is not None:
+            return pairs_linear(x, paired, None, weight.shape[0])
         return F.linear(x, weight) if packed is None else packed_linear(x, packed, None)
 
     best = {"bf16": math.inf, "float32": math.inf}
@@ -276,6 +286,66 @@ def multiplies_natively(rows: int, dtype: torch.dtype, paired: bool) -> bool:
     )
 
 
+def pairs_linear(
+    x: torch.Tensor, pairs: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    """``x @ weight.T + bias`` for bf16 rows ``x [..., in]`` of any count, over the weight's
+    paired copy (:func:`pair_weight`) of ``out_features`` outputs: decode steps split by
+    panels, longer products (prefill chunks) by rows (``csrc/cpu_pairs_linear.c``). A row's
+    result is the same bits whatever the other rows are."""
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    out = torch.empty((rows.shape[0], out_features), dtype=torch.bfloat16)
+    _call_paired("ragserve_pairs_linear_bf16", rows, out_features, pairs, bias, out)
+    return out.reshape(*x.shape[:-1], out_features)
+
+
+def pairs_silu_mul(
+    x: torch.Tensor, pairs: torch.Tensor, bias: torch.Tensor | None, intermediate_size: int
+) -> torch.Tensor:
+    """``silu(gate) * up`` of ``[gate | up] = x @ weight.T + bias`` for bf16 rows ``x [rows,
+    in]``, ``pairs`` the paired ``[2 * intermediate_size, in]`` gate/up weight: one pass
+    with the same bits as :func:`pairs_linear` and a separate SiLU pass, the product never
+    stored (``csrc/cpu_pairs_linear.c``). ``intermediate_size`` must be whole panels
+    (:func:`fuses_silu_mul`)."""
+    if intermediate_size % PAIR_PANEL or pairs.shape[0] * PAIR_PANEL != 2 * intermediate_size:
+        raise ValueError(
+            f"no fused SiLU over {pairs.shape[0]} panels for {intermediate_size} intermediates"
+        )
+    rows = x.contiguous()
+    out = torch.empty((rows.shape[0], intermediate_size), dtype=torch.bfloat16)
+    _call_paired("ragserve_pairs_silu_mul_bf16", rows, intermediate_size, pairs, bias, out)
+    return out
+
+
+def fuses_silu_mul(intermediate_size: int) -> bool:
+    """Whether :func:`pairs_silu_mul` takes an MLP of ``intermediate_size``: whole panels, so
+    that no panel holds both gate and up outputs."""
+    return intermediate_size % PAIR_PANEL == 0
+
+
+def _call_paired(
+    name: str,
+    rows: torch.Tensor,
+    n_out: int,
+    pairs: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+) -> None:
+    library = cpu_native.load()
+    assert library is not None
+    status = getattr(library, name)(
+        rows.shape[0],
+        n_out,
+        rows.shape[1],
+        rows.data_ptr(),
+        pairs.data_ptr(),
+        None if bias is None else bias.contiguous().data_ptr(),
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    assert status == 0, (name, status)
+
+
 def small_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -290,8 +360,6 @@ def small_linear(
     assert library is not None
     rows, k_in = x.shape
     n_out = weight.shape[0]
-    out = torch.empty((rows, n_out), dtype=x.dtype)
-    source = weight
     if x.dtype != torch.bfloat16:
         kernel = library.ragserve_small_linear
     elif rows <= BF16_SMALL_LINEAR_MAX_ROWS:
@@ -302,13 +370,14 @@ def small_linear(
         expected = (-(-n_out // PAIR_PANEL), k_in // 2, PAIR_PANEL)
         if pairs is None or pairs.dtype != torch.int32 or tuple(pairs.shape) != expected:
             raise ValueError(f"{rows} bf16 rows need the weight's paired copy {expected}")
-        kernel, source = library.ragserve_pairs_linear_bf16, pairs.contiguous()
+        return pairs_linear(x, pairs.contiguous(), bias, n_out)
+    out = torch.empty((rows, n_out), dtype=x.dtype)
     status = kernel(
         rows,
         n_out,
         k_in,
         x.data_ptr(),
-        source.data_ptr(),
+        weight.data_ptr(),
         None if bias is None else bias.contiguous().data_ptr(),
         out.data_ptr(),
         torch.get_num_threads(),

@@ -184,6 +184,8 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
     library.ragserve_amx_linear_bf16.restype = ctypes.c_int
     library.ragserve_pairs_linear_bf16.argtypes = library.ragserve_small_linear.argtypes
     library.ragserve_pairs_linear_bf16.restype = ctypes.c_int
+    library.ragserve_pairs_silu_mul_bf16.argtypes = library.ragserve_small_linear.argtypes
+    library.ragserve_pairs_silu_mul_bf16.restype = ctypes.c_int
     library.ragserve_decoder_stack.argtypes = [pointer]
     library.ragserve_argmax_rows.argtypes = [int32, int64, int64, pointer, int64, pointer, int32]
     library.ragserve_argmax_rows.restype = ctypes.c_int

@@ -21,7 +21,7 @@ typedef struct {
 
 #define SMALL_LINEAR_MAX_ROWS 64
 #define BF16_SMALL_LINEAR_MAX_ROWS 2
-#define PAIRS_LINEAR_MAX_ROWS 32 /* cpu_pairs_linear.c; mirrored by kernels/cpu_linear.py */
+#define PAIRS_LINEAR_MAX_ROWS 32 /* rows of the native decoder stack's paired products; as kernels/cpu_linear.py */
 #define PAIR_PANEL 48
 
 int ragserve_paged_attention(const AttnParams *p, const void *q, int64_t q_token_stride, const void *key,
@@ -41,6 +41,8 @@ int ragserve_argmax_rows(int is_bf16, int64_t rows, int64_t cols, const void *x,
                          int threads);
 int ragserve_pairs_linear_bf16(int64_t rows, int64_t n_out, int64_t k_in, const uint16_t *x, const uint32_t *wp,
                                const uint16_t *bias, uint16_t *out, int threads);
+int ragserve_pairs_silu_mul_bf16(int64_t rows, int64_t inter, int64_t k_in, const uint16_t *x, const uint32_t *wp,
+                                 const uint16_t *bias, uint16_t *out, int threads);
 int ragserve_amx_linear_bf16(int64_t rows, int64_t n_out, int64_t k_in, const uint16_t *x, const uint16_t *w,
                              const uint16_t *bias, uint16_t *out, int threads);
 

@@ -29,14 +29,6 @@ static inline void store_any(void *p, int64_t i, vf x, int is_bf16) {
     else storeu((float *)p + i, x);
 }
 
-/* What a bf16 tensor op would have stored: x rounded to bf16 (float32: x itself). */
-static inline vf round_as(vf x, int is_bf16) {
-    if (!is_bf16) return x;
-    vu bits = (vu)x;
-    bits += 0x7FFFu + ((bits >> 16) & 1u);
-    return (vf)(bits & 0xFFFF0000u);
-}
-
 /* out = weight * dtype(s * rsqrt(mean(s^2) + eps)) per row, where s = residual + x (stored
  * back into residual) or, with x NULL, s = residual. Rows are `cols` long and contiguous;
  * cols is a multiple of VL. */
@@ -73,8 +65,7 @@ int ragserve_silu_mul(int is_bf16, int64_t rows, int64_t inter, const void *gate
         for (int64_t c = 0; c < inter; c += VL) {
             vf g = load_any(gate_up, r * stride + c, is_bf16);
             vf u = load_any(gate_up, r * stride + inter + c, is_bf16);
-            vf act = round_as(g / (1.0f + vexp(-g)), is_bf16);
-            store_any(out, r * inter + c, act * u, is_bf16);
+            store_any(out, r * inter + c, silu_times(g, u, is_bf16), is_bf16);
         }
     }
     return 0;

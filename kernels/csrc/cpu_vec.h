@@ -120,6 +120,12 @@ static inline void store_bf16(uint16_t *p, vf x) {
     *(vh *)p = __builtin_convertvector(round_bf16_bits(x) >> 16, vh);
 }
 
+/* What a bf16 tensor op would have stored: x rounded to bf16 (float32: x itself). */
+static inline vf round_as(vf x, int is_bf16) {
+    if (!is_bf16) return x;
+    return (vf)(round_bf16_bits(x) & 0xFFFF0000u);
+}
+
 #if VL == 16
 /* Transpose 16 x 16 32-bit elements in place: r[i] lane j becomes r[j] lane i. */
 static inline void transpose_16x16(__m512i r[16]) {
@@ -163,6 +169,13 @@ static inline vf vexp(vf x) {
     p = p * r * r + r + 1.0f;
     vf y = (vf)((vi)p + (__builtin_convertvector(n, vi) << 23));
     return vselect(big, splat(INFINITY), y);
+}
+
+/* silu(g) * u as a tensor op of the dtype takes it: the activation rounded first. One
+ * definition for the separate pass and the pass fused into the gate/up product, so that
+ * both give the same bits. */
+static inline vf silu_times(vf g, vf u, int is_bf16) {
+    return round_as(g / (1.0f + vexp(-g)), is_bf16) * u;
 }
 
 #endif

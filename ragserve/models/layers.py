@@ -15,14 +15,18 @@ from torch import nn
 
 from kernels import cpu_layer_ops
 from kernels.cpu_linear import (
+    PAIRS_LINEAR_MAX_ROWS,
     WIDE_MIN_ROWS,
     can_pack,
     empty_weight,
+    fuses_silu_mul,
     kept_transposed,
     pack_weight,
     packed_linear,
     pair_weight,
     pairs_apply,
+    pairs_linear,
+    pairs_silu_mul,
     small_linear,
     small_linear_usable,
     store_transposed,
@@ -60,7 +64,8 @@ class Linear(nn.Module):
 
     float32 CPU weights are stored transposed (``weight.t()`` contiguous), as the native
     products of a few rows read them. After :meth:`pack_for_cpu`, bf16 CPU weights run from a
-    prepacked oneDNN copy (``kernels/cpu_linear.py``); ``weight`` stays the source of truth.
+    copy paired for AVX-512 BF16 or else a prepacked oneDNN copy (``kernels/cpu_linear.py``);
+    ``weight`` stays the source of truth.
     """
 
     def __init__(
@@ -89,10 +94,10 @@ class Linear(nn.Module):
         self.pairs: torch.Tensor | None = None  # bf16 products of a few rows, see pack_for_cpu
 
     def pack_for_cpu(self, widen: bool = True, pair: bool = True) -> None:
-        """Prepack the weight when it can be (bf16 on the CPU), with ``pair`` keep it in
-        pairs for the native products of a few rows where the CPU has AVX-512 BF16 and no
-        AMX (``pairs``), and, with ``widen``, keep a float32 copy for long products where this
-        CPU runs them faster so (``kernels/cpu_linear.py``); else drop any old copies. A
+        """With ``pair``, keep a bf16 CPU weight in pairs for the native products where the
+        CPU has AVX-512 BF16 and no AMX (``pairs``), else prepack it for oneDNN when it can be;
+        with ``widen``, keep a float32 copy for long products where this CPU runs them faster
+        so (``kernels/cpu_linear.py``); else drop any old copies. A
         float32 CPU weight given a plain layout (``weight.data = ...``) is stored transposed
         again.
 
@@ -100,22 +105,47 @@ class Linear(nn.Module):
         """
         if kept_transposed(self.weight) and not self.weight.t().is_contiguous():
             self.weight.data = store_transposed(self.weight.data)
-        self._packed = pack_weight(self.weight) if can_pack(self.weight) else None
-        self._wide = widen_weight(self.weight) if widen and widens(self.weight) else None
         self.pairs = pair_weight(self.weight) if pair and pairs_apply(self.weight) else None
+        self._wide = widen_weight(self.weight) if widen and widens(self.weight) else None
+        # NOTE: a paired weight multiplies every row count over its pairs (or widened).
+        packs = self.pairs is None and can_pack(self.weight)
+        self._packed = pack_weight(self.weight) if packs else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if small_linear_usable(x, self.weight, self.pairs):
             return small_linear(x, self.weight, self.bias, self.pairs)
-        if (
-            self._wide is not None
-            and x.dtype == self.weight.dtype
-            and x.numel() >= WIDE_MIN_ROWS * self.in_features
-        ):
-            return wide_linear(x, self._wide, self.bias)
+        if self.widens_rows(x):
+            return wide_linear(x, self._wide, self.bias)  # type: ignore[arg-type]
+        if self.pairs is not None and x.dtype == self.weight.dtype:
+            return pairs_linear(x, self.pairs, self.bias, self.out_features)
         if self._packed is not None and x.dtype == self.weight.dtype:
             return packed_linear(x, self._packed, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+    def widens_rows(self, x: torch.Tensor) -> bool:
+        """Whether ``x``'s product runs in float32 over the widened copy (long bf16 products
+        where this CPU multiplies float32 faster)."""
+        return (
+            self._wide is not None
+            and x.dtype == self.weight.dtype
+            and x.numel() >= WIDE_MIN_ROWS * self.in_features
+        )
+
+    def pairs_silu_mul(self, x: torch.Tensor, intermediate_size: int) -> torch.Tensor | None:
+        """``silu(gate) * up`` of this gate/up projection of ``x [rows, in]`` in one pass
+        where its bf16 product of ``x`` runs over the pairs for more rows than a decode step
+        (``kernels/cpu_linear.py``, :func:`pairs_silu_mul`), the same bits as the product and
+        a separate SiLU pass; else None."""
+        if (
+            self.pairs is None
+            or x.dim() != 2
+            or x.dtype != self.weight.dtype
+            or x.shape[0] <= PAIRS_LINEAR_MAX_ROWS
+            or not fuses_silu_mul(intermediate_size)
+            or self.widens_rows(x)
+        ):
+            return None
+        return pairs_silu_mul(x, self.pairs, self.bias, intermediate_size)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"

@@ -41,6 +41,7 @@ from kernels.cpu_linear import (
     packed_linear,
     pair_weight,
     pairs_apply,
+    pairs_linear,
     small_linear,
     small_linear_usable,
     store_transposed,
@@ -281,6 +282,10 @@ class LlamaMLP(nn.Module):
         )
 
     def forward(self, hidden: torch.Tensor | QuantizedRows) -> torch.Tensor:
+        if isinstance(self.gate_up_proj, Linear) and isinstance(hidden, torch.Tensor):
+            activated = self.gate_up_proj.pairs_silu_mul(hidden, self.intermediate_size)
+            if activated is not None:
+                return self.down_proj(activated)
         gate_up = self.gate_up_proj(hidden)
         if _quantizes_input(self.down_proj, gate_up.shape[0]):
             codes, scales = fused_fp8_ops().silu_and_mul_quant(gate_up)
@@ -507,6 +512,8 @@ class LlamaForCausalLM(nn.Module):
         small = self._transposed_tied_head if self._transposed_tied_head is not None else weight
         if small_linear_usable(hidden, small, self._paired_tied_head):
             return small_linear(hidden, small, None, self._paired_tied_head).float()
+        if self._paired_tied_head is not None and hidden.dtype == weight.dtype:
+            return pairs_linear(hidden, self._paired_tied_head, None, weight.shape[0]).float()
         if self._packed_tied_head is not None and hidden.dtype == weight.dtype:
             return packed_linear(hidden, self._packed_tied_head, None).float()
         return F.linear(hidden, weight).float()
@@ -517,10 +524,10 @@ class LlamaForCausalLM(nn.Module):
 
         Packing is a no-op for other dtypes and devices. ``load_weights`` calls it; call it
         again after writing weights any other way. Costs one extra copy of those weights in
-        memory (two where the CPU has AVX-512 BF16 and no AMX: products of a few rows read a
-        paired copy, kept while the copies take at most ``PAIRS_MAX_BYTES``), and where long
-        bf16 products run in float32 a float32 copy of the projections too, unless that
-        would pass ``WIDE_MAX_BYTES``. A float32 model whose
+        memory: paired where the CPU has AVX-512 BF16 and no AMX (while the copies take at
+        most ``PAIRS_MAX_BYTES``), else packed for oneDNN; and where long bf16 products run in
+        float32 a float32 copy of the projections too, unless that would pass
+        ``WIDE_MAX_BYTES``. A float32 model whose
         LM head is its embedding keeps a transposed copy of it for the native products of a
         few rows (the projections are stored transposed already, see ``Linear``).
         """
@@ -537,9 +544,13 @@ class LlamaForCausalLM(nn.Module):
             module.pack_for_cpu(widen, pair)
         self.model.native_weights = None  # gathered again from the weights as they are now
         tied = self.model.embed_tokens.weight if self.lm_head is None else None
-        self._packed_tied_head = pack_weight(tied) if tied is not None and can_pack(tied) else None
         self._paired_tied_head = (
             pair_weight(tied) if pair and tied is not None and pairs_apply(tied) else None
+        )
+        self._packed_tied_head = (
+            pack_weight(tied)
+            if tied is not None and self._paired_tied_head is None and can_pack(tied)
+            else None
         )
         self._transposed_tied_head = (
             store_transposed(tied)

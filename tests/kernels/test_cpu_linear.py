@@ -1,6 +1,7 @@
 """CPU linears: prepacked bf16 weights and the native float32 products of a few rows (over
-weights stored transposed) give the same numbers as ``F.linear``; packed weights are packed
-again after every load."""
+weights stored transposed) give the same numbers as ``F.linear``; paired bf16 products give
+every row its decode bits at any row count, SiLU fused in or not; copies are made again
+after every load."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_native
+from kernels.cpu_layer_ops import silu_and_mul
 from kernels.cpu_linear import (
     AMX_LINEAR_MAX_ROWS,
     BF16_SMALL_LINEAR_MAX_ROWS,
@@ -23,10 +25,13 @@ from kernels.cpu_linear import (
     SMALL_LINEAR_MAX_ROWS,
     WIDE_MIN_ROWS,
     can_pack,
+    fuses_silu_mul,
     pack_weight,
     packed_linear,
     pair_weight,
     pairs_apply,
+    pairs_linear,
+    pairs_silu_mul,
     small_linear,
     small_linear_usable,
     store_transposed,
@@ -59,9 +64,10 @@ def test_packed_linear_is_bit_identical_to_linear(rows: int, with_bias: bool) ->
 
 
 @needs_bf16_onednn
-def test_a_packed_layer_gives_every_chunk_length_the_same_numbers() -> None:
-    """Chunks of ``WIDE_MIN_ROWS`` rows or more: bf16's product, or float32's rounded once
-    where this CPU widens; fewer rows: bf16's product."""
+def test_a_bf16_layer_gives_every_chunk_length_the_same_numbers() -> None:
+    """Chunks of ``WIDE_MIN_ROWS`` rows or more: float32's product rounded once where this
+    CPU widens, else the paired product (each row the bits it has in a decode step) or
+    oneDNN's (``F.linear``'s bits); fewer rows: the product of a few rows."""
     layer = Linear(576, 48, bias=True, device=torch.device("cpu"), dtype=torch.bfloat16)
     generator = torch.Generator().manual_seed(3)
     layer.weight.copy_(torch.randn(48, 576, generator=generator))
@@ -69,6 +75,8 @@ def test_a_packed_layer_gives_every_chunk_length_the_same_numbers() -> None:
     layer.pack_for_cpu()
     rows = torch.randn(2100, 576, generator=generator).to(torch.bfloat16)
     in_bf16 = F.linear(rows, layer.weight, layer.bias)
+    if layer.pairs is not None:
+        in_bf16 = torch.cat([layer(chunk) for chunk in rows.split(PAIRS_LINEAR_MAX_ROWS)])
     wide = F.linear(rows.float(), layer.weight.float(), layer.bias.float()).bfloat16()  # type: ignore[union-attr]
     long_chunks = wide if widens(layer.weight) else in_bf16
     for length in (2100, 1536, 200, WIDE_MIN_ROWS):
@@ -107,23 +115,32 @@ def test_repacking_follows_a_changed_weight() -> None:
 
 @needs_bf16_onednn
 @pytest.mark.parametrize("arch", ["llama", "llama-tied"])
-def test_loaded_bf16_model_is_packed_and_unchanged(tmp_path: Path, arch: str) -> None:
-    """load_weights packs every projection and the LM head; logits equal the plain path's."""
+def test_loaded_bf16_model_keeps_one_copy_and_the_same_numbers(tmp_path: Path, arch: str) -> None:
+    """load_weights pairs every projection and the LM head where the CPU pairs, else packs
+    them; packed logits equal the plain path's, paired ones its float32 sums rounded once."""
     model = load_model(make_tiny_model(tmp_path, arch), device="cpu", dtype="bfloat16").model
     assert isinstance(model, LlamaForCausalLM)
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    assert linears and all(m._packed is not None for m in linears)
+    paired = pairs_apply(linears[0].weight)
+    assert linears and all((m.pairs is not None) == paired for m in linears)
+    assert all((m._packed is None) == paired for m in linears)
     assert (model.lm_head is None) == (arch == "llama-tied")
-    assert (model._packed_tied_head is not None) == (arch == "llama-tied")
-    hidden = torch.randn(3, model.shape.hidden_size).to(torch.bfloat16)
-    packed_logits = model.compute_logits(hidden)
+    head = model._paired_tied_head if paired else model._packed_tied_head
+    assert (head is not None) == (arch == "llama-tied")
+    hidden = torch.randn(40, model.shape.hidden_size).to(torch.bfloat16)
+    logits = model.compute_logits(hidden)
     projected = [m(hidden[:, : m.in_features]) for m in linears if m.in_features == hidden.shape[1]]
     for m in linears:
-        m._packed = None
-    model._packed_tied_head = None
-    assert torch.equal(packed_logits, model.compute_logits(hidden))
+        m._packed = m.pairs = None
+    model._packed_tied_head = model._paired_tied_head = None
     plain = [m(hidden[:, : m.in_features]) for m in linears if m.in_features == hidden.shape[1]]
-    assert all(torch.equal(a, b) for a, b in zip(projected, plain, strict=True))
+    if paired:
+        torch.testing.assert_close(model.compute_logits(hidden), logits, rtol=2**-7, atol=1e-2)
+        for a, b in zip(projected, plain, strict=True):
+            torch.testing.assert_close(a, b, rtol=2**-7, atol=1e-2)
+    else:
+        assert torch.equal(logits, model.compute_logits(hidden))
+        assert all(torch.equal(a, b) for a, b in zip(projected, plain, strict=True))
 
 
 needs_native = pytest.mark.skipif(
@@ -288,6 +305,63 @@ def test_paired_rows_do_not_depend_on_their_batch() -> None:
     whole = small_linear(x, weight, None, pairs)
     for start, stop in ((0, 3), (5, 21), (29, PAIRS_LINEAR_MAX_ROWS)):
         assert torch.equal(small_linear(x[start:stop], weight, None, pairs), whole[start:stop])
+
+
+@needs_pairs
+@pytest.mark.parametrize("rows", [PAIRS_LINEAR_MAX_ROWS + 1, 47, 300, 2100])
+@pytest.mark.parametrize("shape", [(100, 576), (PAIR_PANEL, 1536)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_paired_products_of_many_rows_give_each_row_its_decode_bits(
+    rows: int, shape: tuple[int, int], with_bias: bool
+) -> None:
+    """Prefill chunks split by rows, in blocks (2,100 rows: several blocks a thread and a
+    last partial tile; 100 outputs: a partial panel), take the same sums as decode steps."""
+    n_out, k_in = shape
+    generator = torch.Generator().manual_seed(rows + n_out)
+    weight = torch.randn(n_out, k_in, generator=generator).bfloat16()
+    bias = torch.randn(n_out, generator=generator).bfloat16() if with_bias else None
+    x = torch.randn(rows, k_in, generator=generator).bfloat16()
+    pairs = pair_weight(weight)
+    out = pairs_linear(x, pairs, bias, n_out)
+    chunks = [small_linear(c, weight, bias, pairs) for c in x.split(PAIRS_LINEAR_MAX_ROWS)]
+    assert out.shape == (rows, n_out) and torch.equal(out, torch.cat(chunks))
+    batched = pairs_linear(x.view(1, rows, k_in), pairs, bias, n_out)
+    assert batched.shape == (1, rows, n_out) and torch.equal(batched[0], out)
+
+
+@needs_pairs
+@pytest.mark.parametrize("rows", [1, PAIRS_LINEAR_MAX_ROWS + 1, 300, 2100])
+@pytest.mark.parametrize("intermediate_size", [PAIR_PANEL, 1536])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_silu_fused_into_the_gate_up_product_gives_the_separate_passes_bits(
+    rows: int, intermediate_size: int, with_bias: bool
+) -> None:
+    generator = torch.Generator().manual_seed(rows + intermediate_size)
+    weight = torch.randn(2 * intermediate_size, 576, generator=generator).bfloat16()
+    weight *= 0.1  # activations of both signs and sizes, SiLU's curve and both its tails
+    bias = torch.randn(2 * intermediate_size, generator=generator).bfloat16() if with_bias else None
+    x = torch.randn(rows, 576, generator=generator).bfloat16()
+    pairs = pair_weight(weight)
+    separate = silu_and_mul(pairs_linear(x, pairs, bias, 2 * intermediate_size))
+    fused = pairs_silu_mul(x, pairs, bias, intermediate_size)
+    assert fused.shape == (rows, intermediate_size) and torch.equal(fused, separate)
+
+
+@needs_pairs
+def test_silu_is_fused_only_over_whole_panels() -> None:
+    assert fuses_silu_mul(2 * PAIR_PANEL) and not fuses_silu_mul(PAIR_PANEL + 16)
+    weight = torch.randn(2 * (PAIR_PANEL + 16), 64).bfloat16()
+    with pytest.raises(ValueError, match="no fused SiLU"):
+        pairs_silu_mul(torch.randn(40, 64).bfloat16(), pair_weight(weight), None, PAIR_PANEL + 16)
+    layer = Linear(
+        64, 2 * (PAIR_PANEL + 16), bias=False, device=torch.device("cpu"), dtype=torch.bfloat16
+    )
+    layer.weight.copy_(weight)
+    layer.pack_for_cpu()
+    assert layer.pairs_silu_mul(torch.randn(40, 64).bfloat16(), PAIR_PANEL + 16) is None
+    assert (
+        layer.pairs_silu_mul(torch.randn(PAIRS_LINEAR_MAX_ROWS, 64).bfloat16(), PAIR_PANEL) is None
+    )
 
 
 @needs_pairs
