@@ -185,7 +185,9 @@ static int64_t block_rows(int64_t k_in) {
 
 /* Many rows (prefill chunks): each thread its own rows (whole tiles), block by block, each
  * block over every panel: a panel comes from L3 once per block, the block's rows from L2
- * once per panel. */
+ * once per panel. Each panel's tiles prefetch the next panel, as in split_by_panels: 256
+ * rows (one block a thread, the weights of 30 layers from memory) took 0.88-0.90x the time,
+ * 2,048-4,096 rows 0.98-1.03x. */
 static void split_by_rows(const Product *job, int64_t rows, int threads) {
     const int64_t panels = product_panels(job), block = block_rows(2 * job->pairs);
 #pragma omp parallel num_threads(threads)
@@ -196,7 +198,9 @@ static void split_by_rows(const Product *job, int64_t rows, int threads) {
         const int64_t last = tiles * (me + 1) / team * PAIR_TILE_ROWS < rows ? tiles * (me + 1) / team * PAIR_TILE_ROWS
                                                                              : rows;
         for (int64_t b0 = first; b0 < last; b0 += block)
-            for (int64_t p = 0; p < panels; p++) product_panel(job, p, b0, b0 + block < last ? b0 + block : last, NULL);
+            for (int64_t p = 0; p < panels; p++)
+                product_panel(job, p, b0, b0 + block < last ? b0 + block : last,
+                              p + 1 < panels ? (const char *)(job->wp + (p + 1) * job->pairs * PAIR_PANEL) : NULL);
     }
 }
 
