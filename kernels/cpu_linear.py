@@ -1,8 +1,9 @@
 """Linear layers on the CPU: bfloat16 weights prepacked once into oneDNN's blocked layout,
 float32 weights laid out transposed, and products of a few rows (decode steps) through
-native kernels: float32 up to 64 rows and bf16 one or two rows (``csrc/cpu_small_linear.c``),
-bf16 up to 32 rows on AMX tiles where the CPU has them (``csrc/cpu_amx_linear.c``), else
-over a copy of the weight laid out in pairs for AVX-512 BF16 (``csrc/cpu_pairs_linear.c``).
+native kernels: float32 up to 64 rows (``csrc/cpu_small_linear.c``); bf16 over a copy of the
+weight laid out in pairs for AVX-512 BF16 where the CPU has no AMX (``csrc/cpu_pairs_linear.c``,
+any row count), else one or two rows streamed (``csrc/cpu_small_linear.c``) and up to 32 on
+AMX tiles (``csrc/cpu_amx_linear.c``).
 
 A decode step multiplies one token by every weight matrix, so it streams all the weights
 from memory once per step. ``F.linear`` on a plain bf16 weight reads them at ~14 GB/s on a
@@ -204,7 +205,10 @@ def store_transposed(weight: torch.Tensor) -> torch.Tensor:
 
 
 # NOTE: as csrc/cpu_small_linear.c's BF16_SMALL_LINEAR_MAX_ROWS: one or two bf16 rows
-# (decode steps of one or two sequences) stream the weights with vdpbf16ps.
+# (decode steps of one or two sequences) stream the plain weight with vdpbf16ps where it has
+# no paired copy. Over the paired copy they take 0.58-0.59x the time (SmolLM2's 30 layers
+# and LM head from memory, 28-30 against 16-17 GB/s, a 2-core AVX-512 BF16 EPYC): one
+# sequential stream a thread instead of eight short ones.
 BF16_SMALL_LINEAR_MAX_ROWS = 2
 # NOTE: up to this many bf16 rows (decode steps of many sequences, questions) multiply
 # natively: on AMX tiles (csrc/cpu_amx_linear.c) where the CPU has them, else over the weight
@@ -226,9 +230,8 @@ def max_rows(dtype: torch.dtype) -> int:
 
 
 def pairs_apply(weight: torch.Tensor) -> bool:
-    """True for a 2-D bf16 CPU weight whose products of more than two rows run over a
-    paired copy (:func:`pair_weight`): AVX-512 BF16 builds without AMX, ``in`` a multiple
-    of 32."""
+    """True for a 2-D bf16 CPU weight whose products run over a paired copy
+    (:func:`pair_weight`): AVX-512 BF16 builds without AMX, ``in`` a multiple of 32."""
     return (
         weight.device.type == "cpu"
         and weight.dtype == torch.bfloat16
@@ -362,15 +365,15 @@ def small_linear(
     n_out = weight.shape[0]
     if x.dtype != torch.bfloat16:
         kernel = library.ragserve_small_linear
-    elif rows <= BF16_SMALL_LINEAR_MAX_ROWS:
-        kernel = library.ragserve_small_linear_bf16
-    elif cpu_native.amx():
-        kernel = library.ragserve_amx_linear_bf16
-    else:
+    elif pairs is not None or not (rows <= BF16_SMALL_LINEAR_MAX_ROWS or cpu_native.amx()):
         expected = (-(-n_out // PAIR_PANEL), k_in // 2, PAIR_PANEL)
         if pairs is None or pairs.dtype != torch.int32 or tuple(pairs.shape) != expected:
             raise ValueError(f"{rows} bf16 rows need the weight's paired copy {expected}")
         return pairs_linear(x, pairs.contiguous(), bias, n_out)
+    elif rows <= BF16_SMALL_LINEAR_MAX_ROWS:
+        kernel = library.ragserve_small_linear_bf16
+    else:
+        kernel = library.ragserve_amx_linear_bf16
     out = torch.empty((rows, n_out), dtype=x.dtype)
     status = kernel(
         rows,

@@ -43,9 +43,9 @@ typedef struct { /* mirrored by kernels/cpu_decoder_stack.py */
 static int linear(const DecoderStack *s, int64_t n_out, int64_t k_in, const void *x, const void *w,
                   const void *pairs, const void *bias, void *out) {
     if (!s->is_bf16) return ragserve_small_linear(s->rows, n_out, k_in, x, w, bias, out, s->threads);
+    if (pairs != NULL) return ragserve_pairs_linear_bf16(s->rows, n_out, k_in, x, pairs, bias, out, s->threads);
     if (s->rows <= BF16_SMALL_LINEAR_MAX_ROWS)
         return ragserve_small_linear_bf16(s->rows, n_out, k_in, x, w, bias, out, s->threads);
-    if (pairs != NULL) return ragserve_pairs_linear_bf16(s->rows, n_out, k_in, x, pairs, bias, out, s->threads);
     return ragserve_amx_linear_bf16(s->rows, n_out, k_in, x, w, bias, out, s->threads);
 }
 

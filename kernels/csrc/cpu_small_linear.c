@@ -29,7 +29,8 @@
  * bf16 rows (AVX-512 BF16 builds): one or two rows stream the weights once with vdpbf16ps
  * (pairs along K, float32 sums, one rounding to bf16 at the end, as oneDNN's bf16 inner
  * product does); oneDNN's packed product takes 1.4-1.7x as long for one or two rows of
- * SmolLM2's projections and LM head on 2 AMX cores.
+ * SmolLM2's projections and LM head on 2 AMX cores. Weights with a paired copy (CPUs without
+ * AMX) take cpu_pairs_linear.c instead, which reads them faster.
  */
 #include <stdint.h>
 #include <stdlib.h>
