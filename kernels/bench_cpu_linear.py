@@ -1,12 +1,14 @@
-"""bf16 prefill products on the CPU, paired against oneDNN: ``python -m kernels.bench_cpu_linear``.
+"""bf16 products on the CPU, paired against the path without pairs: ``python -m kernels.bench_cpu_linear``.
 
-One repeat runs a SmolLM2-shaped MLP and attention projections for every layer of
+One repeat runs SmolLM2-shaped attention and MLP projections for every layer of
 ``--layers`` (random weights, so that they come from memory as in a model step) at each
-row count: ``paired`` multiplies over the weights laid out in pairs with SiLU fused into
-the gate/up product (``kernels/cpu_linear.py``), ``onednn`` over oneDNN's packed weights
-with a separate SiLU pass. The two alternate repeat by repeat; the table gives each one's
-median and best wall time, its GFLOP/s at the best, and the ratio of the medians. Needs a
-CPU whose bf16 products run paired (AVX-512 BF16 without AMX).
+row count: ``paired`` multiplies over the weights laid out in pairs, SiLU fused into the
+gate/up product past two rows (``kernels/cpu_linear.py``); ``unpaired`` runs what the
+weights take without a paired copy, one or two rows streaming the plain weight
+(``csrc/cpu_small_linear.c``), more over oneDNN's packed weight, each with a separate SiLU
+pass. The two alternate repeat by repeat; the table gives each one's median and best wall
+time, its GFLOP/s at the best, and the ratio of the medians. Needs a CPU whose bf16
+products run paired (AVX-512 BF16 without AMX).
 """
 
 from __future__ import annotations
@@ -44,28 +46,40 @@ def layer_weights(generator: torch.Generator) -> dict[str, torch.Tensor]:
 def paired_step(layers: list[dict[str, torch.Tensor]], rows: int) -> Callable[[], None]:
     pairs = [{name: cpu_linear.pair_weight(w) for name, w in layer.items()} for layer in layers]
     hidden = torch.randn(rows, HIDDEN).bfloat16()
+    fused = rows > cpu_linear.BF16_SMALL_LINEAR_MAX_ROWS
 
     def run() -> None:
         for layer in pairs:
             cpu_linear.pairs_linear(hidden, layer["qkv"], None, QKV)
             cpu_linear.pairs_linear(hidden, layer["o"], None, HIDDEN)
-            act = cpu_linear.pairs_silu_mul(hidden, layer["gate_up"], None, INTERMEDIATE)
+            if fused:
+                act = cpu_linear.pairs_silu_mul(hidden, layer["gate_up"], None, INTERMEDIATE)
+            else:
+                gate_up = cpu_linear.pairs_linear(hidden, layer["gate_up"], None, 2 * INTERMEDIATE)
+                act = cpu_layer_ops.silu_and_mul(gate_up)
             cpu_linear.pairs_linear(act, layer["down"], None, HIDDEN)
 
     return run
 
 
-def onednn_step(layers: list[dict[str, torch.Tensor]], rows: int) -> Callable[[], None]:
-    packed = [{name: cpu_linear.pack_weight(w) for name, w in layer.items()} for layer in layers]
+def unpaired_step(layers: list[dict[str, torch.Tensor]], rows: int) -> Callable[[], None]:
+    streamed = rows <= cpu_linear.BF16_SMALL_LINEAR_MAX_ROWS
+    weights = layers if streamed else [
+        {name: cpu_linear.pack_weight(w) for name, w in layer.items()} for layer in layers
+    ]  # fmt: skip
     hidden = torch.randn(rows, HIDDEN).bfloat16()
 
+    def product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if streamed:
+            return cpu_linear.small_linear(x, weight, None)
+        return cpu_linear.packed_linear(x, weight, None)
+
     def run() -> None:
-        for layer in packed:
-            cpu_linear.packed_linear(hidden, layer["qkv"], None)
-            cpu_linear.packed_linear(hidden, layer["o"], None)
-            gate_up = cpu_linear.packed_linear(hidden, layer["gate_up"], None)
-            act = cpu_layer_ops.silu_and_mul(gate_up)
-            cpu_linear.packed_linear(act, layer["down"], None)
+        for layer in weights:
+            product(hidden, layer["qkv"])
+            product(hidden, layer["o"])
+            act = cpu_layer_ops.silu_and_mul(product(hidden, layer["gate_up"]))
+            product(act, layer["down"])
 
     return run
 
@@ -76,7 +90,7 @@ def step_flops(rows: int, layers: int) -> float:
 
 
 def measure(rows: int, layers: list[dict[str, torch.Tensor]], repeats: int) -> dict[str, Any]:
-    steps = {"paired": paired_step(layers, rows), "onednn": onednn_step(layers, rows)}
+    steps = {"paired": paired_step(layers, rows), "unpaired": unpaired_step(layers, rows)}
     times: dict[str, list[float]] = {name: [] for name in steps}
     for step in steps.values():
         step()  # warm at this shape
@@ -92,15 +106,18 @@ def measure(rows: int, layers: list[dict[str, torch.Tensor]], repeats: int) -> d
         result[f"{name}_median_ms"] = statistics.median(samples) * 1e3
         result[f"{name}_best_ms"] = min(samples) * 1e3
         result[f"{name}_gflops"] = work / min(samples) / 1e9
-    result["paired_over_onednn"] = statistics.median(times["paired"]) / statistics.median(
-        times["onednn"]
+    result["unpaired_path"] = (
+        "streamed" if rows <= cpu_linear.BF16_SMALL_LINEAR_MAX_ROWS else "oneDNN + SiLU pass"
+    )
+    result["paired_over_unpaired"] = statistics.median(times["paired"]) / statistics.median(
+        times["unpaired"]
     )
     return result
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--rows", default="64,256,2048,4096", help="comma-separated row counts")
+    parser.add_argument("--rows", default="1,2,64,256,2048,4096", help="comma-separated row counts")
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=8)
     parser.add_argument("--json", default=None, help="write the results here")
@@ -116,13 +133,14 @@ def main(argv: list[str] | None = None) -> int:
     print_table(
         f"SmolLM2 projections and SiLU, {args.layers} layers, {torch.get_num_threads()} "
         "threads: wall ms, median / best (GFLOP/s at the best)",
-        ["rows", "paired", "oneDNN + SiLU pass", "paired / oneDNN"],
+        ["rows", "paired", "unpaired", "unpaired path", "paired / unpaired"],
         [
             [
                 r["rows"],
                 f"{r['paired_median_ms']:.1f} / {r['paired_best_ms']:.1f} ({r['paired_gflops']:.0f})",
-                f"{r['onednn_median_ms']:.1f} / {r['onednn_best_ms']:.1f} ({r['onednn_gflops']:.0f})",
-                f"{r['paired_over_onednn']:.3f}x",
+                f"{r['unpaired_median_ms']:.1f} / {r['unpaired_best_ms']:.1f} ({r['unpaired_gflops']:.0f})",
+                r["unpaired_path"],
+                f"{r['paired_over_unpaired']:.3f}x",
             ]
             for r in results
         ],

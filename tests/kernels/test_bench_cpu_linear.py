@@ -1,5 +1,6 @@
-"""``python -m kernels.bench_cpu_linear``: both product paths timed at every row count asked,
-their table printed and their figures written as JSON."""
+"""``python -m kernels.bench_cpu_linear``: the paired products and the path without pairs
+(streamed for one row, oneDNN for more) timed at every row count asked, their table printed
+and their figures written as JSON."""
 
 from __future__ import annotations
 
@@ -21,16 +22,17 @@ def test_bench_times_both_paths_at_each_row_count(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "linear.json"
-    argv = ["--rows", "40,64", "--layers", "2", "--repeats", "2", "--json", str(out)]
+    argv = ["--rows", "1,40", "--layers", "2", "--repeats", "2", "--json", str(out)]
     assert bench_cpu_linear.main(argv) == 0
     results = json.loads(out.read_text())["results"]
-    assert [r["rows"] for r in results] == [40, 64]
+    assert [r["rows"] for r in results] == [1, 40]
+    assert [r["unpaired_path"] for r in results] == ["streamed", "oneDNN + SiLU pass"]
     for r in results:
-        for path in ("paired", "onednn"):
+        for path in ("paired", "unpaired"):
             assert 0 < r[f"{path}_best_ms"] <= r[f"{path}_median_ms"]
             assert r[f"{path}_gflops"] > 0
-        assert r["paired_over_onednn"] == pytest.approx(
-            r["paired_median_ms"] / r["onednn_median_ms"]
+        assert r["paired_over_unpaired"] == pytest.approx(
+            r["paired_median_ms"] / r["unpaired_median_ms"]
         )
     table = capsys.readouterr().out
-    assert "paired / oneDNN" in table and "2 layers" in table
+    assert "paired / unpaired" in table and "2 layers" in table
