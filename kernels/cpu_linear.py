@@ -1,5 +1,5 @@
-"""Linear layers on the CPU: bfloat16 weights prepacked once into oneDNN's blocked layout,
-float32 weights laid out transposed, and products of a few rows (decode steps) through
+"""Linear layers on the CPU: bfloat16 weights paired for AVX-512 BF16 or else prepacked once
+into oneDNN's blocked layout, float32 weights laid out transposed, and products through
 native kernels: float32 up to 64 rows (``csrc/cpu_small_linear.c``); bf16 over a copy of the
 weight laid out in pairs for AVX-512 BF16 where the CPU has no AMX (``csrc/cpu_pairs_linear.c``,
 any row count), else one or two rows streamed (``csrc/cpu_small_linear.c``) and up to 32 on
@@ -22,8 +22,9 @@ that layout as fast or faster, bit-identically to the plain layout (see
 Where the weight is paired, products of many rows (prefill chunks) run over the pairs too
 (:func:`pairs_linear`), and the MLP's gate/up product takes SiLU in the same pass
 (:func:`pairs_silu_mul`): on a 2-core AVX-512 BF16 EPYC, SmolLM2's four projections with
-SiLU took 0.90x the time of oneDNN's products over the packed weight and a separate SiLU
-pass, and a weight that is paired needs no packed copy.
+SiLU took 0.90-0.97x the time of oneDNN's products over the packed weight and a separate
+SiLU pass at 256 to 4,096 rows (``python -m kernels.bench_cpu_linear``), and a weight that
+is paired needs no packed copy.
 
 Where the CPU has no AMX and float32 products run faster than its bf16 ones (timed once per
 process, :func:`float32_products_faster`), bf16 products of many rows (prefill chunks) run
@@ -206,9 +207,9 @@ def store_transposed(weight: torch.Tensor) -> torch.Tensor:
 
 # NOTE: as csrc/cpu_small_linear.c's BF16_SMALL_LINEAR_MAX_ROWS: one or two bf16 rows
 # (decode steps of one or two sequences) stream the plain weight with vdpbf16ps where it has
-# no paired copy. Over the paired copy they take 0.58-0.59x the time (SmolLM2's 30 layers
-# and LM head from memory, 28-30 against 16-17 GB/s, a 2-core AVX-512 BF16 EPYC): one
-# sequential stream a thread instead of eight short ones.
+# no paired copy. Over the paired copy they take 0.69-0.70x the time (SmolLM2's 30 layers
+# from memory, 24-26 against 17 GB/s, a 2-core AVX-512 BF16 EPYC, kernels.bench_cpu_linear):
+# one sequential stream a thread instead of eight short ones.
 BF16_SMALL_LINEAR_MAX_ROWS = 2
 # NOTE: up to this many bf16 rows (decode steps of many sequences, questions) multiply
 # natively: on AMX tiles (csrc/cpu_amx_linear.c) where the CPU has them, else over the weight

@@ -91,7 +91,7 @@ class Linear(nn.Module):
         )
         self._packed: torch.Tensor | None = None
         self._wide: torch.Tensor | None = None
-        self.pairs: torch.Tensor | None = None  # bf16 products of a few rows, see pack_for_cpu
+        self.pairs: torch.Tensor | None = None  # bf16 products' paired copy, see pack_for_cpu
 
     def pack_for_cpu(self, widen: bool = True, pair: bool = True) -> None:
         """With ``pair``, keep a bf16 CPU weight in pairs for the native products where the
