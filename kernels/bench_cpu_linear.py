@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from kernels import cpu_layer_ops, cpu_linear
 from ragserve.engine.cpu_malloc import keep_freed_memory
@@ -129,7 +130,11 @@ def main(argv: list[str] | None = None) -> int:
     keep_freed_memory()  # as the engine does: activations reuse memory instead of faulting it in
     generator = torch.Generator().manual_seed(0)
     layers = [layer_weights(generator) for _ in range(args.layers)]
-    results = [measure(int(rows), layers, args.repeats) for rows in args.rows.split(",")]
+    counts = [int(rows) for rows in args.rows.split(",")]
+    results = [
+        measure(rows, layers, args.repeats)
+        for rows in tqdm(counts, desc="bench cpu_linear", unit="row count")
+    ]
     print_table(
         f"SmolLM2 projections and SiLU, {args.layers} layers, {torch.get_num_threads()} "
         "threads: wall ms, median / best (GFLOP/s at the best)",
