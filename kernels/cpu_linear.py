@@ -366,15 +366,15 @@ def small_linear(
     n_out = weight.shape[0]
     if x.dtype != torch.bfloat16:
         kernel = library.ragserve_small_linear
-    elif pairs is not None or not (rows <= BF16_SMALL_LINEAR_MAX_ROWS or cpu_native.amx()):
+    elif pairs is None and rows <= BF16_SMALL_LINEAR_MAX_ROWS:
+        kernel = library.ragserve_small_linear_bf16
+    elif pairs is None and cpu_native.amx():
+        kernel = library.ragserve_amx_linear_bf16
+    else:
         expected = (-(-n_out // PAIR_PANEL), k_in // 2, PAIR_PANEL)
         if pairs is None or pairs.dtype != torch.int32 or tuple(pairs.shape) != expected:
             raise ValueError(f"{rows} bf16 rows need the weight's paired copy {expected}")
         return pairs_linear(x, pairs.contiguous(), bias, n_out)
-    elif rows <= BF16_SMALL_LINEAR_MAX_ROWS:
-        kernel = library.ragserve_small_linear_bf16
-    else:
-        kernel = library.ragserve_amx_linear_bf16
     out = torch.empty((rows, n_out), dtype=x.dtype)
     status = kernel(
         rows,
